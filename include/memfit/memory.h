@@ -1,0 +1,244 @@
+#pragma once
+/// \file memory.h
+/// Memory accounting named after torch.cuda's functions: bytes allocated, the
+/// peak, a budget that raises c10::OutOfMemoryError, a scoped peak meter and
+/// a breakdown of a training step's peak.
+///
+/// On the CPU, memfit installs a tracking allocator into LibTorch
+/// (c10::SetCPUAllocator) on the first call into this API. From then on it
+/// counts the exact requested bytes of every CPU tensor storage; storages
+/// allocated before tracking began are freed without touching the count.
+/// Memory that kernels obtain without LibTorch's allocator (oneDNN scratch
+/// pads, BLAS work space) is not counted. On a CUDA build the same functions
+/// read and steer the CUDA caching allocator.
+///
+/// Thread safety: all functions and the allocator are thread-safe (atomic
+/// counters); UntrackedGuard is thread-local.
+/// Sync points: none (the CPU counters are plain atomics; CUDA stats are host
+/// side).
+/// Extra memory: 64 bytes of header in front of each tracked CPU allocation
+/// (not counted, so counts equal tensor bytes exactly).
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torch {
+namespace optim {
+class Optimizer;
+} // namespace optim
+} // namespace torch
+
+namespace memfit {
+
+/// Bytes currently held by tensors on `device`.
+///
+/// CPU: the exact sum of the sizes of live tensor storages allocated since
+/// tracking began. CUDA: the caching allocator's allocated bytes.
+///
+/// Example:
+/// \code
+///   auto before = memfit::memory_allocated(torch::kCPU);
+///   auto t = torch::empty({256}, torch::kFloat32);
+///   assert(memfit::memory_allocated(torch::kCPU) - before == 1024);
+/// \endcode
+int64_t memory_allocated(torch::Device device = torch::kCPU);
+
+/// The highest value of memory_allocated(device) since tracking began or
+/// since the last reset_peak_memory_stats(device).
+///
+/// Example:
+/// \code
+///   memfit::reset_peak_memory_stats(torch::kCPU);
+///   { auto t = torch::empty({1024}); }
+///   auto peak = memfit::max_memory_allocated(torch::kCPU);  // >= 4096 bytes more
+/// \endcode
+int64_t max_memory_allocated(torch::Device device = torch::kCPU);
+
+/// Sets the peak of `device` to its current allocated bytes.
+///
+/// Example:
+/// \code
+///   memfit::reset_peak_memory_stats(torch::kCPU);
+///   assert(memfit::max_memory_allocated() == memfit::memory_allocated());
+/// \endcode
+void reset_peak_memory_stats(torch::Device device = torch::kCPU);
+
+/// Releases cached, unused memory of `device` to the system.
+///
+/// CUDA: the caching allocator's emptyCache(). CPU: memfit keeps no cache
+/// (freed storages go straight back to the C library), so this is a no-op.
+///
+/// Example:
+/// \code
+///   memfit::empty_cache(torch::kCPU);
+/// \endcode
+void empty_cache(torch::Device device = torch::kCPU);
+
+/// Limits the bytes that tensors on `device` may hold; 0 removes the limit.
+///
+/// CPU: an allocation that would take memory_allocated above `bytes` throws
+/// c10::OutOfMemoryError ("tried to allocate X; budget Y; Z already
+/// allocated") and changes nothing, so the caller can free memory and go on.
+/// A budget below what is already allocated is allowed: only new allocations
+/// fail. CUDA: sets the caching allocator's per-process memory fraction to
+/// bytes / total memory (which limits reserved, not allocated, bytes).
+///
+/// Example:
+/// \code
+///   memfit::set_memory_budget(torch::kCPU, memfit::memory_allocated() + (1 << 20));
+///   try { torch::empty({1 << 20}); } catch (const c10::OutOfMemoryError&) { /* 4 MiB > 1 MiB */ }
+///   memfit::set_memory_budget(torch::kCPU, 0);
+/// \endcode
+void set_memory_budget(torch::Device device, int64_t bytes);
+
+/// The budget set by set_memory_budget for `device`, or 0 when none is set.
+///
+/// Example:
+/// \code
+///   assert(memfit::memory_budget(torch::kCPU) == 0);
+/// \endcode
+int64_t memory_budget(torch::Device device = torch::kCPU);
+
+/// Bytes of the distinct storages behind `tensors` (views of one storage count
+/// once; undefined tensors count nothing).
+///
+/// Example:
+/// \code
+///   auto t = torch::zeros({10});
+///   assert(memfit::storage_bytes({t, t.view({2, 5})}) == 40);
+/// \endcode
+int64_t storage_bytes(const std::vector<torch::Tensor>& tensors);
+
+/// Allocations made on this thread while a guard lives are not counted.
+///
+/// Models host memory that a GPU run would not hold on the device, such as a
+/// data set read into memory before training. Nests; thread-local (kernels
+/// that allocate on other threads inside the scope are still counted).
+/// Freeing such a tensor later, in any scope, leaves the count unchanged.
+///
+/// Example:
+/// \code
+///   auto before = memfit::memory_allocated();
+///   torch::Tensor dataset;
+///   { memfit::UntrackedGuard host; dataset = torch::zeros({1000}); }
+///   assert(memfit::memory_allocated() == before);
+/// \endcode
+class UntrackedGuard {
+ public:
+  UntrackedGuard();
+  ~UntrackedGuard();
+  UntrackedGuard(const UntrackedGuard&) = delete;
+  UntrackedGuard& operator=(const UntrackedGuard&) = delete;
+};
+
+/// An RAII meter of the peak memory of `device` during a scope.
+///
+/// Unlike reset_peak_memory_stats, meters nest and do not disturb the
+/// global peak or each other: each meter takes one of 64 slots that the
+/// allocator updates on every allocation (cost: one atomic load while no meter
+/// lives). On CUDA a meter resets the device's peak statistic when it starts,
+/// so CUDA meters do not nest.
+///
+/// Example:
+/// \code
+///   memfit::PeakMeter meter;
+///   { auto t = torch::empty({1024}); }
+///   assert(meter.peak_delta() == 4096);
+/// \endcode
+class PeakMeter {
+ public:
+  /// Starts metering `device`; throws when 64 CPU meters are already live.
+  explicit PeakMeter(torch::Device device = torch::kCPU);
+  ~PeakMeter();
+  PeakMeter(PeakMeter&& other) noexcept;
+  PeakMeter& operator=(PeakMeter&& other) noexcept;
+  PeakMeter(const PeakMeter&) = delete;
+  PeakMeter& operator=(const PeakMeter&) = delete;
+
+  /// memory_allocated(device) when the meter started.
+  int64_t start() const { return start_; }
+  /// The highest memory_allocated(device) since the meter started.
+  int64_t peak() const;
+  /// peak() - start(): the most extra memory the scope needed at once.
+  int64_t peak_delta() const { return peak() - start_; }
+
+ private:
+  torch::Device device_;
+  int slot_ = -1;
+  int64_t start_ = 0;
+};
+
+/// A training step's peak split into what persists and what the step made.
+///
+/// parameters, gradients and optimizer_state are the bytes of those tensors
+/// (distinct storages) when the breakdown is taken, after the optimizer step;
+/// activations is the rest of the peak (activations kept for backward and
+/// temporaries). Gradients are counted at their full size, so activations is
+/// exact when the peak falls after backward and a lower bound otherwise.
+struct StepMemory {
+  int64_t peak = 0;              ///< The step's peak bytes.
+  int64_t parameters = 0;        ///< Parameter and buffer bytes.
+  int64_t gradients = 0;         ///< Gradient bytes.
+  int64_t optimizer_state = 0;   ///< Optimizer state bytes (moments, buffers).
+  int64_t activations = 0;       ///< peak minus the three above, at least 0.
+
+  /// A fixed-width table, one row per category with bytes and share of peak.
+  std::string table() const;
+  /// A JSON object with the five fields (bytes, integers).
+  std::string to_json() const;
+};
+
+/// Bytes of the state tensors held by `optimizer` (SGD, Adam, AdamW, Adagrad,
+/// RMSprop and LBFGS state; other optimizers' state counts 0).
+///
+/// Example:
+/// \code
+///   auto w = torch::ones({4}, torch::requires_grad());
+///   torch::optim::Adam adam({w});
+///   w.sum().backward(); adam.step();
+///   assert(memfit::optimizer_state_bytes(adam) == 2 * 16);  // exp_avg, exp_avg_sq
+/// \endcode
+int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer);
+
+/// Splits `peak` into parameters (with `buffers`), their gradients, the
+/// optimizer's state and the rest.
+///
+/// Example:
+/// \code
+///   torch::nn::Linear lin(4, 2);
+///   torch::optim::SGD sgd(lin->parameters(), 0.1);
+///   memfit::PeakMeter meter;
+///   lin(torch::ones({8, 4})).sum().backward(); sgd.step();
+///   auto m = memfit::breakdown_step(meter.peak(), lin->parameters(), lin->buffers(), sgd);
+///   std::string table = m.table();
+/// \endcode
+StepMemory breakdown_step(int64_t peak,
+                          const std::vector<torch::Tensor>& parameters,
+                          const std::vector<torch::Tensor>& buffers,
+                          const torch::optim::Optimizer& optimizer);
+
+/// Parses a memory size: a number with an optional unit, B, KB, MB, GB, TB
+/// (powers of 1000) or K/KiB, M/MiB, G/GiB, T/TiB (powers of 1024), any case.
+///
+/// Throws c10::Error naming the text and the accepted forms on anything else
+/// (for example "12XB", "-1GiB", "" or a size above 2^63 - 1).
+///
+/// Example:
+/// \code
+///   assert(memfit::parse_memory_size("512MiB") == 512LL << 20);
+///   assert(memfit::parse_memory_size("1.5GB") == 1500000000LL);
+/// \endcode
+int64_t parse_memory_size(const std::string& text);
+
+/// Formats bytes as CUDA's messages do: "512 bytes", "1.50 KiB", "20.00 MiB".
+///
+/// Example:
+/// \code
+///   assert(memfit::format_bytes(20 << 20) == "20.00 MiB");
+/// \endcode
+std::string format_bytes(int64_t bytes);
+
+} // namespace memfit
