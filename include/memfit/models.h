@@ -1,0 +1,83 @@
+#pragma once
+/// \file models.h
+/// Built-in models, each a torch::nn::Sequential chain so that later
+/// techniques (checkpointing, pipeline stages, the planner's per-layer
+/// profile) can cut it at any layer.
+///
+/// Thread safety: construction is thread-safe. Sync points: none. Extra
+/// memory: the parameters and buffers themselves.
+
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+
+namespace memfit {
+
+/// The built-in model families.
+enum class ModelKind { kMlp, kResNet };
+
+/// Parses "mlp" or "resnet"; throws c10::Error naming the accepted names.
+///
+/// Example:
+/// \code
+///   assert(memfit::parse_model_kind("resnet") == memfit::ModelKind::kResNet);
+/// \endcode
+ModelKind parse_model_kind(const std::string& name);
+
+/// The name parse_model_kind accepts for `kind`.
+///
+/// Example:
+/// \code
+///   assert(memfit::to_string(memfit::ModelKind::kMlp) == "mlp");
+/// \endcode
+std::string to_string(ModelKind kind);
+
+/// Shape of the input images and of the output.
+struct ModelOptions {
+  /// Input channels.
+  TORCH_ARG(int64_t, in_channels) = 1;
+  /// Input height and width.
+  TORCH_ARG(int64_t, image_size) = 28;
+  /// Output classes.
+  TORCH_ARG(int64_t, num_classes) = 10;
+  /// MLP: width of each hidden layer. ResNet: channels of the first stage
+  /// (doubled at each later stage).
+  TORCH_ARG(int64_t, width) = 0;  // 0: the family's default (MLP 512, ResNet 16)
+  /// MLP: hidden layers. ResNet: residual blocks per stage.
+  TORCH_ARG(int64_t, depth) = 0;  // 0: the family's default (MLP 2, ResNet 2)
+  /// ResNet: stages, each halving the resolution after the first.
+  TORCH_ARG(int64_t, stages) = 3;
+};
+
+/// A multi-layer perceptron: Flatten, then `depth` × (Linear, ReLU), then Linear.
+///
+/// Example:
+/// \code
+///   auto mlp = memfit::make_mlp(memfit::ModelOptions().width(64).depth(1));
+///   auto logits = mlp->forward(torch::zeros({2, 1, 28, 28}));  // [2, 10]
+/// \endcode
+torch::nn::Sequential make_mlp(const ModelOptions& options = ModelOptions());
+
+/// A ResNet-style CNN (He et al. 2016): a 3×3 stem, `stages` stages of
+/// `depth` basic blocks (two 3×3 convolutions with batch norm and a shortcut,
+/// a 1×1 projection where the shape changes), global average pooling and a
+/// linear classifier. Each block is one element of the Sequential.
+///
+/// Example:
+/// \code
+///   auto net = memfit::make_resnet(memfit::ModelOptions().width(8).depth(1));
+///   auto logits = net->forward(torch::zeros({2, 1, 28, 28}));  // [2, 10]
+/// \endcode
+torch::nn::Sequential make_resnet(const ModelOptions& options = ModelOptions());
+
+/// make_mlp or make_resnet by kind; rejects non-positive sizes with c10::Error.
+///
+/// Example:
+/// \code
+///   auto net = memfit::make_model(memfit::ModelKind::kMlp);
+/// \endcode
+torch::nn::Sequential make_model(ModelKind kind, const ModelOptions& options = ModelOptions());
+
+} // namespace memfit

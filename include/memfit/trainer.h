@@ -1,0 +1,139 @@
+#pragma once
+/// \file trainer.h
+/// The training loop: mini-batch SGD/Adam on an image classification data set,
+/// with per-step timing and peak memory, and evaluation under no-grad.
+///
+/// Thread safety: a Trainer is used from one thread at a time. Sync points:
+/// one per step (the loss value is read for the report). Extra memory: the
+/// batch being trained on (index_select from the host data set, counted as
+/// device memory), and the optimizer's state.
+
+#include "memfit/data.h"
+#include "memfit/memory.h"
+
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace memfit {
+
+/// The optimizers the Trainer can build.
+enum class OptimizerKind { kSGD, kAdam, kAdamW };
+
+/// Parses "sgd", "adam" or "adamw"; throws c10::Error naming the accepted names.
+///
+/// Example:
+/// \code
+///   assert(memfit::parse_optimizer_kind("adamw") == memfit::OptimizerKind::kAdamW);
+/// \endcode
+OptimizerKind parse_optimizer_kind(const std::string& name);
+
+/// Options of a training run, named after PyTorch's (lr, weight_decay, momentum).
+struct TrainerOptions {
+  /// Examples per optimizer step.
+  TORCH_ARG(int64_t, batch_size) = 64;
+  /// Optimizer steps to take; 0 means `epochs` full passes over the data.
+  TORCH_ARG(int64_t, steps) = 0;
+  /// Passes over the data when `steps` is 0.
+  TORCH_ARG(int64_t, epochs) = 1;
+  /// Learning rate.
+  TORCH_ARG(double, lr) = 1e-3;
+  /// The optimizer.
+  TORCH_ARG(OptimizerKind, optimizer) = OptimizerKind::kAdam;
+  /// SGD momentum (SGD only).
+  TORCH_ARG(double, momentum) = 0.9;
+  /// L2 penalty (SGD, Adam) or decoupled decay (AdamW).
+  TORCH_ARG(double, weight_decay) = 0.0;
+  /// Seeds parameter-independent randomness: the shuffling of the data.
+  TORCH_ARG(uint64_t, seed) = 0;
+  /// Examples per evaluation forward.
+  TORCH_ARG(int64_t, eval_batch_size) = 1000;
+  /// Where the model, batches and optimizer state live.
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+};
+
+/// One optimizer step as measured.
+struct StepRecord {
+  int64_t step = 0;        ///< 1-based step number.
+  int64_t epoch = 0;       ///< 0-based epoch of the step.
+  double loss = 0;         ///< Mean loss of the batch.
+  double seconds = 0;      ///< Wall time of the step.
+  int64_t peak_bytes = 0;  ///< Peak memory_allocated(device) during the step.
+  int64_t current_bytes = 0;  ///< memory_allocated(device) after the step.
+};
+
+/// Accuracy and loss on a data set.
+struct EvalResult {
+  double loss = 0;      ///< Mean cross-entropy.
+  double accuracy = 0;  ///< Fraction of correct top-1 predictions.
+  int64_t peak_bytes = 0;  ///< Peak memory_allocated(device) during evaluation.
+};
+
+/// What a run did: every step, the test result, peak memory and speed.
+struct TrainReport {
+  std::vector<StepRecord> steps;   ///< One record per optimizer step.
+  double final_loss = 0;           ///< Loss of the last step.
+  double seconds = 0;              ///< Wall time of all steps.
+  double samples_per_second = 0;   ///< Training examples per second.
+  int64_t peak_bytes = 0;          ///< Peak memory_allocated(device) during fit.
+  StepMemory step_memory;          ///< Breakdown of the step with the highest peak.
+  bool evaluated = false;          ///< Whether `test` holds a result.
+  EvalResult test;                 ///< Test-set result, when evaluated.
+
+  /// The report as JSON: {"steps": [{step, epoch, loss, seconds, peak_bytes,
+  /// current_bytes}], "summary": {...}}.
+  std::string to_json() const;
+};
+
+/// Trains a Sequential classifier with cross-entropy.
+///
+/// Each step cuts a batch from a per-epoch shuffle of the data (seeded by
+/// options.seed), runs forward and backward, steps the optimizer and releases
+/// the gradients (set to none) before the next step.
+///
+/// Example:
+/// \code
+///   auto data = memfit::load_fashion_mnist(memfit::Split::kTest);
+///   memfit::Trainer trainer(memfit::make_mlp(),
+///                           memfit::TrainerOptions().batch_size(32).steps(5));
+///   auto report = trainer.fit(data);
+///   auto result = trainer.evaluate(data);
+/// \endcode
+class Trainer {
+ public:
+  /// Called after each step with its record.
+  using StepCallback = std::function<void(const StepRecord&)>;
+
+  /// Builds the optimizer over `model`'s parameters; checks the options.
+  Trainer(torch::nn::Sequential model, TrainerOptions options);
+  ~Trainer();
+  Trainer(Trainer&&) noexcept;
+  Trainer& operator=(Trainer&&) noexcept;
+
+  /// Steps a run will take over `data`.
+  int64_t total_steps(const ImageDataset& data) const;
+  /// Trains on `data`; calls `on_step` after every step.
+  TrainReport fit(const ImageDataset& data, const StepCallback& on_step = nullptr);
+  /// Loss and accuracy on `data` under torch::NoGradGuard, in eval mode.
+  EvalResult evaluate(const ImageDataset& data);
+
+  /// The model being trained.
+  torch::nn::Sequential& model() { return model_; }
+  /// The optimizer.
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  /// The options, as checked.
+  const TrainerOptions& options() const { return options_; }
+
+ private:
+  torch::nn::Sequential model_;
+  TrainerOptions options_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
+
+} // namespace memfit

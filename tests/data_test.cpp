@@ -1,0 +1,79 @@
+#include "memfit/data.h"
+
+#include "test_util.h"
+
+#include <cstdlib>
+#include <filesystem>
+
+namespace memfit {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool have_fashion_mnist() {
+  return fs::exists(fs::path(FashionMnistOptions().root()) / "t10k-images-idx3-ubyte.gz");
+}
+
+class FashionMnist : public testing::Seeded {
+ protected:
+  void SetUp() override {
+    Seeded::SetUp();
+    if (!have_fashion_mnist()) {
+      GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed "
+                      "(scripts/install-deps.sh installs it)";
+    }
+    cache_ = fs::temp_directory_path() / ("memfit-data-test-" + std::to_string(::getpid()));
+  }
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(cache_, ec);
+    Seeded::TearDown();
+  }
+  fs::path cache_;
+};
+
+TEST_F(FashionMnist, ReadsTheRealTestSplitFromDebiansGzippedFiles) {
+  const auto ds = load_fashion_mnist(Split::kTest, FashionMnistOptions().cache_dir(cache_.string()));
+  ASSERT_EQ(ds.size(), 10000);
+  EXPECT_EQ(ds.images.sizes(), (std::vector<int64_t>{10000, 1, 28, 28}));
+  EXPECT_EQ(ds.images.scalar_type(), torch::kFloat32);
+  EXPECT_EQ(ds.labels.scalar_type(), torch::kInt64);
+  // Ten balanced classes: 1000 test images each.
+  const auto counts = torch::bincount(ds.labels);
+  ASSERT_EQ(counts.size(0), 10);
+  EXPECT_TRUE(counts.eq(1000).all().item<bool>());
+  // Normalised with the training statistics: the test mean is near 0, std near 1.
+  EXPECT_NEAR(ds.images.mean().item<double>(), 0.0, 0.05);
+  EXPECT_NEAR(ds.images.std().item<double>(), 1.0, 0.05);
+  EXPECT_TRUE(fs::exists(cache_ / "fashion-mnist" / "t10k-images-idx3-ubyte"));
+}
+
+TEST_F(FashionMnist, RawPixelsAreInTheUnitIntervalWithoutNormalisation) {
+  const auto ds = load_fashion_mnist(
+      Split::kTest, FashionMnistOptions().cache_dir(cache_.string()).normalize(false));
+  EXPECT_GE(ds.images.min().item<float>(), 0.0f);
+  EXPECT_LE(ds.images.max().item<float>(), 1.0f);
+  EXPECT_NEAR(ds.images.mean().item<double>(), 0.2860, 0.01);
+}
+
+TEST_F(FashionMnist, TheDataSetIsHostMemoryAndNotCounted) {
+  const int64_t base = memory_allocated(torch::kCPU);
+  const auto ds = load_fashion_mnist(Split::kTest, FashionMnistOptions().cache_dir(cache_.string()));
+  EXPECT_EQ(memory_allocated(torch::kCPU), base);
+  auto batch = ds.images.narrow(0, 0, 8).clone();
+  EXPECT_EQ(memory_allocated(torch::kCPU) - base, 8 * 28 * 28 * 4) << "a batch cut from it is";
+}
+
+TEST_F(FashionMnist, MissingFilesNameTheDebianPackage) {
+  try {
+    load_fashion_mnist(Split::kTrain, FashionMnistOptions().root("/nonexistent/fashion"));
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.msg();
+    EXPECT_NE(msg.find("dataset-fashion-mnist"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("/nonexistent/fashion"), std::string::npos) << msg;
+  }
+}
+
+} // namespace
+} // namespace memfit

@@ -1,0 +1,113 @@
+// Every `Example:` in the public headers, compiled and run as written
+// (assert → EXPECT). When a header's example changes, change it here too.
+
+#include "memfit/data.h"
+#include "memfit/memory.h"
+#include "memfit/models.h"
+#include "memfit/trainer.h"
+
+#include "test_util.h"
+
+#include <filesystem>
+
+namespace memfit {
+namespace {
+
+class DocExamples : public testing::Seeded {};
+
+TEST_F(DocExamples, MemoryHeader) {
+  {  // memory_allocated
+    auto before = memfit::memory_allocated(torch::kCPU);
+    auto t = torch::empty({256}, torch::kFloat32);
+    EXPECT_EQ(memfit::memory_allocated(torch::kCPU) - before, 1024);
+  }
+  {  // max_memory_allocated
+    memfit::reset_peak_memory_stats(torch::kCPU);
+    const auto base = memfit::memory_allocated();
+    { auto t = torch::empty({1024}); }
+    auto peak = memfit::max_memory_allocated(torch::kCPU);
+    EXPECT_GE(peak - base, 4096);
+  }
+  {  // reset_peak_memory_stats
+    memfit::reset_peak_memory_stats(torch::kCPU);
+    EXPECT_EQ(memfit::max_memory_allocated(), memfit::memory_allocated());
+  }
+  memfit::empty_cache(torch::kCPU);
+  {  // set_memory_budget
+    memfit::set_memory_budget(torch::kCPU, memfit::memory_allocated() + (1 << 20));
+    bool thrown = false;
+    try { torch::empty({1 << 20}); } catch (const c10::OutOfMemoryError&) { thrown = true; }
+    memfit::set_memory_budget(torch::kCPU, 0);
+    EXPECT_TRUE(thrown);
+  }
+  EXPECT_EQ(memfit::memory_budget(torch::kCPU), 0);
+  {  // storage_bytes
+    auto t = torch::zeros({10});
+    EXPECT_EQ(memfit::storage_bytes({t, t.view({2, 5})}), 40);
+  }
+  {  // UntrackedGuard
+    auto before = memfit::memory_allocated();
+    torch::Tensor dataset;
+    { memfit::UntrackedGuard host; dataset = torch::zeros({1000}); }
+    EXPECT_EQ(memfit::memory_allocated(), before);
+  }
+  {  // PeakMeter
+    memfit::PeakMeter meter;
+    { auto t = torch::empty({1024}); }
+    EXPECT_EQ(meter.peak_delta(), 4096);
+  }
+  {  // optimizer_state_bytes
+    auto w = torch::ones({4}, torch::requires_grad());
+    torch::optim::Adam adam({w});
+    w.sum().backward(); adam.step();
+    EXPECT_EQ(memfit::optimizer_state_bytes(adam), 2 * 16);
+  }
+  {  // breakdown_step
+    torch::nn::Linear lin(4, 2);
+    torch::optim::SGD sgd(lin->parameters(), 0.1);
+    memfit::PeakMeter meter;
+    lin(torch::ones({8, 4})).sum().backward(); sgd.step();
+    auto m = memfit::breakdown_step(meter.peak(), lin->parameters(), lin->buffers(), sgd);
+    std::string table = m.table();
+    EXPECT_FALSE(table.empty());
+  }
+  EXPECT_EQ(memfit::parse_memory_size("512MiB"), 512LL << 20);
+  EXPECT_EQ(memfit::parse_memory_size("1.5GB"), 1500000000LL);
+  EXPECT_EQ(memfit::format_bytes(20 << 20), "20.00 MiB");
+}
+
+TEST_F(DocExamples, ModelsHeader) {
+  EXPECT_EQ(memfit::parse_model_kind("resnet"), memfit::ModelKind::kResNet);
+  EXPECT_EQ(memfit::to_string(memfit::ModelKind::kMlp), "mlp");
+  {
+    auto mlp = memfit::make_mlp(memfit::ModelOptions().width(64).depth(1));
+    auto logits = mlp->forward(torch::zeros({2, 1, 28, 28}));
+    EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 10}));
+  }
+  {
+    auto net = memfit::make_resnet(memfit::ModelOptions().width(8).depth(1));
+    auto logits = net->forward(torch::zeros({2, 1, 28, 28}));
+    EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 10}));
+  }
+  auto net = memfit::make_model(memfit::ModelKind::kMlp);
+  EXPECT_FALSE(net.is_empty());
+}
+
+TEST_F(DocExamples, DataAndTrainerHeaders) {
+  if (!std::filesystem::exists(memfit::FashionMnistOptions().root())) {
+    GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed";
+  }
+  EXPECT_EQ(memfit::parse_optimizer_kind("adamw"), memfit::OptimizerKind::kAdamW);
+  auto test = memfit::load_fashion_mnist(memfit::Split::kTest);
+  EXPECT_EQ(test.size(), 10000);
+  auto data = memfit::load_fashion_mnist(memfit::Split::kTest);
+  memfit::Trainer trainer(memfit::make_mlp(),
+                          memfit::TrainerOptions().batch_size(32).steps(5));
+  auto report = trainer.fit(data);
+  auto result = trainer.evaluate(data);
+  EXPECT_EQ(report.steps.size(), 5u);
+  EXPECT_GT(result.accuracy, 0.0);
+}
+
+} // namespace
+} // namespace memfit

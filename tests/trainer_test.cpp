@@ -1,0 +1,130 @@
+#include "memfit/trainer.h"
+
+#include "memfit/models.h"
+#include "test_util.h"
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <numeric>
+
+namespace memfit {
+namespace {
+
+// A small slice of the real test split keeps these tests quick.
+const ImageDataset& small_real_data() {
+  static const ImageDataset ds = [] {
+    auto full = load_fashion_mnist(Split::kTest);
+    UntrackedGuard host;
+    ImageDataset d;
+    d.images = full.images.narrow(0, 0, 2048).clone();
+    d.labels = full.labels.narrow(0, 0, 2048).clone();
+    return d;
+  }();
+  return ds;
+}
+
+class TrainerTest : public testing::Seeded {
+ protected:
+  void SetUp() override {
+    Seeded::SetUp();
+    if (!std::filesystem::exists(FashionMnistOptions().root())) {
+      GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed";
+    }
+  }
+};
+
+double mean_loss(const TrainReport& r, size_t from, size_t to) {
+  double s = 0;
+  for (size_t i = from; i < to; ++i) s += r.steps[i].loss;
+  return s / double(to - from);
+}
+
+TEST_F(TrainerTest, LossFallsOnRealData) {
+  Trainer trainer(make_mlp(ModelOptions().width(128).depth(1)),
+                  TrainerOptions().batch_size(64).steps(60).lr(2e-3));
+  const auto report = trainer.fit(small_real_data());
+  ASSERT_EQ(report.steps.size(), 60u);
+  EXPECT_LT(mean_loss(report, 50, 60), 0.7 * mean_loss(report, 0, 10));
+  const auto eval = trainer.evaluate(small_real_data());
+  EXPECT_GT(eval.accuracy, 0.6) << "ten classes: chance is 0.1";
+}
+
+TEST_F(TrainerTest, SameSeedGivesBitwiseSameLosses) {
+  auto run = [] {
+    torch::manual_seed(3);
+    Trainer t(make_resnet(ModelOptions().width(4).depth(1)),
+              TrainerOptions().batch_size(16).steps(4).seed(11));
+    return t.fit(small_real_data());
+  };
+  const auto a = run(), b = run();
+  for (size_t i = 0; i < a.steps.size(); ++i) EXPECT_EQ(a.steps[i].loss, b.steps[i].loss);
+}
+
+TEST_F(TrainerTest, EpochsCoverTheDataAndStepsPeakIsRecorded) {
+  Trainer trainer(make_mlp(ModelOptions().width(16).depth(1)),
+                  TrainerOptions().batch_size(500).epochs(2));
+  EXPECT_EQ(trainer.total_steps(small_real_data()), 10);  // ceil(2048 / 500) × 2
+  const auto report = trainer.fit(small_real_data());
+  ASSERT_EQ(report.steps.size(), 10u);
+  EXPECT_EQ(report.steps.back().epoch, 1);
+  for (const auto& s : report.steps) {
+    // At least the batch itself was live during each step; the last batch of
+    // an epoch holds the 48 examples left over.
+    const int64_t examples = (s.step % 5 == 0) ? 48 : 500;
+    EXPECT_GE(s.peak_bytes - s.current_bytes, examples * 784 * 4) << "step " << s.step;
+  }
+  EXPECT_EQ(report.step_memory.parameters, (784 * 16 + 16 + 16 * 10 + 10) * 4);
+  EXPECT_EQ(report.step_memory.optimizer_state, 2 * report.step_memory.parameters);
+}
+
+TEST_F(TrainerTest, OverBudgetStepThrowsOutOfMemoryAndMemoryIsReleased) {
+  Trainer trainer(make_mlp(ModelOptions().width(256).depth(2)),
+                  TrainerOptions().batch_size(256).steps(2));
+  const int64_t base = memory_allocated();
+  set_memory_budget(torch::kCPU, base + 256 * 1024);  // less than one batch's activations
+  EXPECT_THROW(trainer.fit(small_real_data()), c10::OutOfMemoryError);
+  set_memory_budget(torch::kCPU, 0);
+  EXPECT_EQ(memory_allocated(), base) << "a failed step leaves nothing behind";
+  EXPECT_NO_THROW(trainer.fit(small_real_data()));
+}
+
+TEST_F(TrainerTest, EvaluationUnderNoGradPeaksBelowAForwardWithGrad) {
+  auto model = make_mlp(ModelOptions().width(512).depth(6));
+  Trainer trainer(model, TrainerOptions().eval_batch_size(512));
+  const auto eval = trainer.evaluate(small_real_data());
+  PeakMeter with_grad;
+  auto x = small_real_data().images.narrow(0, 0, 512).clone();
+  auto loss = model->forward(x).sum();
+  const int64_t grad_peak = with_grad.peak_delta();
+  EXPECT_LT(eval.peak_bytes - with_grad.start(), grad_peak / 2)
+      << "no-grad frees each activation once the next layer has it";
+}
+
+TEST_F(TrainerTest, ReportJsonHoldsStepsAndSummary) {
+  Trainer trainer(make_mlp(ModelOptions().width(8).depth(1)),
+                  TrainerOptions().batch_size(32).steps(3));
+  auto report = trainer.fit(small_real_data());
+  report.test = trainer.evaluate(small_real_data());
+  report.evaluated = true;
+  const auto j = nlohmann::json::parse(report.to_json());
+  ASSERT_EQ(j["steps"].size(), 3u);
+  for (const char* key : {"step", "loss", "seconds", "peak_bytes"}) {
+    EXPECT_TRUE(j["steps"][0].contains(key)) << key;
+  }
+  for (const char* key : {"final_loss", "test_accuracy", "peak_bytes", "samples_per_second"}) {
+    EXPECT_TRUE(j["summary"].contains(key)) << key;
+  }
+  EXPECT_EQ(j["summary"]["peak_bytes"].get<int64_t>(), report.peak_bytes);
+}
+
+TEST_F(TrainerTest, BadOptionsAreRejectedInTheConstructor) {
+  auto model = make_mlp(ModelOptions().width(8).depth(1));
+  EXPECT_THROW(Trainer(model, TrainerOptions().batch_size(0)), c10::Error);
+  EXPECT_THROW(Trainer(model, TrainerOptions().lr(-1)), c10::Error);
+  EXPECT_THROW(Trainer(model, TrainerOptions().steps(-3)), c10::Error);
+  EXPECT_THROW(parse_optimizer_kind("lamb"), c10::Error);
+}
+
+} // namespace
+} // namespace memfit
