@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# CLI behaviour of `memfit`: help, exit codes and one-line errors.
+# Usage: MEMFIT=path/to/memfit bash tests/cli_test.sh
+set -u
+bin=${MEMFIT:?set MEMFIT to the memfit binary}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0
+failed=0
+
+# expect NAME CODE PATTERN_IN_STREAM STREAM -- ARGS...
+expect() {
+  local name=$1 code=$2 pattern=$3 stream=$4
+  shift 5
+  "$bin" "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$?
+  local text
+  text=$(cat "$tmp/$stream")
+  if [ "$rc" -ne "$code" ]; then
+    echo "FAIL $name: exit $rc, expected $code"; sed 's/^/  | /' "$tmp/out" "$tmp/err" | tail -20
+    failed=$((failed + 1)); return
+  fi
+  if ! grep -qiE -- "$pattern" "$tmp/$stream"; then
+    echo "FAIL $name: $stream lacks /$pattern/"; sed 's/^/  | /' "$tmp/$stream" | tail -20
+    failed=$((failed + 1)); return
+  fi
+  if [ "$code" -eq 2 ] && [ "$(wc -l <"$tmp/err")" -ne 1 ]; then
+    echo "FAIL $name: usage errors are one line, got:"; sed 's/^/  | /' "$tmp/err"
+    failed=$((failed + 1)); return
+  fi
+  echo "ok   $name"
+  passed=$((passed + 1))
+}
+
+expect help 0 'train' out -- --help
+for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --seed --budget \
+            --data --report --eval-batch --no-eval --quiet --threads; do
+  expect "train-help-documents$flag" 0 "$flag" out -- train --help
+done
+expect version 0 'memfit 0\.' out -- --version
+expect no-subcommand 2 'subcommand' err --
+expect unknown-flag 2 'bogus' err -- train --bogus
+expect malformed-size 2 "12XB.*512MiB" err -- train --budget 12XB
+expect negative-size 2 'budget' err -- train --budget -1GiB
+expect zero-batch 2 'batch' err -- train --batch 0
+expect negative-batch 2 'batch' err -- train --batch -5
+expect unknown-model 2 'vgg' err -- train --model vgg
+expect steps-and-epochs 2 'excludes' err -- train --steps 3 --epochs 1
+expect missing-data 1 'dataset-fashion-mnist' err -- train --data "$tmp/none" --steps 1
+expect over-budget 1 'out of memory.*tried to allocate' err -- \
+  train --model mlp --budget 1MiB --steps 2 --no-eval -q
+expect trains-and-evaluates 0 'test accuracy' out -- \
+  train --model mlp --width 64 --depth 1 --steps 40 --batch 64 --budget 64MiB -q \
+  --report "$tmp/report.json"
+expect report-written 0 'report written' out -- \
+  train --model mlp --width 16 --depth 1 --steps 2 -q --report "$tmp/r2.json"
+if grep -q '"test_accuracy"' "$tmp/r2.json" && grep -q '"peak_bytes"' "$tmp/r2.json"; then
+  echo "ok   report-has-summary"; passed=$((passed + 1))
+else
+  echo "FAIL report-has-summary"; failed=$((failed + 1))
+fi
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

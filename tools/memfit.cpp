@@ -1,0 +1,237 @@
+// memfit: the command-line tool. Exit codes: 0 success, 1 a run that failed
+// (out of memory under the budget, missing data, I/O), 2 bad usage.
+
+#include "memfit/data.h"
+#include "memfit/memory.h"
+#include "memfit/models.h"
+#include "memfit/trainer.h"
+#include "progress.h"
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <unistd.h>
+
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+// CLI11 validator for sizes such as 512MiB, 2GiB, 1.5GB or plain bytes.
+CLI::Validator memory_size_validator() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        try {
+          memfit::parse_memory_size(text);
+          return {};
+        } catch (const c10::Error& e) {
+          return e.msg();
+        }
+      },
+      "SIZE");
+}
+
+struct TrainArgs {
+  std::string model = "resnet";
+  int64_t width = 0;
+  int64_t depth = 0;
+  int64_t batch = 64;
+  int64_t steps = 300;
+  int64_t epochs = 0;
+  double lr = 1e-3;
+  std::string optimizer = "adam";
+  uint64_t seed = 0;
+  std::string budget;
+  std::string data = memfit::FashionMnistOptions().root();
+  std::string report;
+  int64_t eval_batch = 256;
+  bool no_eval = false;
+  bool quiet = false;
+  int threads = 0;
+};
+
+void add_train_command(CLI::App& app, TrainArgs& a) {
+  auto* train = app.add_subcommand(
+      "train", "Train a model on Fashion-MNIST and report loss, test accuracy and peak memory");
+  train->add_option("--model", a.model, "Model: mlp or resnet (a ResNet-style CNN)")
+      ->check(CLI::IsMember({"mlp", "resnet"}))
+      ->capture_default_str();
+  train->add_option("--width", a.width,
+                    "MLP hidden width or ResNet first-stage channels (0: default, 512 / 16)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  train->add_option("--depth", a.depth,
+                    "MLP hidden layers or ResNet blocks per stage (0: default, 2 / 2)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  train->add_option("--batch", a.batch, "Examples per optimizer step (positive)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  auto* steps = train->add_option("--steps", a.steps, "Optimizer steps to take (positive)")
+                    ->check(CLI::PositiveNumber)
+                    ->capture_default_str();
+  auto* epochs = train->add_option("--epochs", a.epochs,
+                                   "Full passes over the training set (instead of --steps)")
+                     ->check(CLI::PositiveNumber);
+  steps->excludes(epochs);
+  train->add_option("--lr", a.lr, "Learning rate (positive)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  train->add_option("--optimizer", a.optimizer, "Optimizer: sgd (momentum 0.9), adam or adamw")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
+      ->capture_default_str();
+  train->add_option("--seed", a.seed, "Seed of the parameter initialisation and data shuffling")
+      ->capture_default_str();
+  train->add_option("--budget", a.budget,
+                    "Memory budget for tensors, e.g. 512MiB, 2GiB, 1.5GB or bytes; "
+                    "a step over it fails with an out-of-memory error (exit 1)")
+      ->check(memory_size_validator());
+  train->add_option("--data", a.data,
+                    "Folder with Fashion-MNIST's *-ubyte.gz files (Debian: dataset-fashion-mnist)")
+      ->capture_default_str();
+  train->add_option("--report", a.report,
+                    "Write per-step loss, seconds and peak bytes and a summary as JSON to FILE");
+  train->add_option("--eval-batch", a.eval_batch, "Examples per evaluation forward (positive)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  train->add_flag("--no-eval", a.no_eval, "Skip the evaluation on the test set");
+  train->add_flag("-q,--quiet", a.quiet, "No progress display");
+  train->add_option("--threads", a.threads,
+                    "CPU threads for LibTorch's kernels (0: every hardware thread)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+}
+
+// Writes `text` to `path` through a temporary file and a rename.
+void write_file_atomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + fmt::format(".tmp{}", ::getpid());
+  {
+    std::ofstream os(tmp, std::ios::trunc);
+    TORCH_CHECK(os.good(), "cannot write report file ", path, ": check that its folder exists");
+    os << text << '\n';
+    os.close();
+    TORCH_CHECK(os.good(), "cannot write report file ", path, " (disk full?)");
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+int run_train(const TrainArgs& a) {
+  const torch::Device device(torch::kCPU);
+  memfit::memory_allocated(device);  // begins tracking before anything is allocated
+  torch::manual_seed(a.seed);
+  const unsigned hw = std::thread::hardware_concurrency();
+  at::set_num_threads(a.threads > 0 ? a.threads : static_cast<int>(hw > 0 ? hw : 1));
+
+  memfit::FashionMnistOptions data_options;
+  data_options.root(a.data);
+  const auto train_data = memfit::load_fashion_mnist(memfit::Split::kTrain, data_options);
+  const auto test_data = a.no_eval ? memfit::ImageDataset()
+                                   : memfit::load_fashion_mnist(memfit::Split::kTest, data_options);
+
+  const int64_t budget = a.budget.empty() ? 0 : memfit::parse_memory_size(a.budget);
+  memfit::set_memory_budget(device, budget);
+  memfit::reset_peak_memory_stats(device);
+
+  auto model = memfit::make_model(memfit::parse_model_kind(a.model),
+                                  memfit::ModelOptions().width(a.width).depth(a.depth));
+  memfit::TrainerOptions options;
+  options.batch_size(a.batch)
+      .steps(a.epochs > 0 ? 0 : a.steps)
+      .epochs(std::max<int64_t>(a.epochs, 1))
+      .lr(a.lr)
+      .optimizer(memfit::parse_optimizer_kind(a.optimizer))
+      .seed(a.seed)
+      .eval_batch_size(a.eval_batch)
+      .device(device);
+  memfit::Trainer trainer(model, options);
+
+  int64_t params = 0;
+  for (const auto& p : trainer.model()->parameters()) params += p.numel();
+  fmt::print("memfit train: model {} ({} parameters), {} training examples, batch {}, {} steps, "
+             "budget {}\n",
+             a.model, params, train_data.size(), a.batch, trainer.total_steps(train_data),
+             budget > 0 ? memfit::format_bytes(budget) : std::string("none"));
+  std::fflush(stdout);
+
+  memfit::tools::ProgressBar bar(trainer.total_steps(train_data), a.batch, stderr,
+                                 ::isatty(fileno(stderr)) != 0);
+  const auto start = std::chrono::steady_clock::now();
+  auto on_step = [&](const memfit::StepRecord& r) {
+    if (a.quiet) return;
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    bar.update(r.step, r.loss, secs, r.current_bytes, memfit::max_memory_allocated(device));
+  };
+  memfit::TrainReport report;
+  try {
+    report = trainer.fit(train_data, on_step);
+  } catch (...) {
+    bar.finish();
+    throw;
+  }
+  bar.finish();
+
+  if (!a.no_eval) {
+    report.test = trainer.evaluate(test_data);
+    report.evaluated = true;
+  }
+  const int64_t peak = memfit::max_memory_allocated(device);
+  fmt::print("final loss {:.4f} | {:.0f} samples/s | {:.1f} s\n", report.final_loss,
+             report.samples_per_second, report.seconds);
+  if (report.evaluated) {
+    fmt::print("test accuracy {:.2f}% ({} examples, loss {:.4f}, evaluated under no-grad)\n",
+               100.0 * report.test.accuracy, test_data.size(), report.test.loss);
+  }
+  fmt::print("peak memory {} ({} bytes){}\n", memfit::format_bytes(peak), peak,
+             budget > 0 ? fmt::format(" of budget {}", memfit::format_bytes(budget)) : "");
+  fmt::print("peak of the largest training step:\n{}", report.step_memory.table());
+  if (!a.report.empty()) {
+    write_file_atomically(a.report, report.to_json());
+    fmt::print("report written to {}\n", a.report);
+  }
+  return 0;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "memfit: train LibTorch models and batches that do not fit in memory.\n"
+      "Exit codes: 0 success, 1 failed run (e.g. out of memory under --budget), 2 bad usage.",
+      "memfit"};
+  app.set_version_flag("--version", "memfit 0.1.0");
+  app.require_subcommand(1);
+  TrainArgs train_args;
+  add_train_command(app, train_args);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::string where = "memfit";
+    for (const auto* sub : app.get_subcommands()) where += " " + sub->get_name();
+    fmt::print(stderr, "{}: error: {} (see '{} --help')\n", where, e.what(), where);
+    return kExitUsage;
+  }
+
+  try {
+    if (app.got_subcommand("train")) return run_train(train_args);
+  } catch (const c10::Error& e) {
+    fmt::print(stderr, "memfit: error: {}\n", e.msg());
+    return kExitFailure;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "memfit: error: {}\n", e.what());
+    return kExitFailure;
+  }
+  return kExitUsage;
+}
