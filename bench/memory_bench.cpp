@@ -1,0 +1,92 @@
+// Overhead of memfit's tracking allocator against LibTorch's default CPU
+// allocator, measured side by side: each iteration runs the same work once
+// under each allocator (alternating which goes first), so machine noise hits
+// both alike. The counters report the ratio as overhead_pct.
+//
+//   make bench        or   build/bench/memfit_bench --benchmark_filter=TrainStep
+
+#include "memfit/memory.h"
+#include "memfit/models.h"
+#include "memory_internal.h"
+
+#include <benchmark/benchmark.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <functional>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double time_once(const std::function<void()>& work) {
+  const auto t0 = Clock::now();
+  work();
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Runs `work` under both allocators per iteration and reports their times.
+void side_by_side(benchmark::State& state, const std::function<void()>& work) {
+  memfit::memory_allocated(torch::kCPU);  // installs tracking
+  for (int i = 0; i < 2; ++i) work();     // warm up both paths' caches
+  double t_default = 0, t_tracking = 0;
+  int64_t n = 0;
+  for (auto _ : state) {
+    const bool default_first = (n % 2) == 0;
+    for (int k = 0; k < 2; ++k) {
+      const bool use_default = (k == 0) == default_first;
+      if (use_default) {
+        memfit::detail::install_default_allocator();
+        t_default += time_once(work);
+      } else {
+        memfit::detail::install_tracking_allocator();
+        t_tracking += time_once(work);
+      }
+    }
+    ++n;
+  }
+  memfit::detail::install_tracking_allocator();
+  state.counters["default_ms"] = 1e3 * t_default / double(n);
+  state.counters["tracking_ms"] = 1e3 * t_tracking / double(n);
+  state.counters["overhead_pct"] = 100.0 * (t_tracking - t_default) / t_default;
+}
+
+void BM_TrainStep(benchmark::State& state, memfit::ModelKind kind, int64_t batch) {
+  torch::manual_seed(0);
+  auto model = memfit::make_model(kind);
+  torch::optim::Adam adam(model->parameters());
+  auto x = torch::randn({batch, 1, 28, 28});
+  auto y = torch::randint(10, {batch});
+  side_by_side(state, [&] {
+    adam.zero_grad();
+    torch::nn::functional::cross_entropy(model->forward(x), y).backward();
+    adam.step();
+  });
+}
+BENCHMARK_CAPTURE(BM_TrainStep, resnet_b64, memfit::ModelKind::kResNet, 64)
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(2.0);
+BENCHMARK_CAPTURE(BM_TrainStep, mlp_b64, memfit::ModelKind::kMlp, 64)
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(2.0);
+
+// The worst case: allocation and free of small tensors and nothing else.
+void BM_SmallAllocFree(benchmark::State& state) {
+  side_by_side(state, [] {
+    for (int i = 0; i < 1000; ++i) benchmark::DoNotOptimize(torch::empty({16}));
+  });
+}
+BENCHMARK(BM_SmallAllocFree)->Unit(benchmark::kMillisecond)->MinTime(1.0);
+
+// Cost of a live PeakMeter on the same small allocations.
+void BM_SmallAllocFreeWithMeter(benchmark::State& state) {
+  memfit::PeakMeter meter;
+  side_by_side(state, [] {
+    for (int i = 0; i < 1000; ++i) benchmark::DoNotOptimize(torch::empty({16}));
+  });
+}
+BENCHMARK(BM_SmallAllocFreeWithMeter)->Unit(benchmark::kMillisecond)->MinTime(1.0);
+
+} // namespace
+
+BENCHMARK_MAIN();

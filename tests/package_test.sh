@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# memfit as a package: `cmake --install` into a prefix, then build and run the
+# example consumer with find_package(memfit CONFIG REQUIRED); then build it
+# again with add_subdirectory(memfit).
+# Usage: package_test.sh BUILD_DIR CONSUMER_SOURCE WORK_DIR
+set -euo pipefail
+build=$1 consumer=$2 work=$3
+src=$(cd "$consumer/../.." && pwd)
+rm -rf "$work"
+mkdir -p "$work"
+jobs=$(nproc 2>/dev/null || echo 2)
+
+cmake --install "$build" --prefix "$work/prefix" >"$work/install.log"
+test -f "$work/prefix/include/memfit/memory.h"
+ls "$work"/prefix/lib*/cmake/memfit/memfitConfig.cmake >/dev/null
+
+cmake -S "$consumer" -B "$work/find" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$work/prefix" >"$work/find-configure.log"
+cmake --build "$work/find" -j "$jobs" >"$work/find-build.log"
+"$work/find/consumer" | tee "$work/find-run.log"
+grep -q "refused as expected" "$work/find-run.log"
+echo "ok   find_package(memfit CONFIG REQUIRED)"
+
+cmake -S "$consumer" -B "$work/subdir" -DCMAKE_BUILD_TYPE=Release \
+  -DMEMFIT_SOURCE_DIR="$src" >"$work/subdir-configure.log"
+cmake --build "$work/subdir" -j "$jobs" >"$work/subdir-build.log"
+"$work/subdir/consumer" | grep -q "refused as expected"
+echo "ok   add_subdirectory(memfit)"
+echo "2 passed, 0 failed"
