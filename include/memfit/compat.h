@@ -11,12 +11,19 @@
 #include <torch/version.h>
 
 #include <ATen/autocast_mode.h>
+#include <ATen/core/Generator.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/Device.h>
+
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include <cstdint>
 
 #if defined(MEMFIT_WITH_CUDA)
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
@@ -83,6 +90,89 @@ inline bool is_cpu_autocast_enabled() {
   return at::autocast::is_autocast_enabled(at::kCPU);
 #else
   return at::autocast::is_cpu_enabled();
+#endif
+}
+
+/// The autocast state of a thread: what torch.autocast's context manager saves.
+struct AutocastState {
+  bool cpu_enabled = false;
+  at::ScalarType cpu_dtype = at::kBFloat16;
+  bool cuda_enabled = false;
+  at::ScalarType cuda_dtype = at::kHalf;
+};
+
+/// Reads this thread's autocast state.
+inline AutocastState get_autocast_state() {
+  AutocastState s;
+#if MEMFIT_TORCH_AT_LEAST(2, 4)
+  s.cpu_enabled = at::autocast::is_autocast_enabled(at::kCPU);
+  s.cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+  s.cuda_enabled = at::autocast::is_autocast_enabled(at::kCUDA);
+  s.cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+#else
+  s.cpu_enabled = at::autocast::is_cpu_enabled();
+  s.cpu_dtype = at::autocast::get_autocast_cpu_dtype();
+  s.cuda_enabled = at::autocast::is_enabled();
+  s.cuda_dtype = at::autocast::get_autocast_gpu_dtype();
+#endif
+  return s;
+}
+
+/// Sets this thread's autocast state.
+inline void set_autocast_state(const AutocastState& s) {
+#if MEMFIT_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_enabled(at::kCPU, s.cpu_enabled);
+  at::autocast::set_autocast_dtype(at::kCPU, s.cpu_dtype);
+  at::autocast::set_autocast_enabled(at::kCUDA, s.cuda_enabled);
+  at::autocast::set_autocast_dtype(at::kCUDA, s.cuda_dtype);
+#else
+  at::autocast::set_cpu_enabled(s.cpu_enabled);
+  at::autocast::set_autocast_cpu_dtype(s.cpu_dtype);
+  at::autocast::set_enabled(s.cuda_enabled);
+  at::autocast::set_autocast_gpu_dtype(s.cuda_dtype);
+#endif
+}
+
+/// Random-number-generator states: the default CPU generator and, on CUDA
+/// builds, the default generator of each listed CUDA device.
+struct RngState {
+  at::Tensor cpu;
+  std::vector<std::pair<c10::DeviceIndex, at::Tensor>> cuda;
+};
+
+/// Saves the CPU generator's state and that of the CUDA devices given.
+inline RngState get_rng_state(const std::vector<c10::DeviceIndex>& cuda_devices) {
+  RngState s;
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    s.cpu = gen.get_state();
+  }
+#if defined(MEMFIT_WITH_CUDA)
+  for (auto d : cuda_devices) {
+    auto gen = at::cuda::detail::getDefaultCUDAGenerator(d);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    s.cuda.emplace_back(d, gen.get_state());
+  }
+#else
+  (void)cuda_devices;
+#endif
+  return s;
+}
+
+/// Restores states saved by get_rng_state.
+inline void set_rng_state(const RngState& s) {
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(s.cpu);
+  }
+#if defined(MEMFIT_WITH_CUDA)
+  for (const auto& kv : s.cuda) {
+    auto gen = at::cuda::detail::getDefaultCUDAGenerator(kv.first);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(kv.second);
+  }
 #endif
 }
 

@@ -1,0 +1,160 @@
+#pragma once
+/// \file checkpoint.h
+/// Activation checkpointing for LibTorch: torch.utils.checkpoint's reentrant
+/// semantics in C++.
+///
+/// checkpoint(fn, inputs) runs `fn` without keeping its intermediate
+/// activations and runs it again during backward to rebuild them. Outputs and
+/// every gradient (of the inputs and of the parameters that `fn` uses) equal
+/// the plain run's, bitwise in fp32 on the CPU. The RNG state (CPU and, on
+/// CUDA builds, the inputs' CUDA devices) and the autocast state at forward are
+/// restored for the recomputation, so dropout draws the same mask and outputs
+/// keep their reduced dtype.
+///
+/// Differences from PyTorch, all in the user's favour: parameters inside `fn`
+/// receive gradients even when no input requires grad (PyTorch's reentrant
+/// checkpoint silently gives them none), and saved inputs can live in host
+/// memory (CheckpointOptions::offload).
+///
+/// Not supported, each with a clear error at backward: higher-order gradients
+/// (create_graph) through a checkpoint; torch::autograd::grad() or
+/// backward(inputs=...) across one; a second backward once the graph is freed.
+/// A function whose first operation modifies its input in place breaks the
+/// recomputation (as in PyTorch): CheckpointedSequential keeps its segment
+/// boundaries off such layers.
+///
+/// Thread safety: reentrant like autograd itself; the function runs again on
+/// the thread that runs backward. Sync points: none added (offloading copies
+/// are asynchronous on CUDA). Extra memory: the inputs (or, offloaded, host
+/// copies of them) until backward; with preserve_rng_state, the RNG state
+/// (5 KiB of host memory for the CPU generator, not counted); during backward,
+/// the recomputed activations of one checkpoint at a time.
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <functional>
+#include <type_traits>
+#include <vector>
+
+namespace memfit {
+
+/// Where a checkpoint keeps the inputs it saves for recomputation.
+enum class Offload {
+  kNone,  ///< On the inputs' device.
+  kHost,  ///< In host memory (pinned when CUDA), copied back for recomputation.
+};
+
+/// Options of checkpoint() and checkpoint_sequential(), named after PyTorch's.
+struct CheckpointOptions {
+  /// Save the RNG state at forward and restore it for the recomputation, so
+  /// that random operations (dropout) recompute the same values.
+  TORCH_ARG(bool, preserve_rng_state) = true;
+  /// Where the saved inputs live between forward and backward.
+  TORCH_ARG(Offload, offload) = Offload::kNone;
+};
+
+/// A function from tensors to tensors.
+using TensorsFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
+/// A function from one tensor to one tensor.
+using TensorFn = std::function<torch::Tensor(const torch::Tensor&)>;
+
+namespace detail {
+// LibTorch's ModuleHolder::operator() is not SFINAE-friendly, so the function
+// overloads below step aside for module holders before asking whether the
+// argument converts to a std::function.
+template <typename T>
+using is_module_holder =
+    std::is_base_of<torch::detail::ModuleHolderIndicator, std::decay_t<T>>;
+template <typename Fn, typename Signature>
+using enable_if_function_t = std::enable_if_t<
+    std::conjunction_v<std::negation<is_module_holder<Fn>>, std::is_constructible<Signature, Fn>>,
+    int>;
+
+std::vector<torch::Tensor> checkpoint_impl(const TensorsFn& fn,
+                                           const std::vector<torch::Tensor>& inputs,
+                                           const CheckpointOptions& options);
+} // namespace detail
+
+/// Runs `fn(inputs)` keeping only `inputs`; recomputes `fn` during backward.
+///
+/// `fn` is any callable from `const std::vector<torch::Tensor>&` to
+/// `std::vector<torch::Tensor>`. Under torch::NoGradGuard this simply runs
+/// `fn`. Throws c10::Error at backward when none of the recomputed outputs
+/// requires grad ("none of output has requires_grad=True").
+///
+/// Example:
+/// \code
+///   torch::nn::Linear lin(8, 8);
+///   auto x = torch::randn({4, 8});
+///   auto outs = memfit::checkpoint(
+///       [&](const std::vector<torch::Tensor>& in) {
+///         return std::vector<torch::Tensor>{torch::relu(lin(in[0]))};
+///       },
+///       {x});
+///   outs[0].sum().backward();  // lin's gradients as without checkpointing
+/// \endcode
+template <typename Fn, detail::enable_if_function_t<Fn, TensorsFn> = 0>
+std::vector<torch::Tensor> checkpoint(Fn&& fn, const std::vector<torch::Tensor>& inputs,
+                                      const CheckpointOptions& options = CheckpointOptions()) {
+  return detail::checkpoint_impl(TensorsFn(std::forward<Fn>(fn)), inputs, options);
+}
+
+/// checkpoint() for a function of one tensor to one tensor.
+///
+/// Example:
+/// \code
+///   torch::nn::Linear lin(8, 8);
+///   auto y = memfit::checkpoint([&](const torch::Tensor& x) { return torch::tanh(lin(x)); },
+///                               torch::randn({4, 8}));
+///   y.sum().backward();
+/// \endcode
+template <typename Fn, detail::enable_if_function_t<Fn, TensorFn> = 0>
+torch::Tensor checkpoint(Fn&& fn, const torch::Tensor& input,
+                         const CheckpointOptions& options = CheckpointOptions()) {
+  TensorFn one(std::forward<Fn>(fn));
+  TORCH_CHECK(static_cast<bool>(one), "memfit::checkpoint needs a function, got an empty one");
+  return detail::checkpoint_impl(
+      [one](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{one(in[0])}; },
+      {input}, options)[0];
+}
+
+/// checkpoint() for a module whose forward takes and returns one tensor.
+///
+/// Example:
+/// \code
+///   torch::nn::Sequential block(torch::nn::Linear(8, 8), torch::nn::ReLU());
+///   auto y = memfit::checkpoint(block, torch::randn({4, 8}));
+///   y.sum().backward();
+/// \endcode
+template <typename ModuleType>
+torch::Tensor checkpoint(const torch::nn::ModuleHolder<ModuleType>& module,
+                         const torch::Tensor& input,
+                         const CheckpointOptions& options = CheckpointOptions()) {
+  auto holder = module;
+  return checkpoint([holder](const torch::Tensor& x) mutable { return holder->forward(x); }, input,
+                    options);
+}
+
+/// Runs `sequential` in `segments` segments, each but the last checkpointed.
+///
+/// PyTorch's torch.utils.checkpoint.checkpoint_sequential: segments of
+/// size(sequential) / segments modules; each earlier segment runs forward once
+/// without keeping activations and again during backward; the last segment,
+/// which also takes the remainder, runs plainly. Throws c10::Error when
+/// `segments` < 1.
+///
+/// Example:
+/// \code
+///   torch::nn::Sequential seq;
+///   for (int i = 0; i < 10; ++i) seq->push_back(torch::nn::Linear(8, 8));
+///   auto y = memfit::checkpoint_sequential(seq, 2, torch::randn({4, 8}));
+///   y.sum().backward();
+/// \endcode
+torch::Tensor checkpoint_sequential(const torch::nn::Sequential& sequential, int64_t segments,
+                                    const torch::Tensor& input,
+                                    const CheckpointOptions& options = CheckpointOptions());
+
+} // namespace memfit

@@ -1,0 +1,207 @@
+#include "memfit/checkpoint.h"
+
+#include "memfit/compat.h"
+#include "memfit/memory.h"
+
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/nn/modules/container/any.h>
+
+#include <algorithm>
+
+namespace memfit {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// What one checkpoint keeps from forward to backward.
+struct CheckpointState : torch::CustomClassHolder {
+  TensorsFn fn;
+  CheckpointOptions options;
+  compat::AutocastState autocast;
+  compat::RngState rng;
+  std::vector<c10::DeviceIndex> cuda_devices;
+  std::vector<bool> requires_grad;
+  std::vector<torch::Device> devices;
+  std::vector<torch::Tensor> host_inputs;  // Offload::kHost
+};
+
+// Restores the autocast and RNG state of the forward for a recomputation, and
+// this thread's own state afterwards (also when the recomputation throws).
+class RecomputeScope {
+ public:
+  explicit RecomputeScope(const CheckpointState& s) : preserve_(s.options.preserve_rng_state()) {
+    if (preserve_) {
+      UntrackedGuard host;  // generator states are host memory
+      own_rng_ = compat::get_rng_state(s.cuda_devices);
+      compat::set_rng_state(s.rng);
+    }
+    own_autocast_ = compat::get_autocast_state();
+    compat::set_autocast_state(s.autocast);
+    at::autocast::increment_nesting();
+  }
+  ~RecomputeScope() {
+    // Like leaving torch.autocast: the outermost exit clears the cast cache.
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    compat::set_autocast_state(own_autocast_);
+    if (preserve_) compat::set_rng_state(own_rng_);
+  }
+  RecomputeScope(const RecomputeScope&) = delete;
+  RecomputeScope& operator=(const RecomputeScope&) = delete;
+
+ private:
+  bool preserve_;
+  compat::RngState own_rng_;
+  compat::AutocastState own_autocast_;
+};
+
+struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
+  // `tensors` holds the user's inputs followed by one empty tensor that
+  // requires grad, so that the backward runs (and parameters used inside `fn`
+  // get gradients) even when no input requires grad.
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<CheckpointState> state,
+                               at::TensorList tensors) {
+    ctx->set_materialize_grads(false);
+    const std::vector<torch::Tensor> inputs(tensors.begin(), tensors.end() - 1);
+    state->autocast = compat::get_autocast_state();
+    for (const auto& t : inputs) {
+      state->requires_grad.push_back(t.defined() && t.requires_grad());
+      state->devices.push_back(t.defined() ? t.device() : torch::Device(torch::kCPU));
+      if (t.defined() && t.is_cuda()) {
+        const auto d = t.device().index();
+        if (std::find(state->cuda_devices.begin(), state->cuda_devices.end(), d) ==
+            state->cuda_devices.end()) {
+          state->cuda_devices.push_back(d);
+        }
+      }
+    }
+    if (state->options.preserve_rng_state()) {
+      UntrackedGuard host;
+      state->rng = compat::get_rng_state(state->cuda_devices);
+    }
+    variable_list outputs = state->fn(inputs);  // grad mode is off here
+    if (state->options.offload() == Offload::kHost) {
+      UntrackedGuard host;
+      for (const auto& t : inputs) {
+        if (!t.defined()) {
+          state->host_inputs.emplace_back();
+          continue;
+        }
+        auto copy = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(t.is_cuda()));
+        copy.copy_(t, /*non_blocking=*/true);
+        state->host_inputs.push_back(copy);
+      }
+      ctx->save_for_backward({});
+    } else {
+      ctx->save_for_backward(inputs);
+    }
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    return outputs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    TORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
+                "memfit::checkpoint is not compatible with torch::autograd::grad() or with "
+                "backward(inputs=...): call .backward() on the loss without inputs");
+    TORCH_CHECK(!torch::autograd::GradMode::is_enabled(),
+                "memfit::checkpoint does not support higher-order gradients (create_graph=true) "
+                "through a checkpoint; run that part of the model without checkpointing");
+    // Throws PyTorch's "Trying to backward through the graph a second time"
+    // once the graph's buffers are freed.
+    const variable_list saved = ctx->get_saved_variables();
+    auto state = c10::static_intrusive_pointer_cast<CheckpointState>(
+        ctx->saved_data["state"].toCapsule());
+
+    std::vector<torch::Tensor> inputs;
+    const size_t n = state->requires_grad.size();
+    inputs.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      torch::Tensor t;
+      if (state->options.offload() == Offload::kHost) {
+        const auto& h = state->host_inputs[i];
+        // Back to the device: a fresh (counted) copy, as a GPU would need.
+        if (h.defined()) t = h.to(state->devices[i], /*non_blocking=*/true, /*copy=*/true);
+      } else {
+        t = saved[i];
+      }
+      if (t.defined()) t = t.detach().requires_grad_(state->requires_grad[i]);
+      inputs.push_back(t);
+    }
+
+    variable_list outputs;
+    {
+      RecomputeScope scope(*state);
+      torch::autograd::AutoGradMode grad_mode(true);
+      outputs = state->fn(inputs);
+    }
+    TORCH_CHECK(outputs.size() == grad_outputs.size(), "memfit::checkpoint: the function returned ",
+                grad_outputs.size(), " tensors at forward but ", outputs.size(),
+                " when recomputed; it must be deterministic in its structure");
+    variable_list roots, grads;
+    bool any_requires_grad = false;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (!outputs[i].defined() || !outputs[i].requires_grad()) continue;
+      any_requires_grad = true;
+      if (!grad_outputs[i].defined()) continue;
+      roots.push_back(outputs[i]);
+      grads.push_back(grad_outputs[i]);
+    }
+    TORCH_CHECK(any_requires_grad,
+                "memfit::checkpoint: none of output has requires_grad=True: nothing that the "
+                "checkpointed function returns depends on a tensor that requires grad, so this "
+                "checkpoint is not necessary; call the function directly");
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+
+    variable_list result;
+    result.reserve(n + 2);
+    result.emplace_back();  // the state argument
+    for (const auto& t : inputs) {
+      result.push_back(t.defined() && t.requires_grad() ? t.grad() : torch::Tensor());
+    }
+    result.emplace_back();  // the empty tensor
+    return result;
+  }
+};
+
+} // namespace
+
+namespace detail {
+std::vector<torch::Tensor> checkpoint_impl(const TensorsFn& fn,
+                                           const std::vector<torch::Tensor>& inputs,
+                                           const CheckpointOptions& options) {
+  TORCH_CHECK(static_cast<bool>(fn), "memfit::checkpoint needs a function, got an empty one");
+  if (!torch::autograd::GradMode::is_enabled()) return fn(inputs);
+  auto state = c10::make_intrusive<CheckpointState>();
+  state->fn = fn;
+  state->options = options;
+  std::vector<torch::Tensor> tensors = inputs;
+  tensors.push_back(torch::empty({0}, torch::requires_grad()));
+  return CheckpointFunction::apply(state, at::TensorList(tensors));
+}
+} // namespace detail
+
+torch::Tensor checkpoint_sequential(const torch::nn::Sequential& sequential, int64_t segments,
+                                    const torch::Tensor& input, const CheckpointOptions& options) {
+  TORCH_CHECK(!sequential.is_empty(), "checkpoint_sequential needs a Sequential, got an empty holder");
+  TORCH_CHECK(segments >= 1, "checkpoint_sequential: segments must be at least 1, got ", segments);
+  std::vector<torch::nn::AnyModule> modules(sequential->begin(), sequential->end());
+  const int64_t n = static_cast<int64_t>(modules.size());
+  auto run = [modules](int64_t begin, int64_t end, torch::Tensor x) mutable {
+    for (int64_t i = begin; i < end; ++i) x = modules[static_cast<size_t>(i)].forward(x);
+    return x;
+  };
+  // torch.utils.checkpoint.checkpoint_sequential, index for index.
+  const int64_t size = n / segments;
+  int64_t end = 0;
+  torch::Tensor x = input;
+  for (int64_t start = 0; start < size * (segments - 1); start += size) {
+    end = start + size;
+    x = checkpoint([run, start, end](const torch::Tensor& in) mutable { return run(start, end, in); },
+                   x, options);
+  }
+  return run(end, n, x);
+}
+
+} // namespace memfit
