@@ -81,7 +81,16 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       UntrackedGuard host;
       state->rng = compat::get_rng_state(state->cuda_devices);
     }
+    std::vector<uint32_t> versions;
+    for (const auto& t : inputs) versions.push_back(t.defined() ? t._version() : 0);
     variable_list outputs = state->fn(inputs);  // grad mode is off here
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      TORCH_CHECK(!inputs[i].defined() || inputs[i]._version() == versions[i],
+                  "memfit::checkpoint: the function modified its input ", i,
+                  " in place (an in-place activation as its first layer, say); the "
+                  "recomputation needs the original input: make that operation out of place "
+                  "or start the checkpoint one layer later");
+    }
     if (state->options.offload() == Offload::kHost) {
       UntrackedGuard host;
       for (const auto& t : inputs) {
@@ -139,20 +148,32 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     TORCH_CHECK(outputs.size() == grad_outputs.size(), "memfit::checkpoint: the function returned ",
                 grad_outputs.size(), " tensors at forward but ", outputs.size(),
                 " when recomputed; it must be deterministic in its structure");
-    variable_list roots, grads;
+    torch::autograd::edge_list roots;
+    variable_list grads;
     bool any_requires_grad = false;
     for (size_t i = 0; i < outputs.size(); ++i) {
       if (!outputs[i].defined() || !outputs[i].requires_grad()) continue;
       any_requires_grad = true;
       if (!grad_outputs[i].defined()) continue;
-      roots.push_back(outputs[i]);
+      TORCH_CHECK(outputs[i].sizes() == grad_outputs[i].sizes(),
+                  "memfit::checkpoint: recomputed output ", i, " has shape ", outputs[i].sizes(),
+                  " but its gradient has shape ", grad_outputs[i].sizes());
+      roots.push_back(torch::autograd::impl::gradient_edge(outputs[i]));
       grads.push_back(grad_outputs[i]);
     }
     TORCH_CHECK(any_requires_grad,
                 "memfit::checkpoint: none of output has requires_grad=True: nothing that the "
                 "checkpointed function returns depends on a tensor that requires grad, so this "
                 "checkpoint is not necessary; call the function directly");
-    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    // Hold only the graph, not the recomputed outputs: each is freed as soon
+    // as the node that saved it has run, as in the plain backward.
+    outputs.clear();
+    grad_outputs.clear();
+    if (!roots.empty()) {
+      torch::autograd::Engine::get_default_engine().execute(
+          roots, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
+    }
+    grads.clear();
 
     variable_list result;
     result.reserve(n + 2);

@@ -233,6 +233,17 @@ TEST_F(Checkpoint, HigherOrderGradientsAndGradWithInputsAreClearErrors) {
   }
 }
 
+TEST_F(Checkpoint, AFunctionModifyingItsInputInPlaceIsRefusedAtForward) {
+  torch::nn::Linear lin(4, 4);
+  auto h = lin(torch::randn({2, 4}));  // a non-leaf activation
+  try {
+    checkpoint([&](const torch::Tensor& t) { return lin(t.relu_()); }, h);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("in place"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(Checkpoint, UnderNoGradItSimplyRuns) {
   torch::nn::Linear lin(4, 4);
   torch::NoGradGuard no_grad;

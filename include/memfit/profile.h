@@ -1,0 +1,68 @@
+#pragma once
+/// \file profile.h
+/// Per-layer costs of a sequential chain: the bytes each layer keeps for
+/// backward, the size of the tensors passed between layers, forward and
+/// backward time. The checkpoint solver and the planner build on it.
+///
+/// Profiling runs each layer once per repeat on the sample input and restores
+/// the module's buffers (BatchNorm's running statistics) and the CPU RNG state
+/// afterwards, so a profile leaves the model as it found it.
+///
+/// Thread safety: one profile at a time per model. Sync points: one per layer
+/// and repeat (timing). Extra memory: one layer's activations at a time, plus
+/// the chain's inter-layer tensors (computed under no-grad).
+
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace memfit {
+
+/// What one layer of a chain costs.
+struct LayerProfile {
+  std::string name;            ///< The layer's name in the Sequential.
+  int64_t input_bytes = 0;     ///< Bytes of the tensor the layer receives.
+  int64_t output_bytes = 0;    ///< Bytes of the tensor it returns.
+  int64_t kept_bytes = 0;      ///< Bytes it keeps until backward when run with grad, output included.
+  int64_t forward_peak_bytes = 0;  ///< Peak extra bytes during its forward with grad.
+  int64_t parameter_bytes = 0;     ///< Bytes of its parameters.
+  double forward_seconds = 0;      ///< Median forward time.
+  double backward_seconds = 0;     ///< Median backward time (input and parameter gradients).
+  bool in_place = false;           ///< Whether its output shares its input's storage.
+};
+
+/// The costs of every layer of a chain, in order.
+struct ChainProfile {
+  std::vector<LayerProfile> layers;  ///< One per layer.
+
+  /// Bytes a plain run keeps for backward: the sum of kept_bytes.
+  int64_t plain_activation_bytes() const;
+  /// A table: one row per layer.
+  std::string table() const;
+  /// The profile as a JSON array of per-layer objects.
+  std::string to_json() const;
+};
+
+/// How to profile.
+struct ProfileOptions {
+  /// Timed runs per layer (the median is kept), after one untimed warm-up.
+  TORCH_ARG(int64_t, repeats) = 3;
+};
+
+/// Measures every layer of `chain` on `sample_input`.
+///
+/// Example:
+/// \code
+///   torch::nn::Sequential chain(torch::nn::Linear(16, 32), torch::nn::ReLU(),
+///                               torch::nn::Linear(32, 4));
+///   auto p = memfit::profile_chain(chain, torch::randn({8, 16}));
+///   assert(p.layers.size() == 3);
+///   assert(p.layers[0].output_bytes == 8 * 32 * 4);
+/// \endcode
+ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tensor& sample_input,
+                           const ProfileOptions& options = ProfileOptions());
+
+} // namespace memfit

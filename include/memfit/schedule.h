@@ -1,0 +1,256 @@
+#pragma once
+/// \file schedule.h
+/// Checkpoint schedules for a chain of layers, as data: which segments run
+/// without keeping activations, and how each is recomputed (nested,
+/// multi-level recomputation allowed). Standard schedules (none, every K
+/// layers, uniform segments, sqrt(n) of Chen et al. 2016), the optimal one
+/// under a memory budget (dynamic programming after Beaumont et al. 2019,
+/// "rotor", and Griewank's revolve), and CheckpointedSequential, a module that
+/// runs a Sequential with a schedule.
+///
+/// The cost model (ChainCosts) gives, per layer i: x[i], the bytes of its
+/// input (x[n] is the chain's output); kept[i], the bytes it keeps until
+/// backward when run with grad, output included; forward and backward time.
+/// A schedule's peak is simulated event by event: a layer run with grad keeps
+/// kept[i]; a checkpointed segment's no-grad forward holds one layer's input
+/// and output at a time and keeps its output; backward holds the gradient of
+/// the layer's output and makes that of its input; a checkpointed segment's
+/// backward recomputes it with its inner schedule. The chain's input and the
+/// gradient of its output are counted as held throughout. simulate() and
+/// solve_optimal() share this model; tests check the solver against
+/// brute-force enumeration of every schedule.
+///
+/// Thread safety: schedules and costs are values; CheckpointedSequential is a
+/// module (one forward at a time). Sync points: none. Extra memory: the
+/// solver's tables, n² × (slots + 1) entries of 12 bytes (host memory).
+
+#include "memfit/checkpoint.h"
+#include "memfit/profile.h"
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace memfit {
+
+/// A run of consecutive layers [begin, end) of a chain.
+///
+/// A plain segment runs with grad and keeps its activations. A checkpointed
+/// segment runs without keeping them and, during backward, is recomputed with
+/// the schedule `inner` (which covers [begin, end) and may checkpoint again).
+struct Segment {
+  int64_t begin = 0;          ///< First layer.
+  int64_t end = 0;            ///< One past the last layer.
+  bool checkpointed = false;  ///< Whether activations are dropped and recomputed.
+  std::vector<Segment> inner; ///< Checkpointed only: how the recomputation runs.
+};
+
+/// A schedule: segments that cover a chain's layers in order.
+struct Schedule {
+  std::vector<Segment> segments;  ///< In order, covering [0, n).
+
+  /// Number of layers covered.
+  int64_t num_layers() const { return segments.empty() ? 0 : segments.back().end; }
+  /// Compact text: "[0,4)* [4,8)* [8,10)"; nesting in braces: "[0,8)*{[0,2) [2,8)*}".
+  std::string to_string() const;
+  /// Checks that the segments cover [0, n) in order, and each inner schedule its
+  /// segment; throws c10::Error saying what is wrong.
+  void validate(int64_t n) const;
+};
+
+/// The standard kinds of schedule.
+enum class ScheduleKind {
+  kNone,     ///< No checkpointing.
+  kEvery,    ///< Segments of K layers, each but the last checkpointed.
+  kUniform,  ///< K segments as checkpoint_sequential makes them.
+  kSqrt,     ///< round(sqrt(n)) uniform segments (Chen et al. 2016).
+  kOptimal,  ///< The least recomputation under a memory budget.
+};
+
+/// Parses "none", "every", "uniform", "sqrt" or "optimal".
+///
+/// Example:
+/// \code
+///   assert(memfit::parse_schedule_kind("sqrt") == memfit::ScheduleKind::kSqrt);
+/// \endcode
+ScheduleKind parse_schedule_kind(const std::string& name);
+
+/// A schedule without checkpointing.
+///
+/// Example:
+/// \code
+///   assert(memfit::schedule_none(4).to_string() == "[0,4)");
+/// \endcode
+Schedule schedule_none(int64_t n);
+
+/// Segments of `k` layers, each but the last checkpointed.
+///
+/// Example:
+/// \code
+///   assert(memfit::schedule_every(10, 4).to_string() == "[0,4)* [4,8)* [8,10)");
+/// \endcode
+Schedule schedule_every(int64_t n, int64_t k);
+
+/// checkpoint_sequential's split: `segments` segments of n / segments layers,
+/// all but the last checkpointed; the last also takes the remainder.
+///
+/// Example:
+/// \code
+///   assert(memfit::schedule_uniform(10, 3).to_string() == "[0,3)* [3,6)* [6,10)");
+/// \endcode
+Schedule schedule_uniform(int64_t n, int64_t segments);
+
+/// Uniform segments, round(sqrt(n)) of them (Chen et al. 2016).
+///
+/// Example:
+/// \code
+///   assert(memfit::schedule_sqrt(16).segments.size() == 4);
+/// \endcode
+Schedule schedule_sqrt(int64_t n);
+
+/// Per-layer costs of a chain of n layers: the solver's and simulator's input.
+struct ChainCosts {
+  std::vector<int64_t> x;          ///< n + 1 sizes: x[i] is layer i's input, x[n] the output.
+  std::vector<int64_t> kept;       ///< n: bytes layer i keeps when run with grad.
+  std::vector<double> forward;     ///< n: forward time.
+  std::vector<double> backward;    ///< n: backward time.
+  std::vector<bool> in_place;      ///< n: layer modifies its input (cannot start a checkpoint).
+
+  /// Number of layers.
+  int64_t size() const { return static_cast<int64_t>(kept.size()); }
+  /// Checks the sizes agree and nothing is negative.
+  void validate() const;
+};
+
+/// The costs a profile measured.
+///
+/// Example:
+/// \code
+///   torch::nn::Sequential chain(torch::nn::Linear(8, 8), torch::nn::Tanh());
+///   auto costs = memfit::costs_from_profile(memfit::profile_chain(chain, torch::randn({2, 8})));
+///   assert(costs.size() == 2);
+/// \endcode
+ChainCosts costs_from_profile(const ChainProfile& profile);
+
+/// A schedule's predicted cost under the model.
+struct ScheduleCost {
+  double time = 0;         ///< Forward, recomputation and backward time.
+  int64_t peak_bytes = 0;  ///< Peak bytes, the chain's input excluded.
+};
+
+/// Simulates `schedule` on `costs` event by event.
+///
+/// Example:
+/// \code
+///   memfit::ChainCosts c{{4, 4, 4}, {8, 8}, {1, 1}, {2, 2}, {false, false}};
+///   auto cost = memfit::simulate(memfit::schedule_none(2), c);
+///   assert(cost.time == 6);
+/// \endcode
+ScheduleCost simulate(const Schedule& schedule, const ChainCosts& costs);
+
+/// How the optimal solver discretises memory.
+struct SolverOptions {
+  /// Memory is counted in units of ceil(budget / slots) bytes, each size rounded
+  /// up (so a solution never exceeds the budget). More slots: closer to the
+  /// budget, more time and memory (n³/6 × slots steps).
+  TORCH_ARG(int64_t, slots) = 200;
+};
+
+/// The schedule with the least time whose simulated peak is at most `budget`
+/// bytes (the chain's input excluded).
+///
+/// Exact for the cost model once sizes are counted in units (a budget of at
+/// most `slots` bytes makes units of one byte). Throws c10::Error with the
+/// smallest budget the most frugal schedule needs when none fits.
+///
+/// Example:
+/// \code
+///   memfit::ChainCosts c{{4, 4, 4, 4}, {8, 8, 8}, {1, 1, 1}, {2, 2, 2}, {false, false, false}};
+///   auto s = memfit::solve_optimal(c, 40);
+///   assert(memfit::simulate(s, c).peak_bytes <= 40);
+/// \endcode
+Schedule solve_optimal(const ChainCosts& costs, int64_t budget,
+                       const SolverOptions& options = SolverOptions());
+
+/// The smallest budget any schedule of the model needs (the peak of the most
+/// frugal schedule the solver finds at `options.slots` resolution).
+///
+/// Example:
+/// \code
+///   memfit::ChainCosts c{{4, 4, 4}, {8, 8}, {1, 1}, {2, 2}, {false, false}};
+///   auto least = memfit::min_budget(c);  // a budget below this throws in solve_optimal
+/// \endcode
+int64_t min_budget(const ChainCosts& costs, const SolverOptions& options = SolverOptions());
+
+/// Options of CheckpointedSequential.
+struct CheckpointedSequentialOptions {
+  /// Which schedule.
+  TORCH_ARG(ScheduleKind, kind) = ScheduleKind::kNone;
+  /// kEvery: layers per segment; kUniform: number of segments.
+  TORCH_ARG(int64_t, k) = 0;
+  /// kOptimal: the budget for the chain's activations in bytes (the input and
+  /// the parameters excluded).
+  TORCH_ARG(int64_t, budget) = 0;
+  /// kOptimal: the solver's resolution.
+  TORCH_ARG(SolverOptions, solver) = SolverOptions();
+  /// Options of each checkpoint (RNG state, offload).
+  TORCH_ARG(CheckpointOptions, checkpoint) = CheckpointOptions();
+};
+
+/// A module that runs a Sequential with a checkpoint schedule.
+///
+/// The standard kinds are built in the constructor. kOptimal profiles the chain
+/// on the first forward with grad (or when plan() is called) and solves for
+/// the budget. A segment boundary that would start a checkpoint at an in-place
+/// layer (ReLU(inplace), Dropout(inplace), ...) moves one layer later, since
+/// recomputation needs the segment's original input. Gradients equal the plain
+/// Sequential's bitwise (fp32, CPU); BatchNorm layers inside a checkpointed
+/// segment update their running statistics again when recomputed (as in
+/// PyTorch).
+///
+/// Example:
+/// \code
+///   torch::nn::Sequential chain;
+///   for (int i = 0; i < 16; ++i) chain->push_back(torch::nn::Linear(32, 32));
+///   memfit::CheckpointedSequential model(
+///       chain, memfit::CheckpointedSequentialOptions().kind(memfit::ScheduleKind::kSqrt));
+///   model->forward(torch::randn({8, 32})).sum().backward();
+/// \endcode
+class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSequentialImpl> {
+ public:
+  /// Wraps `sequential` (its layers stay shared) and builds the schedule.
+  CheckpointedSequentialImpl(torch::nn::Sequential sequential,
+                             CheckpointedSequentialOptions options = CheckpointedSequentialOptions());
+
+  /// Re-creates the wrapped Sequential's registration (Cloneable).
+  void reset() override;
+  /// Runs the layers with the schedule (plainly under no-grad).
+  torch::Tensor forward(const torch::Tensor& input);
+  /// kOptimal: profiles the chain on `sample_input` and solves; other kinds: no-op.
+  void plan(const torch::Tensor& sample_input);
+  /// Replaces the schedule (validated against the number of layers).
+  void set_schedule(Schedule schedule);
+  /// The schedule in use (empty before kOptimal has been planned).
+  const Schedule& schedule() const { return schedule_; }
+  /// The wrapped Sequential.
+  const torch::nn::Sequential& sequential() const { return sequential_; }
+  /// Whether layer i modifies its input in place (as detected from its type).
+  const std::vector<bool>& in_place() const { return in_place_; }
+
+ private:
+  torch::Tensor run(const std::vector<Segment>& segments, torch::Tensor x);
+
+  torch::nn::Sequential sequential_;
+  CheckpointedSequentialOptions options_;
+  std::vector<torch::nn::AnyModule> modules_;
+  std::vector<bool> in_place_;
+  Schedule schedule_;
+};
+TORCH_MODULE(CheckpointedSequential);
+
+} // namespace memfit

@@ -1,0 +1,160 @@
+#include "memfit/profile.h"
+
+#include "memfit/compat.h"
+#include "memfit/memory.h"
+
+#include <torch/autograd.h>
+#include <torch/nn/modules/container/any.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+
+namespace memfit {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+int64_t tensor_bytes(const torch::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0;
+}
+
+// Copies of a module's buffers (host memory), to undo what a profiling run
+// does to them (BatchNorm's running statistics).
+std::vector<torch::Tensor> snapshot_buffers(const std::shared_ptr<torch::nn::Module>& m) {
+  UntrackedGuard host;
+  std::vector<torch::Tensor> copies;
+  for (const auto& b : m->buffers()) copies.push_back(b.detach().clone());
+  return copies;
+}
+
+void restore_buffers(const std::shared_ptr<torch::nn::Module>& m,
+                     const std::vector<torch::Tensor>& copies) {
+  torch::NoGradGuard no_grad;
+  auto buffers = m->buffers();
+  for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(copies[i]);
+}
+
+} // namespace
+
+int64_t ChainProfile::plain_activation_bytes() const {
+  int64_t total = 0;
+  for (const auto& l : layers) total += l.kept_bytes;
+  return total;
+}
+
+std::string ChainProfile::table() const {
+  std::string out = fmt::format("{:>4} {:<22}{:>12}{:>12}{:>12}{:>10}{:>10}\n", "#", "layer",
+                                "input", "kept", "params", "fwd ms", "bwd ms");
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& l = layers[i];
+    out += fmt::format("{:>4} {:<22}{:>12}{:>12}{:>12}{:>10.3f}{:>10.3f}{}\n", i,
+                       l.name.substr(0, 21), format_bytes(l.input_bytes),
+                       format_bytes(l.kept_bytes), format_bytes(l.parameter_bytes),
+                       1e3 * l.forward_seconds, 1e3 * l.backward_seconds,
+                       l.in_place ? " in-place" : "");
+  }
+  return out;
+}
+
+std::string ChainProfile::to_json() const {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& l : layers) {
+    j.push_back({{"name", l.name},
+                 {"input_bytes", l.input_bytes},
+                 {"output_bytes", l.output_bytes},
+                 {"kept_bytes", l.kept_bytes},
+                 {"forward_peak_bytes", l.forward_peak_bytes},
+                 {"parameter_bytes", l.parameter_bytes},
+                 {"forward_seconds", l.forward_seconds},
+                 {"backward_seconds", l.backward_seconds},
+                 {"in_place", l.in_place}});
+  }
+  return j.dump(2);
+}
+
+ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tensor& sample_input,
+                           const ProfileOptions& options) {
+  TORCH_CHECK(!chain.is_empty() && chain->size() > 0, "profile_chain needs a non-empty Sequential");
+  TORCH_CHECK(sample_input.defined(), "profile_chain needs a sample input");
+  TORCH_CHECK(options.repeats() >= 1, "profile_chain: repeats must be at least 1, got ",
+              options.repeats());
+  memory_allocated(sample_input.device());  // starts tracking
+  const auto device = sample_input.device();
+  std::vector<torch::nn::AnyModule> modules(chain->begin(), chain->end());
+  const auto named = chain->named_children();
+
+  compat::RngState rng;
+  {
+    UntrackedGuard host;
+    rng = compat::get_rng_state({});
+  }
+  ChainProfile profile;
+  torch::Tensor x = sample_input.detach();
+  for (size_t i = 0; i < modules.size(); ++i) {
+    auto& module = modules[i];
+    const auto ptr = module.ptr();
+    const auto buffers = snapshot_buffers(ptr);
+    LayerProfile l;
+    l.name = i < named.size() ? named[i].key() : std::to_string(i);
+    l.input_bytes = tensor_bytes(x);
+    l.parameter_bytes = storage_bytes(ptr->parameters());
+    std::vector<double> fwd, bwd;
+    for (int64_t r = 0; r <= options.repeats(); ++r) {  // r == 0 warms up
+      const bool floating = x.is_floating_point();
+      // A non-leaf input, so in-place layers may modify it.
+      auto leaf = floating ? x.detach().requires_grad_(true) : x.detach();
+      auto input = floating ? leaf.clone() : leaf;
+      std::vector<torch::Tensor> wrt;
+      if (floating) wrt.push_back(input);
+      for (const auto& p : ptr->parameters()) {
+        if (p.requires_grad()) wrt.push_back(p);
+      }
+      const int64_t before = memory_allocated(device);
+      PeakMeter meter(device);
+      const auto t0 = Clock::now();
+      torch::Tensor y = module.forward(input);
+      const double f = std::chrono::duration<double>(Clock::now() - t0).count();
+      const int64_t kept = memory_allocated(device) - before;
+      const int64_t fwd_peak = meter.peak() - before;
+      double b = 0;
+      if (y.requires_grad() && !wrt.empty()) {
+        auto grad = torch::ones_like(y);
+        const auto t1 = Clock::now();
+        torch::autograd::grad({y}, wrt, {grad}, /*retain_graph=*/false, /*create_graph=*/false,
+                              /*allow_unused=*/true);
+        b = std::chrono::duration<double>(Clock::now() - t1).count();
+      }
+      if (r == 0) {
+        l.kept_bytes = kept;
+        l.forward_peak_bytes = fwd_peak;
+        l.output_bytes = tensor_bytes(y);
+        l.in_place = y.has_storage() && input.has_storage() &&
+                     y.storage().unsafeGetStorageImpl() == input.storage().unsafeGetStorageImpl();
+      } else {
+        fwd.push_back(f);
+        bwd.push_back(b);
+      }
+      restore_buffers(ptr, buffers);
+    }
+    l.forward_seconds = median(fwd);
+    l.backward_seconds = median(bwd);
+    {
+      torch::NoGradGuard no_grad;  // the next layer's input, without a graph
+      x = module.forward(x.clone()).detach();
+    }
+    restore_buffers(ptr, buffers);
+    profile.layers.push_back(l);
+  }
+  compat::set_rng_state(rng);
+  return profile;
+}
+
+} // namespace memfit

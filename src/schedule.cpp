@@ -1,0 +1,519 @@
+#include "memfit/schedule.h"
+
+#include "memfit/memory.h"
+
+#include <torch/autograd.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/dropout.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+namespace memfit {
+namespace {
+
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
+
+void check_layers(int64_t n) {
+  TORCH_CHECK(n >= 1, "a schedule needs at least one layer, got ", n);
+}
+
+// Adds a plain segment, merging it into a plain segment just before it.
+void push_plain(std::vector<Segment>& out, int64_t begin, int64_t end) {
+  if (begin >= end) return;
+  if (!out.empty() && !out.back().checkpointed && out.back().end == begin) {
+    out.back().end = end;
+    return;
+  }
+  out.push_back(Segment{begin, end, false, {}});
+}
+
+Segment checkpointed_plain(int64_t begin, int64_t end) {
+  return Segment{begin, end, true, {Segment{begin, end, false, {}}}};
+}
+
+void append_text(const std::vector<Segment>& segments, std::string& out) {
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const auto& s = segments[i];
+    if (i > 0) out += ' ';
+    out += fmt::format("[{},{})", s.begin, s.end);
+    if (!s.checkpointed) continue;
+    out += '*';
+    // A one-level checkpoint's inner schedule is just its own plain segment.
+    const bool nested = !(s.inner.size() == 1 && !s.inner[0].checkpointed);
+    if (nested) {
+      out += '{';
+      append_text(s.inner, out);
+      out += '}';
+    }
+  }
+}
+
+void validate_cover(const std::vector<Segment>& segments, int64_t begin, int64_t end,
+                    const std::string& where) {
+  TORCH_CHECK(!segments.empty() || begin == end, "schedule ", where, " does not cover layers [",
+              begin, ",", end, ")");
+  int64_t at = begin;
+  for (const auto& s : segments) {
+    TORCH_CHECK(s.begin == at && s.end > s.begin, "schedule ", where, ": segment [", s.begin, ",",
+                s.end, ") should start at layer ", at, " and be non-empty");
+    if (s.checkpointed) {
+      validate_cover(s.inner, s.begin, s.end, fmt::format("inside [{},{})", s.begin, s.end));
+    } else {
+      TORCH_CHECK(s.inner.empty(), "schedule ", where, ": plain segment [", s.begin, ",", s.end,
+                  ") has an inner schedule");
+    }
+    at = s.end;
+  }
+  TORCH_CHECK(at == end, "schedule ", where, " covers layers up to ", at, " but needs ", end);
+}
+
+// The event-by-event simulation of the cost model (see schedule.h).
+struct Simulation {
+  const ChainCosts& c;
+  int64_t current = 0;
+  int64_t peak = 0;
+  double time = 0;
+
+  void allocate(int64_t bytes) {
+    current += bytes;
+    peak = std::max(peak, current);
+  }
+  void release(int64_t bytes) { current -= bytes; }
+
+  void forward(const std::vector<Segment>& segments) {
+    for (const auto& s : segments) {
+      for (int64_t i = s.begin; i < s.end; ++i) {
+        time += c.forward[i];
+        if (!s.checkpointed) {
+          allocate(c.kept[i]);
+        } else {
+          allocate(c.x[i + 1]);                // the layer's output
+          if (i > s.begin) release(c.x[i]);  // its input, unless the saved segment input
+        }
+      }
+    }
+  }
+
+  // Holds the gradient of the chain's output on entry and leaves that of its
+  // input. With `keep`, the output's gradient stays held to the end: autograd
+  // holds a checkpoint's output gradient while the segment is recomputed and
+  // backpropagated.
+  void backward(const std::vector<Segment>& segments, bool keep) {
+    for (size_t j = segments.size(); j-- > 0;) {
+      const auto& s = segments[j];
+      const bool held = keep && j + 1 == segments.size();
+      if (s.checkpointed) {
+        release(c.x[s.end]);  // the output kept by the no-grad forward, consumed by now
+        forward(s.inner);
+        backward(s.inner, /*keep=*/true);
+        if (!held) release(c.x[s.end]);  // the output's gradient
+        continue;
+      }
+      for (int64_t i = s.end - 1; i >= s.begin; --i) {
+        allocate(c.x[i]);  // gradient of the input
+        time += c.backward[i];
+        release(c.kept[i]);
+        if (!(held && i == s.end - 1)) release(c.x[i + 1]);  // gradient of the output
+      }
+    }
+  }
+};
+
+// Memory in units, for the dynamic programme.
+struct UnitCosts {
+  std::vector<int64_t> x, kept;
+  int64_t capacity = 0;  // the budget in units
+  int64_t unit = 1;
+};
+
+UnitCosts to_units(const ChainCosts& c, int64_t budget, int64_t slots) {
+  UnitCosts u;
+  // Tensor sizes usually share a large factor (batch × width × 4): counting in
+  // that factor is exact. Otherwise units of budget / slots, sizes rounded up.
+  int64_t g = 0;
+  for (auto v : c.x) g = std::gcd(g, v);
+  for (auto v : c.kept) g = std::gcd(g, v);
+  const int64_t coarse = std::max<int64_t>(1, (budget + slots - 1) / slots);
+  u.unit = (g > 0 && budget / g <= 8 * slots) ? std::max(g, int64_t{1}) : coarse;
+  auto up = [&](int64_t b) { return (b + u.unit - 1) / u.unit; };
+  for (auto v : c.x) u.x.push_back(up(v));
+  for (auto v : c.kept) u.kept.push_back(up(v));
+  u.capacity = budget / u.unit;
+  return u;
+}
+
+// opt(s, t, m, keep): least time to run forward and backward of layers
+// [s, t) with at most m units, given its input held outside and the gradient
+// of x[t] counted inside (until the end when `keep`: a recomputation's output
+// gradient is held by autograd throughout). choice: -1 infeasible, 0 the first
+// layer plain, s' > s a checkpointed segment [s, s') then the rest.
+class Solver {
+ public:
+  Solver(const ChainCosts& costs, const UnitCosts& units)
+      : c_(costs), u_(units), n_(costs.size()), width_(units.capacity + 1) {
+    const size_t cells = 2 * static_cast<size_t>((n_ + 1) * (n_ + 2) / 2) * static_cast<size_t>(width_);
+    time_.assign(cells, kInfinity);
+    choice_.assign(cells, -1);
+    prefix_forward_.assign(static_cast<size_t>(n_ + 1), 0.0);
+    for (int64_t i = 0; i < n_; ++i) prefix_forward_[i + 1] = prefix_forward_[i] + c_.forward[i];
+    solve();
+  }
+
+  double time(int64_t s, int64_t t, int64_t m, bool keep) const {
+    return m < 0 ? kInfinity : time_[at(s, t, m, keep)];
+  }
+
+  std::vector<Segment> build(int64_t s, int64_t t, int64_t m, bool keep) const {
+    std::vector<Segment> out;
+    const int64_t held = keep ? u_.x[t] : 0;
+    while (s < t) {
+      const int32_t pick = choice_[at(s, t, m, keep)];
+      TORCH_INTERNAL_ASSERT(pick >= 0, "solver: no choice recorded for a feasible state");
+      if (pick == 0) {
+        push_plain(out, s, s + 1);
+        m -= u_.kept[s];
+        s += 1;
+        continue;
+      }
+      out.push_back(Segment{s, pick, true, build(s, pick, m - held, /*keep=*/true)});
+      m -= u_.x[pick];
+      s = pick;
+    }
+    return out;
+  }
+
+  // The least m for which [0, n) is feasible, or -1.
+  int64_t least_units() const {
+    for (int64_t m = 0; m < width_; ++m) {
+      if (time(0, n_, m, false) < kInfinity) return m;
+    }
+    return -1;
+  }
+
+ private:
+  size_t at(int64_t s, int64_t t, int64_t m, bool keep) const {
+    // Pairs (s, t) with s <= t, row-major by s; then keep; then m.
+    const int64_t pair = s * (n_ + 1) - s * (s - 1) / 2 + (t - s);
+    return static_cast<size_t>((pair * 2 + (keep ? 1 : 0)) * width_ + m);
+  }
+
+  void solve() {
+    const auto& x = u_.x;
+    const auto& kept = u_.kept;
+    for (int64_t t = 0; t <= n_; ++t) {
+      for (int keep = 0; keep < 2; ++keep) {
+        for (int64_t m = x[t]; m < width_; ++m) time_[at(t, t, m, keep)] = 0.0;
+      }
+    }
+    for (int64_t length = 1; length <= n_; ++length) {
+      for (int64_t s = 0; s + length <= n_; ++s) {
+        const int64_t t = s + length;
+        for (int keep = 0; keep < 2; ++keep) {
+          const int64_t held = keep ? x[t] : 0;
+          for (int64_t m = 0; m < width_; ++m) {
+            double best = kInfinity;
+            int32_t pick = -1;
+            // The first layer runs with grad and keeps its activations; its
+            // backward holds them, its output's gradient and its input's.
+            const int64_t backward_peak = kept[s] + x[s + 1] + x[s] + (s + 1 < t ? held : 0);
+            if (kept[s] <= m && backward_peak <= m) {
+              const double rest = time(s + 1, t, m - kept[s], keep);
+              if (rest < kInfinity) {
+                best = c_.forward[s] + c_.backward[s] + rest;
+                pick = 0;
+              }
+            }
+            // Layers [s, e) run without grad keeping x[e], and are recomputed
+            // once the rest is done, while autograd holds x[e]'s gradient.
+            if (!c_.in_place[s]) {
+              int64_t forward_peak = 0;
+              for (int64_t e = s + 1; e < t; ++e) {
+                const int64_t k = e - 1;
+                forward_peak = std::max(forward_peak, (k > s ? x[k] : 0) + x[k + 1]);
+                if (x[t] + forward_peak > m) break;  // grows with e
+                const double rest = time(e, t, m - x[e], keep);
+                if (rest == kInfinity) continue;
+                const double again = time(s, e, m - held, /*keep=*/true);
+                if (again == kInfinity) continue;
+                const double total = (prefix_forward_[e] - prefix_forward_[s]) + rest + again;
+                if (total < best) {
+                  best = total;
+                  pick = static_cast<int32_t>(e);
+                }
+              }
+            }
+            time_[at(s, t, m, keep)] = best;
+            choice_[at(s, t, m, keep)] = pick;
+          }
+        }
+      }
+    }
+  }
+
+  const ChainCosts& c_;
+  const UnitCosts& u_;
+  int64_t n_;
+  int64_t width_;
+  std::vector<double> time_;
+  std::vector<int32_t> choice_;
+  std::vector<double> prefix_forward_;
+};
+
+bool module_is_in_place(torch::nn::AnyModule& m) {
+  const auto p = m.ptr();
+#define MEMFIT_INPLACE(Type) \
+  if (auto* q = p->as<torch::nn::Type>()) return q->options.inplace();
+  MEMFIT_INPLACE(ReLU)
+  MEMFIT_INPLACE(ReLU6)
+  MEMFIT_INPLACE(LeakyReLU)
+  MEMFIT_INPLACE(ELU)
+  MEMFIT_INPLACE(SELU)
+  MEMFIT_INPLACE(CELU)
+  MEMFIT_INPLACE(RReLU)
+  MEMFIT_INPLACE(Hardtanh)
+  MEMFIT_INPLACE(Threshold)
+  MEMFIT_INPLACE(Dropout)
+  MEMFIT_INPLACE(Dropout2d)
+  MEMFIT_INPLACE(Dropout3d)
+  MEMFIT_INPLACE(AlphaDropout)
+  MEMFIT_INPLACE(FeatureAlphaDropout)
+#undef MEMFIT_INPLACE
+  return false;
+}
+
+// Moves the start of each one-level checkpointed segment past in-place layers;
+// those layers join the segment before (or a plain one at the chain's start).
+Schedule avoid_in_place_starts(const Schedule& schedule, const std::vector<bool>& in_place) {
+  Schedule out;
+  for (const auto& s : schedule.segments) {
+    if (!s.checkpointed) {
+      push_plain(out.segments, s.begin, s.end);
+      continue;
+    }
+    int64_t begin = s.begin;
+    while (begin < s.end && in_place[static_cast<size_t>(begin)]) ++begin;
+    if (begin > s.begin) {
+      if (!out.segments.empty() && out.segments.back().checkpointed) {
+        auto& prev = out.segments.back();
+        prev.end = begin;
+        prev.inner = {Segment{prev.begin, begin, false, {}}};
+      } else {
+        push_plain(out.segments, s.begin, begin);
+      }
+    }
+    if (begin < s.end) out.segments.push_back(checkpointed_plain(begin, s.end));
+  }
+  return out;
+}
+
+} // namespace
+
+std::string Schedule::to_string() const {
+  std::string out;
+  append_text(segments, out);
+  return out;
+}
+
+void Schedule::validate(int64_t n) const { validate_cover(segments, 0, n, "top level"); }
+
+ScheduleKind parse_schedule_kind(const std::string& name) {
+  if (name == "none") return ScheduleKind::kNone;
+  if (name == "every") return ScheduleKind::kEvery;
+  if (name == "uniform") return ScheduleKind::kUniform;
+  if (name == "sqrt") return ScheduleKind::kSqrt;
+  if (name == "optimal") return ScheduleKind::kOptimal;
+  TORCH_CHECK(false, "unknown checkpoint schedule '", name,
+              "': expected none, every, uniform, sqrt or optimal");
+}
+
+Schedule schedule_none(int64_t n) {
+  check_layers(n);
+  return Schedule{{Segment{0, n, false, {}}}};
+}
+
+Schedule schedule_every(int64_t n, int64_t k) {
+  check_layers(n);
+  TORCH_CHECK(k >= 1, "schedule 'every K layers' needs K >= 1, got ", k);
+  Schedule s;
+  for (int64_t begin = 0; begin < n; begin += k) {
+    const int64_t end = std::min(n, begin + k);
+    if (end < n) {
+      s.segments.push_back(checkpointed_plain(begin, end));
+    } else {
+      push_plain(s.segments, begin, end);
+    }
+  }
+  return s;
+}
+
+Schedule schedule_uniform(int64_t n, int64_t segments) {
+  check_layers(n);
+  TORCH_CHECK(segments >= 1, "uniform schedule needs at least 1 segment, got ", segments);
+  const int64_t size = n / segments;
+  Schedule s;
+  int64_t end = 0;
+  for (int64_t start = 0; start < size * (segments - 1); start += size) {
+    end = start + size;
+    s.segments.push_back(checkpointed_plain(start, end));
+  }
+  push_plain(s.segments, end, n);
+  return s;
+}
+
+Schedule schedule_sqrt(int64_t n) {
+  check_layers(n);
+  return schedule_uniform(n, std::max<int64_t>(1, std::llround(std::sqrt(double(n)))));
+}
+
+void ChainCosts::validate() const {
+  const auto n = kept.size();
+  TORCH_CHECK(n >= 1, "chain costs need at least one layer");
+  TORCH_CHECK(x.size() == n + 1 && forward.size() == n && backward.size() == n &&
+                  in_place.size() == n,
+              "chain costs: expected ", n + 1, " sizes x and ", n,
+              " entries of kept, forward, backward and in_place; got ", x.size(), ", ",
+              kept.size(), ", ", forward.size(), ", ", backward.size(), ", ", in_place.size());
+  for (auto v : x) TORCH_CHECK(v >= 0, "chain costs: negative size ", v);
+  for (auto v : kept) TORCH_CHECK(v >= 0, "chain costs: negative kept bytes ", v);
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(forward[i] >= 0 && backward[i] >= 0, "chain costs: negative time at layer ", i);
+  }
+}
+
+ChainCosts costs_from_profile(const ChainProfile& profile) {
+  ChainCosts c;
+  for (const auto& l : profile.layers) {
+    c.x.push_back(l.input_bytes);
+    c.kept.push_back(l.kept_bytes);
+    c.forward.push_back(l.forward_seconds);
+    c.backward.push_back(l.backward_seconds);
+    c.in_place.push_back(l.in_place);
+  }
+  if (!profile.layers.empty()) c.x.push_back(profile.layers.back().output_bytes);
+  return c;
+}
+
+ScheduleCost simulate(const Schedule& schedule, const ChainCosts& costs) {
+  costs.validate();
+  schedule.validate(costs.size());
+  Simulation sim{costs};
+  sim.allocate(costs.x.back());  // the gradient of the chain's output
+  sim.forward(schedule.segments);
+  sim.backward(schedule.segments, /*keep=*/false);
+  return {sim.time, sim.peak};
+}
+
+int64_t min_budget(const ChainCosts& costs, const SolverOptions& options) {
+  costs.validate();
+  TORCH_CHECK(options.slots() >= 1, "solver slots must be at least 1, got ", options.slots());
+  // A budget that fits the plain run: its units are fine enough for the least one.
+  const int64_t plain = simulate(schedule_none(costs.size()), costs).peak_bytes;
+  const UnitCosts units = to_units(costs, plain, options.slots());
+  Solver solver(costs, units);
+  const int64_t m = solver.least_units();
+  TORCH_INTERNAL_ASSERT(m >= 0, "the plain schedule must be feasible at its own peak");
+  Schedule frugal{solver.build(0, costs.size(), m, /*keep=*/false)};
+  return simulate(frugal, costs).peak_bytes;
+}
+
+Schedule solve_optimal(const ChainCosts& costs, int64_t budget, const SolverOptions& options) {
+  costs.validate();
+  TORCH_CHECK(budget > 0, "the optimal schedule needs a positive activation budget, got ", budget);
+  TORCH_CHECK(options.slots() >= 1, "solver slots must be at least 1, got ", options.slots());
+  const int64_t n = costs.size();
+  // Recomputation only adds time: when the plain run fits, it is optimal.
+  if (simulate(schedule_none(n), costs).peak_bytes <= budget) return schedule_none(n);
+  const UnitCosts units = to_units(costs, budget, options.slots());
+  Solver solver(costs, units);
+  if (solver.time(0, n, units.capacity, /*keep=*/false) == kInfinity) {
+    const int64_t least = min_budget(costs, options);
+    TORCH_CHECK(least > budget, "no checkpoint schedule fits an activation budget of ",
+                format_bytes(budget), " when memory is counted in units of ",
+                format_bytes(units.unit), ", though one needing ", least,
+                " bytes exists: raise SolverOptions::slots above ", options.slots());
+    TORCH_CHECK(false, "no checkpoint schedule fits an activation budget of ", format_bytes(budget),
+                " (", budget, " bytes): the most frugal schedule needs ", format_bytes(least), " (",
+                least, " bytes); raise the budget to at least that or lower the batch size");
+  }
+  return Schedule{solver.build(0, n, units.capacity, /*keep=*/false)};
+}
+
+CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential sequential,
+                                                       CheckpointedSequentialOptions options)
+    : sequential_(std::move(sequential)), options_(std::move(options)) {
+  TORCH_CHECK(!sequential_.is_empty() && sequential_->size() > 0,
+              "CheckpointedSequential needs a non-empty Sequential");
+  reset();
+}
+
+void CheckpointedSequentialImpl::reset() {
+  register_module("sequential", sequential_);
+  modules_.assign(sequential_->begin(), sequential_->end());
+  in_place_.clear();
+  for (auto& m : modules_) in_place_.push_back(module_is_in_place(m));
+  const auto n = static_cast<int64_t>(modules_.size());
+  switch (options_.kind()) {
+    case ScheduleKind::kNone:
+      schedule_ = schedule_none(n);
+      break;
+    case ScheduleKind::kEvery:
+      schedule_ = avoid_in_place_starts(schedule_every(n, options_.k()), in_place_);
+      break;
+    case ScheduleKind::kUniform:
+      schedule_ = avoid_in_place_starts(schedule_uniform(n, options_.k()), in_place_);
+      break;
+    case ScheduleKind::kSqrt:
+      schedule_ = avoid_in_place_starts(schedule_sqrt(n), in_place_);
+      break;
+    case ScheduleKind::kOptimal:
+      TORCH_CHECK(options_.budget() > 0,
+                  "CheckpointedSequential with the optimal schedule needs budget(bytes) > 0, got ",
+                  options_.budget());
+      schedule_ = Schedule{};
+      break;
+  }
+}
+
+void CheckpointedSequentialImpl::plan(const torch::Tensor& sample_input) {
+  if (options_.kind() != ScheduleKind::kOptimal) return;
+  auto costs = costs_from_profile(profile_chain(sequential_, sample_input));
+  for (size_t i = 0; i < in_place_.size(); ++i) costs.in_place[i] = costs.in_place[i] || in_place_[i];
+  schedule_ = solve_optimal(costs, options_.budget(), options_.solver());
+}
+
+void CheckpointedSequentialImpl::set_schedule(Schedule schedule) {
+  schedule.validate(static_cast<int64_t>(modules_.size()));
+  schedule_ = std::move(schedule);
+}
+
+torch::Tensor CheckpointedSequentialImpl::forward(const torch::Tensor& input) {
+  if (!torch::autograd::GradMode::is_enabled()) {
+    torch::Tensor x = input;
+    for (auto& m : modules_) x = m.forward(x);
+    return x;
+  }
+  if (schedule_.segments.empty()) plan(input);
+  return run(schedule_.segments, input);
+}
+
+torch::Tensor CheckpointedSequentialImpl::run(const std::vector<Segment>& segments,
+                                              torch::Tensor x) {
+  for (const auto& s : segments) {
+    if (!s.checkpointed) {
+      for (int64_t i = s.begin; i < s.end; ++i) x = modules_[static_cast<size_t>(i)].forward(x);
+      continue;
+    }
+    // The recomputation may run after the schedule is replaced: keep a copy.
+    auto inner = std::make_shared<const std::vector<Segment>>(s.inner);
+    x = checkpoint([this, inner](const torch::Tensor& in) { return run(*inner, in); }, x,
+                   options_.checkpoint());
+  }
+  return x;
+}
+
+} // namespace memfit

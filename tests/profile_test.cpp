@@ -1,0 +1,60 @@
+#include "memfit/profile.h"
+
+#include "memfit/compat.h"
+#include "test_util.h"
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+namespace memfit {
+namespace {
+
+class Profile : public testing::Seeded {};
+
+TEST_F(Profile, MeasuresExactBytesPerLayer) {
+  torch::nn::Sequential chain(torch::nn::Linear(16, 32), torch::nn::ReLU(),
+                              torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)),
+                              torch::nn::Linear(32, 4));
+  const auto p = profile_chain(chain, torch::randn({8, 16}));
+  ASSERT_EQ(p.layers.size(), 4u);
+  EXPECT_EQ(p.layers[0].input_bytes, 8 * 16 * 4);
+  EXPECT_EQ(p.layers[0].output_bytes, 8 * 32 * 4);
+  EXPECT_EQ(p.layers[0].kept_bytes, 8 * 32 * 4) << "its output; the input is not its own";
+  EXPECT_EQ(p.layers[0].parameter_bytes, (16 * 32 + 32) * 4);
+  EXPECT_EQ(p.layers[1].kept_bytes, 8 * 32 * 4) << "ReLU keeps its output";
+  EXPECT_FALSE(p.layers[1].in_place);
+  EXPECT_EQ(p.layers[2].kept_bytes, 0) << "in-place ReLU allocates nothing";
+  EXPECT_TRUE(p.layers[2].in_place);
+  EXPECT_EQ(p.layers[3].output_bytes, 8 * 4 * 4);
+  EXPECT_EQ(p.plain_activation_bytes(), 2 * 1024 + 128);
+  for (const auto& l : p.layers) {
+    EXPECT_GT(l.forward_seconds, 0.0);
+    EXPECT_GE(l.forward_peak_bytes, l.kept_bytes);
+  }
+  EXPECT_GT(p.layers[0].backward_seconds, 0.0);
+  EXPECT_NE(p.table().find("in-place"), std::string::npos);
+  EXPECT_EQ(nlohmann::json::parse(p.to_json()).size(), 4u);
+}
+
+TEST_F(Profile, LeavesBuffersAndRandomStateAsTheyWere) {
+  torch::nn::Sequential chain(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8),
+                              torch::nn::Dropout(0.5));
+  auto running_mean = chain->buffers()[0].clone();
+  torch::manual_seed(3);
+  profile_chain(chain, torch::randn({16, 8}) + 5);
+  auto after = torch::rand({4});
+  torch::manual_seed(3);
+  torch::randn({16, 8});  // the sample drawn above
+  EXPECT_TRUE(torch::equal(after, torch::rand({4}))) << "RNG state restored";
+  EXPECT_TRUE(torch::equal(chain->buffers()[0], running_mean)) << "BatchNorm statistics restored";
+}
+
+TEST_F(Profile, BadInputIsAClearError) {
+  torch::nn::Sequential empty;
+  EXPECT_THROW(profile_chain(empty, torch::randn({2})), c10::Error);
+  torch::nn::Sequential chain(torch::nn::Linear(2, 2));
+  EXPECT_THROW(profile_chain(chain, torch::randn({2, 2}), ProfileOptions().repeats(0)), c10::Error);
+}
+
+} // namespace
+} // namespace memfit

@@ -1,0 +1,317 @@
+#include "memfit/schedule.h"
+
+#include "test_util.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <random>
+
+namespace memfit {
+namespace {
+
+using testing::Seeded;
+
+TEST(Schedules, StandardKindsSplitLikeCheckpointSequential) {
+  EXPECT_EQ(schedule_none(5).to_string(), "[0,5)");
+  EXPECT_EQ(schedule_every(10, 4).to_string(), "[0,4)* [4,8)* [8,10)");
+  EXPECT_EQ(schedule_every(8, 4).to_string(), "[0,4)* [4,8)");
+  EXPECT_EQ(schedule_uniform(10, 2).to_string(), "[0,5)* [5,10)");
+  EXPECT_EQ(schedule_uniform(10, 3).to_string(), "[0,3)* [3,6)* [6,10)");
+  EXPECT_EQ(schedule_uniform(3, 5).to_string(), "[0,3)") << "more segments than layers: plain";
+  EXPECT_EQ(schedule_sqrt(64).segments.size(), 8u);
+  EXPECT_EQ(parse_schedule_kind("optimal"), ScheduleKind::kOptimal);
+  EXPECT_THROW(parse_schedule_kind("revolve"), c10::Error);
+  EXPECT_THROW(schedule_every(4, 0), c10::Error);
+  EXPECT_THROW(schedule_uniform(4, 0), c10::Error);
+}
+
+TEST(Schedules, ValidateRejectsGapsAndOverlaps) {
+  Schedule gap{{Segment{0, 2, false, {}}, Segment{3, 5, false, {}}}};
+  EXPECT_THROW(gap.validate(5), c10::Error);
+  Schedule short_cover{{Segment{0, 4, false, {}}}};
+  EXPECT_THROW(short_cover.validate(5), c10::Error);
+  Schedule bad_inner{{Segment{0, 4, true, {Segment{0, 3, false, {}}}}, Segment{4, 5, false, {}}}};
+  EXPECT_THROW(bad_inner.validate(5), c10::Error);
+  EXPECT_NO_THROW(schedule_every(10, 3).validate(10));
+}
+
+TEST(Simulate, MatchesAHandCountedPlainRun) {
+  // x = input/output sizes, kept per layer, forward and backward times.
+  ChainCosts c{{4, 4, 4}, {8, 8}, {1, 1}, {2, 2}, {false, false}};
+  // grad out 4; forward keeps 8 + 8 (20); backward of layer 1 adds its input's
+  // gradient (24), then frees its 8 and the output gradient, and so on.
+  const auto cost = simulate(schedule_none(2), c);
+  EXPECT_EQ(cost.peak_bytes, 24);
+  EXPECT_DOUBLE_EQ(cost.time, 6.0);
+}
+
+TEST(Simulate, CheckpointingTradesRecomputationForMemory) {
+  ChainCosts c{{1, 10, 10, 10, 10}, {10, 10, 10, 10}, {1, 1, 1, 1}, {1, 1, 1, 1},
+               {false, false, false, false}};
+  const auto plain = simulate(schedule_none(4), c);
+  const auto ck = simulate(schedule_uniform(4, 2), c);
+  EXPECT_LT(ck.peak_bytes, plain.peak_bytes);
+  EXPECT_DOUBLE_EQ(ck.time, plain.time + 2.0) << "the first segment's two forwards again";
+}
+
+// Every schedule of [s, t) in the solver's family: the first layer plain, or a
+// checkpointed segment [s, e) with e < t, recomputed with any schedule of its
+// own, then any schedule of the rest.
+void enumerate(int64_t s, int64_t t, const std::vector<bool>& in_place,
+               std::vector<std::vector<Segment>>& out) {
+  if (s == t) {
+    out.push_back({});
+    return;
+  }
+  std::vector<std::vector<Segment>> rest;
+  enumerate(s + 1, t, in_place, rest);
+  for (auto& r : rest) {
+    std::vector<Segment> v{Segment{s, s + 1, false, {}}};
+    v.insert(v.end(), r.begin(), r.end());
+    out.push_back(std::move(v));
+  }
+  if (in_place[s]) return;
+  for (int64_t e = s + 1; e < t; ++e) {
+    std::vector<std::vector<Segment>> inner, tail;
+    enumerate(s, e, in_place, inner);
+    enumerate(e, t, in_place, tail);
+    for (const auto& in : inner) {
+      for (const auto& tl : tail) {
+        std::vector<Segment> v{Segment{s, e, true, in}};
+        v.insert(v.end(), tl.begin(), tl.end());
+        out.push_back(std::move(v));
+      }
+    }
+  }
+}
+
+ChainCosts random_chain(std::mt19937& rng, int64_t n, bool homogeneous) {
+  std::uniform_int_distribution<int64_t> size(1, 12), kept(1, 30);
+  std::uniform_real_distribution<double> time(0.5, 4.0);
+  std::bernoulli_distribution inplace(0.15);
+  ChainCosts c;
+  const int64_t hx = size(rng), hk = kept(rng);
+  const double hf = time(rng);
+  for (int64_t i = 0; i <= n; ++i) c.x.push_back(homogeneous ? hx : size(rng));
+  for (int64_t i = 0; i < n; ++i) {
+    c.kept.push_back(homogeneous ? hk : kept(rng));
+    c.forward.push_back(homogeneous ? hf : time(rng));
+    c.backward.push_back(homogeneous ? 2 * hf : time(rng));
+    c.in_place.push_back(!homogeneous && inplace(rng));
+  }
+  return c;
+}
+
+TEST(OptimalSolver, EqualsBruteForceOnRandomChainsUpToTenLayers) {
+  std::mt19937 rng(2024);
+  int compared = 0;
+  for (int64_t n = 1; n <= 10; ++n) {
+    const int trials = n <= 7 ? 8 : (n <= 9 ? 3 : 1);
+    for (int trial = 0; trial < trials; ++trial) {
+      const auto c = random_chain(rng, n, /*homogeneous=*/trial % 3 == 2);
+      std::vector<std::vector<Segment>> all;
+      enumerate(0, n, c.in_place, all);
+      std::vector<ScheduleCost> costs;
+      for (const auto& segs : all) costs.push_back(simulate(Schedule{segs}, c));
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+      for (const auto& k : costs) {
+        lo = std::min(lo, k.peak_bytes);
+        hi = std::max(hi, k.peak_bytes);
+      }
+      for (int64_t budget = lo - 2; budget <= hi + 1; ++budget) {
+        if (budget <= 0) continue;
+        double best = std::numeric_limits<double>::infinity();
+        for (const auto& k : costs) {
+          if (k.peak_bytes <= budget) best = std::min(best, k.time);
+        }
+        // Budgets of at most `slots` bytes count memory in single bytes: exact.
+        const auto options = SolverOptions().slots(budget);
+        if (best == std::numeric_limits<double>::infinity()) {
+          EXPECT_THROW(solve_optimal(c, budget, options), c10::Error) << "n=" << n << " budget=" << budget;
+          continue;
+        }
+        const auto s = solve_optimal(c, budget, options);
+        const auto got = simulate(s, c);
+        EXPECT_LE(got.peak_bytes, budget) << "n=" << n << " " << s.to_string();
+        EXPECT_NEAR(got.time, best, 1e-9) << "n=" << n << " budget=" << budget << " " << s.to_string();
+        ++compared;
+      }
+      EXPECT_EQ(min_budget(c, SolverOptions().slots(hi)), lo) << "n=" << n;
+    }
+  }
+  EXPECT_GT(compared, 300);
+}
+
+TEST(OptimalSolver, NeverSlowerThanAnyUniformSplitAtItsBudget) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int64_t n = 12 + trial;
+    auto c = random_chain(rng, n, trial % 2 == 0);
+    std::fill(c.in_place.begin(), c.in_place.end(), false);
+    for (int64_t k = 2; k <= n; ++k) {
+      const auto uniform = simulate(schedule_uniform(n, k), c);
+      const auto best = simulate(solve_optimal(c, uniform.peak_bytes, SolverOptions().slots(uniform.peak_bytes)), c);
+      EXPECT_LE(best.time, uniform.time + 1e-9) << "n=" << n << " k=" << k;
+      EXPECT_LE(best.peak_bytes, uniform.peak_bytes);
+    }
+  }
+}
+
+TEST(OptimalSolver, TooSmallABudgetNamesTheSmallestThatWorks) {
+  ChainCosts c{{100, 100, 100, 100}, {400, 400, 400}, {1, 1, 1}, {1, 1, 1}, {false, false, false}};
+  const int64_t least = min_budget(c);
+  EXPECT_NO_THROW(solve_optimal(c, least));
+  try {
+    solve_optimal(c, least - 1);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.msg()).find(std::to_string(least) + " bytes"), std::string::npos)
+        << e.msg();
+  }
+  EXPECT_THROW(solve_optimal(c, 0), c10::Error);
+}
+
+TEST(OptimalSolver, CoarseSlotsStayWithinTheBudget) {
+  std::mt19937 rng(99);
+  auto c = random_chain(rng, 40, false);
+  for (auto& v : c.x) v *= 1000;
+  for (auto& v : c.kept) v *= 1000;
+  const int64_t plain = simulate(schedule_none(40), c).peak_bytes;
+  const int64_t least = min_budget(c, SolverOptions().slots(400));
+  for (double f : {0.9, 0.6, 0.4}) {
+    const int64_t budget = std::max<int64_t>(least, static_cast<int64_t>(f * plain));
+    const auto s = solve_optimal(c, budget, SolverOptions().slots(100));
+    EXPECT_LE(simulate(s, c).peak_bytes, budget) << s.to_string();
+  }
+}
+
+// A block of the kind the benchmarks use: Linear then Tanh, one Sequential element.
+struct MlpBlockImpl : torch::nn::Module {
+  explicit MlpBlockImpl(int64_t w) : lin(register_module("lin", torch::nn::Linear(w, w))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(lin(x)); }
+  torch::nn::Linear lin;
+};
+TORCH_MODULE(MlpBlock);
+
+torch::nn::Sequential mlp_blocks(int64_t n, int64_t w) {
+  torch::nn::Sequential seq;
+  for (int64_t i = 0; i < n; ++i) seq->push_back(MlpBlock(w));
+  return seq;
+}
+
+std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& ps) {
+  std::vector<torch::Tensor> g;
+  for (const auto& p : ps) g.push_back(p.grad().clone());
+  return g;
+}
+
+class CheckpointedSequentialTest : public Seeded {};
+
+TEST_F(CheckpointedSequentialTest, EverySchedulesGradientsEqualThePlainRunBitwise) {
+  auto seq = mlp_blocks(12, 32);
+  auto params = seq->parameters();
+  auto x = torch::randn({16, 32}, torch::requires_grad());
+  seq->forward(x).pow(2).sum().backward();
+  const auto plain = grads_of(params);
+  const auto plain_x = x.grad().clone();
+  const int64_t act = 16 * 32 * 4;
+  for (auto options : {CheckpointedSequentialOptions().kind(ScheduleKind::kNone),
+                       CheckpointedSequentialOptions().kind(ScheduleKind::kEvery).k(3),
+                       CheckpointedSequentialOptions().kind(ScheduleKind::kUniform).k(4),
+                       CheckpointedSequentialOptions().kind(ScheduleKind::kSqrt),
+                       CheckpointedSequentialOptions().kind(ScheduleKind::kOptimal).budget(10 * act)}) {
+    for (auto& p : params) p.mutable_grad() = torch::Tensor();
+    x.mutable_grad() = torch::Tensor();
+    CheckpointedSequential model(seq, options);
+    model->forward(x).pow(2).sum().backward();
+    const auto got = grads_of(params);
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(torch::equal(got[i], plain[i])) << model->schedule().to_string();
+    }
+    EXPECT_TRUE(torch::equal(x.grad(), plain_x)) << model->schedule().to_string();
+  }
+}
+
+TEST_F(CheckpointedSequentialTest, CheckpointsNeverStartAtAnInPlaceLayer) {
+  torch::nn::Sequential seq;
+  for (int i = 0; i < 4; ++i) {
+    seq->push_back(torch::nn::Linear(8, 8));
+    seq->push_back(torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)));
+  }
+  CheckpointedSequential model(seq, CheckpointedSequentialOptions().kind(ScheduleKind::kEvery).k(3));
+  // Layers 3 and 5 are in-place ReLUs: [0,3)* [3,6)* [6,8) becomes [0,4)* [4,6)* [6,8).
+  EXPECT_EQ(model->schedule().to_string(), "[0,4)* [4,6)* [6,8)");
+  auto x = torch::randn({4, 8});
+  EXPECT_NO_THROW(model->forward(x).sum().backward());
+}
+
+// The extra bytes a forward and backward of `model` needs, parameters'
+// gradients allocated beforehand so that only activations count.
+int64_t activation_peak(const std::function<torch::Tensor(const torch::Tensor&)>& model,
+                        const std::vector<torch::Tensor>& params, const torch::Tensor& x) {
+  for (const auto& p : params) const_cast<torch::Tensor&>(p).mutable_grad() = torch::zeros_like(p);
+  PeakMeter meter;
+  model(x).sum().backward();
+  return meter.peak_delta();
+}
+
+TEST_F(CheckpointedSequentialTest, SqrtScheduleCutsMeasuredActivationMemoryAsPromised) {
+  const int64_t n = 64, w = 128, batch = 64;
+  auto seq = mlp_blocks(n, w);
+  auto params = seq->parameters();
+  auto x = torch::randn({batch, w});
+  const int64_t plain = activation_peak([&](const torch::Tensor& in) { return seq->forward(in); }, params, x);
+  CheckpointedSequential sqrt_model(seq, CheckpointedSequentialOptions().kind(ScheduleKind::kSqrt));
+  const int64_t ck = activation_peak([&](const torch::Tensor& in) { return sqrt_model->forward(in); }, params, x);
+  const int64_t act = batch * w * 4;
+  EXPECT_GE(plain, n * act) << "plain keeps one activation per block";
+  EXPECT_LE(double(ck), 2.5 * std::sqrt(double(n)) / double(n) * double(plain))
+      << "sqrt(n): " << ck << " of " << plain;
+}
+
+TEST_F(CheckpointedSequentialTest, OptimalScheduleStaysWithinItsBudgetWhenMeasured) {
+  const int64_t n = 24, w = 128, batch = 64;
+  auto seq = mlp_blocks(n, w);
+  auto params = seq->parameters();
+  auto x = torch::randn({batch, w});
+  const int64_t act = batch * w * 4;
+  for (int64_t budget_acts : {12, 9, 7}) {
+    CheckpointedSequential model(
+        seq, CheckpointedSequentialOptions().kind(ScheduleKind::kOptimal).budget(budget_acts * act));
+    model->plan(x);
+    const int64_t peak = activation_peak([&](const torch::Tensor& in) { return model->forward(in); }, params, x);
+    // The model counts what layers keep, not the temporaries inside one
+    // layer: Linear's output until tanh replaces it, and during backward the
+    // gradients of tanh's input and Linear's weight product, at most 3
+    // activation-sized buffers at once (plus the scalar loss and its gradient).
+    EXPECT_LE(peak, (budget_acts + 3) * act + 1024) << model->schedule().to_string();
+  }
+}
+
+TEST_F(CheckpointedSequentialTest, OptimalWithAnImpossibleBudgetIsAClearError) {
+  auto seq = mlp_blocks(8, 16);
+  CheckpointedSequential model(seq, CheckpointedSequentialOptions().kind(ScheduleKind::kOptimal).budget(64));
+  try {
+    model->forward(torch::randn({8, 16})).sum().backward();
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.msg()).find("the most frugal schedule needs"), std::string::npos) << e.msg();
+  }
+  EXPECT_THROW(CheckpointedSequential(seq, CheckpointedSequentialOptions().kind(ScheduleKind::kOptimal)),
+               c10::Error)
+      << "optimal needs a budget";
+}
+
+TEST_F(CheckpointedSequentialTest, NoGradForwardRunsPlainly) {
+  auto seq = mlp_blocks(4, 8);
+  CheckpointedSequential model(seq, CheckpointedSequentialOptions().kind(ScheduleKind::kSqrt));
+  torch::NoGradGuard no_grad;
+  auto x = torch::randn({2, 8});
+  EXPECT_TRUE(torch::equal(model->forward(x), seq->forward(x)));
+}
+
+} // namespace
+} // namespace memfit
