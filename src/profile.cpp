@@ -72,6 +72,7 @@ std::string ChainProfile::to_json() const {
                  {"output_bytes", l.output_bytes},
                  {"kept_bytes", l.kept_bytes},
                  {"forward_peak_bytes", l.forward_peak_bytes},
+                 {"backward_overhead_bytes", l.backward_overhead_bytes},
                  {"parameter_bytes", l.parameter_bytes},
                  {"forward_seconds", l.forward_seconds},
                  {"backward_seconds", l.backward_seconds},
@@ -125,16 +126,21 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
       const int64_t kept = memory_allocated(device) - before;
       const int64_t fwd_peak = meter.peak() - before;
       double b = 0;
+      int64_t backward_overhead = 0;
       if (y.requires_grad() && !wrt.empty()) {
         auto grad = torch::ones_like(y);
+        const int64_t before_backward = memory_allocated(device);
+        PeakMeter backward_meter(device);
         const auto t1 = Clock::now();
-        torch::autograd::grad({y}, wrt, {grad}, /*retain_graph=*/false, /*create_graph=*/false,
-                              /*allow_unused=*/true);
+        auto grads = torch::autograd::grad({y}, wrt, {grad}, /*retain_graph=*/false,
+                                           /*create_graph=*/false, /*allow_unused=*/true);
         b = std::chrono::duration<double>(Clock::now() - t1).count();
+        backward_overhead = backward_meter.peak() - before_backward - storage_bytes(grads);
       }
       if (r == 0) {
         l.kept_bytes = kept;
         l.forward_peak_bytes = fwd_peak;
+        l.backward_overhead_bytes = std::max<int64_t>(0, backward_overhead);
         l.output_bytes = tensor_bytes(y);
         l.in_place = y.has_storage() && input.has_storage() &&
                      y.storage().unsafeGetStorageImpl() == input.storage().unsafeGetStorageImpl();

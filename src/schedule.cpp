@@ -83,6 +83,8 @@ struct Simulation {
     current += bytes;
     peak = std::max(peak, current);
   }
+  // Memory needed for a moment on top of what is held.
+  void spike(int64_t bytes) { peak = std::max(peak, current + bytes); }
   void release(int64_t bytes) { current -= bytes; }
 
   void forward(const std::vector<Segment>& segments) {
@@ -91,8 +93,10 @@ struct Simulation {
         time += c.forward[i];
         if (!s.checkpointed) {
           allocate(c.kept[i]);
+          spike(c.forward_extra(i));
         } else {
-          allocate(c.x[i + 1]);                // the layer's output
+          allocate(c.x[i + 1]);  // the layer's output
+          spike(c.forward_extra(i));
           if (i > s.begin) release(c.x[i]);  // its input, unless the saved segment input
         }
       }
@@ -116,6 +120,7 @@ struct Simulation {
       }
       for (int64_t i = s.end - 1; i >= s.begin; --i) {
         allocate(c.x[i]);  // gradient of the input
+        spike(c.backward_extra(i));
         time += c.backward[i];
         release(c.kept[i]);
         if (!(held && i == s.end - 1)) release(c.x[i + 1]);  // gradient of the output
@@ -126,7 +131,7 @@ struct Simulation {
 
 // Memory in units, for the dynamic programme.
 struct UnitCosts {
-  std::vector<int64_t> x, kept;
+  std::vector<int64_t> x, kept, forward_extra, backward_extra;
   int64_t capacity = 0;  // the budget in units
   int64_t unit = 1;
 };
@@ -138,11 +143,17 @@ UnitCosts to_units(const ChainCosts& c, int64_t budget, int64_t slots) {
   int64_t g = 0;
   for (auto v : c.x) g = std::gcd(g, v);
   for (auto v : c.kept) g = std::gcd(g, v);
+  for (auto v : c.forward_overhead) g = std::gcd(g, v);
+  for (auto v : c.backward_overhead) g = std::gcd(g, v);
   const int64_t coarse = std::max<int64_t>(1, (budget + slots - 1) / slots);
   u.unit = (g > 0 && budget / g <= 8 * slots) ? std::max(g, int64_t{1}) : coarse;
   auto up = [&](int64_t b) { return (b + u.unit - 1) / u.unit; };
   for (auto v : c.x) u.x.push_back(up(v));
   for (auto v : c.kept) u.kept.push_back(up(v));
+  for (int64_t i = 0; i < c.size(); ++i) {
+    u.forward_extra.push_back(up(c.forward_extra(i)));
+    u.backward_extra.push_back(up(c.backward_extra(i)));
+  }
   u.capacity = budget / u.unit;
   return u;
 }
@@ -205,6 +216,8 @@ class Solver {
   void solve() {
     const auto& x = u_.x;
     const auto& kept = u_.kept;
+    const auto& fo = u_.forward_extra;
+    const auto& bo = u_.backward_extra;
     for (int64_t t = 0; t <= n_; ++t) {
       for (int keep = 0; keep < 2; ++keep) {
         for (int64_t m = x[t]; m < width_; ++m) time_[at(t, t, m, keep)] = 0.0;
@@ -220,8 +233,9 @@ class Solver {
             int32_t pick = -1;
             // The first layer runs with grad and keeps its activations; its
             // backward holds them, its output's gradient and its input's.
-            const int64_t backward_peak = kept[s] + x[s + 1] + x[s] + (s + 1 < t ? held : 0);
-            if (kept[s] <= m && backward_peak <= m) {
+            const int64_t forward_peak = x[t] + kept[s] + fo[s];
+            const int64_t backward_peak = kept[s] + x[s + 1] + x[s] + bo[s] + (s + 1 < t ? held : 0);
+            if (kept[s] <= m && forward_peak <= m && backward_peak <= m) {
               const double rest = time(s + 1, t, m - kept[s], keep);
               if (rest < kInfinity) {
                 best = c_.forward[s] + c_.backward[s] + rest;
@@ -234,7 +248,7 @@ class Solver {
               int64_t forward_peak = 0;
               for (int64_t e = s + 1; e < t; ++e) {
                 const int64_t k = e - 1;
-                forward_peak = std::max(forward_peak, (k > s ? x[k] : 0) + x[k + 1]);
+                forward_peak = std::max(forward_peak, (k > s ? x[k] : 0) + x[k + 1] + fo[k]);
                 if (x[t] + forward_peak > m) break;  // grows with e
                 const double rest = time(e, t, m - x[e], keep);
                 if (rest == kInfinity) continue;
@@ -383,6 +397,14 @@ void ChainCosts::validate() const {
   for (size_t i = 0; i < n; ++i) {
     TORCH_CHECK(forward[i] >= 0 && backward[i] >= 0, "chain costs: negative time at layer ", i);
   }
+  TORCH_CHECK(forward_overhead.empty() || forward_overhead.size() == n,
+              "chain costs: forward_overhead needs ", n, " entries or none, got ",
+              forward_overhead.size());
+  TORCH_CHECK(backward_overhead.empty() || backward_overhead.size() == n,
+              "chain costs: backward_overhead needs ", n, " entries or none, got ",
+              backward_overhead.size());
+  for (auto v : forward_overhead) TORCH_CHECK(v >= 0, "chain costs: negative overhead ", v);
+  for (auto v : backward_overhead) TORCH_CHECK(v >= 0, "chain costs: negative overhead ", v);
 }
 
 ChainCosts costs_from_profile(const ChainProfile& profile) {
@@ -393,6 +415,8 @@ ChainCosts costs_from_profile(const ChainProfile& profile) {
     c.forward.push_back(l.forward_seconds);
     c.backward.push_back(l.backward_seconds);
     c.in_place.push_back(l.in_place);
+    c.forward_overhead.push_back(std::max<int64_t>(0, l.forward_peak_bytes - l.kept_bytes));
+    c.backward_overhead.push_back(l.backward_overhead_bytes);
   }
   if (!profile.layers.empty()) c.x.push_back(profile.layers.back().output_bytes);
   return c;

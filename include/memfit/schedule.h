@@ -10,13 +10,15 @@
 ///
 /// The cost model (ChainCosts) gives, per layer i: x[i], the bytes of its
 /// input (x[n] is the chain's output); kept[i], the bytes it keeps until
-/// backward when run with grad, output included; forward and backward time.
-/// A schedule's peak is simulated event by event: a layer run with grad keeps
-/// kept[i]; a checkpointed segment's no-grad forward holds one layer's input
-/// and output at a time and keeps its output; backward holds the gradient of
-/// the layer's output and makes that of its input; a checkpointed segment's
-/// backward recomputes it with its inner schedule. The chain's input and the
-/// gradient of its output are counted as held throughout. simulate() and
+/// backward when run with grad, output included; the transient bytes its
+/// forward and backward need on top; forward and backward time. A schedule's
+/// peak is simulated event by event: a layer run with grad keeps kept[i]; a
+/// checkpointed segment's no-grad forward holds one layer's input and output
+/// at a time and keeps its output; backward holds the gradient of the layer's
+/// output and makes that of its input; a checkpointed segment's backward
+/// recomputes it with its inner schedule while autograd holds the gradient of
+/// its output. The chain's input is held outside; the gradient of its output
+/// is counted from the start. simulate() and
 /// solve_optimal() share this model; tests check the solver against
 /// brute-force enumeration of every schedule.
 ///
@@ -120,11 +122,24 @@ struct ChainCosts {
   std::vector<double> forward;     ///< n: forward time.
   std::vector<double> backward;    ///< n: backward time.
   std::vector<bool> in_place;      ///< n: layer modifies its input (cannot start a checkpoint).
+  /// n or empty (zeros): bytes layer i's forward needs briefly beyond kept[i].
+  std::vector<int64_t> forward_overhead;
+  /// n or empty (zeros): bytes layer i's backward needs briefly beyond the
+  /// gradients of its input and output (parameter gradients excluded).
+  std::vector<int64_t> backward_overhead;
 
   /// Number of layers.
   int64_t size() const { return static_cast<int64_t>(kept.size()); }
   /// Checks the sizes agree and nothing is negative.
   void validate() const;
+  /// forward_overhead[i], or 0 when none are given.
+  int64_t forward_extra(int64_t i) const {
+    return forward_overhead.empty() ? 0 : forward_overhead[static_cast<size_t>(i)];
+  }
+  /// backward_overhead[i], or 0 when none are given.
+  int64_t backward_extra(int64_t i) const {
+    return backward_overhead.empty() ? 0 : backward_overhead[static_cast<size_t>(i)];
+  }
 };
 
 /// The costs a profile measured.
