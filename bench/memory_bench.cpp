@@ -11,6 +11,8 @@
 #include "memfit/models.h"
 #include "memory_internal.h"
 
+#include "bench_util.h"
+
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
@@ -23,14 +25,6 @@
 #include <vector>
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double time_once(const std::function<void()>& work) {
-  const auto t0 = Clock::now();
-  work();
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // Forwards to LibTorch's default allocator and counts the calls.
 struct CountingAllocator final : c10::Allocator {
@@ -53,37 +47,16 @@ int64_t count_allocations(const std::function<void()>& work) {
   return counting.calls.load();
 }
 
-// Runs `work` under both allocators per iteration and reports their times.
+// Runs `work` under both allocators side by side; overhead_pct is the median
+// per-iteration ratio.
 void side_by_side(benchmark::State& state, const std::function<void()>& work) {
   memfit::memory_allocated(torch::kCPU);  // installs tracking
-  for (int i = 0; i < 2; ++i) work();     // warm up both paths' caches
-  const int64_t allocs = count_allocations(work);
-  double t_default = 0, t_tracking = 0;
-  std::vector<double> ratios;
-  for (auto _ : state) {
-    const bool default_first = (ratios.size() % 2) == 0;
-    double d = 0, t = 0;
-    for (int k = 0; k < 2; ++k) {
-      const bool use_default = (k == 0) == default_first;
-      if (use_default) {
-        memfit::detail::install_default_allocator();
-        d = time_once(work);
-      } else {
-        memfit::detail::install_tracking_allocator();
-        t = time_once(work);
-      }
-    }
-    t_default += d;
-    t_tracking += t;
-    ratios.push_back(t / d);
-  }
+  state.counters["allocs"] = double(count_allocations(work));
+  memfit::bench::side_by_side(
+      state, {{"default", [&] { memfit::detail::install_default_allocator(); work(); }},
+              {"tracking", [&] { memfit::detail::install_tracking_allocator(); work(); }}});
   memfit::detail::install_tracking_allocator();
-  const double n = double(ratios.size());
-  std::nth_element(ratios.begin(), ratios.begin() + ratios.size() / 2, ratios.end());
-  state.counters["default_ms"] = 1e3 * t_default / n;
-  state.counters["tracking_ms"] = 1e3 * t_tracking / n;
-  state.counters["overhead_pct"] = 100.0 * (ratios[ratios.size() / 2] - 1.0);
-  state.counters["allocs"] = double(allocs);
+  state.counters["overhead_pct"] = 100.0 * (state.counters["tracking_vs_default"] - 1.0);
 }
 
 // The worst case: allocation and free of small tensors and nothing else.

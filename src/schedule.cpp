@@ -233,7 +233,10 @@ class Solver {
             int32_t pick = -1;
             // The first layer runs with grad and keeps its activations; its
             // backward holds them, its output's gradient and its input's.
-            const int64_t forward_peak = x[t] + kept[s] + fo[s];
+            // Chains that end the whole chain (t == n) meet their output's
+            // gradient only after the forward; recomputed ones hold it throughout.
+            const int64_t grad_in_forward = t == n_ ? 0 : x[t];
+            const int64_t forward_peak = grad_in_forward + kept[s] + fo[s];
             const int64_t backward_peak = kept[s] + x[s + 1] + x[s] + bo[s] + (s + 1 < t ? held : 0);
             if (kept[s] <= m && forward_peak <= m && backward_peak <= m) {
               const double rest = time(s + 1, t, m - kept[s], keep);
@@ -245,11 +248,11 @@ class Solver {
             // Layers [s, e) run without grad keeping x[e], and are recomputed
             // once the rest is done, while autograd holds x[e]'s gradient.
             if (!c_.in_place[s]) {
-              int64_t forward_peak = 0;
+              int64_t segment_peak = 0;
               for (int64_t e = s + 1; e < t; ++e) {
                 const int64_t k = e - 1;
-                forward_peak = std::max(forward_peak, (k > s ? x[k] : 0) + x[k + 1] + fo[k]);
-                if (x[t] + forward_peak > m) break;  // grows with e
+                segment_peak = std::max(segment_peak, (k > s ? x[k] : 0) + x[k + 1] + fo[k]);
+                if (grad_in_forward + segment_peak > m) break;  // grows with e
                 const double rest = time(e, t, m - x[e], keep);
                 if (rest == kInfinity) continue;
                 const double again = time(s, e, m - held, /*keep=*/true);
@@ -426,8 +429,8 @@ ScheduleCost simulate(const Schedule& schedule, const ChainCosts& costs) {
   costs.validate();
   schedule.validate(costs.size());
   Simulation sim{costs};
-  sim.allocate(costs.x.back());  // the gradient of the chain's output
   sim.forward(schedule.segments);
+  sim.allocate(costs.x.back());  // the gradient of the chain's output, once the loss is back
   sim.backward(schedule.segments, /*keep=*/false);
   return {sim.time, sim.peak};
 }

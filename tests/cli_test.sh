@@ -34,7 +34,8 @@ expect() {
 
 expect help 0 'train' out -- --help
 for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --seed --budget \
-            --data --report --eval-batch --no-eval --quiet --threads; do
+            --data --report --eval-batch --no-eval --quiet --threads --checkpoint \
+            --checkpoint-budget --offload-checkpoints; do
   expect "train-help-documents$flag" 0 "$flag" out -- train --help
 done
 expect version 0 'memfit 0\.' out -- --version
@@ -46,6 +47,16 @@ expect zero-batch 2 'batch' err -- train --batch 0
 expect negative-batch 2 'batch' err -- train --batch -5
 expect unknown-model 2 'vgg' err -- train --model vgg
 expect steps-and-epochs 2 'excludes' err -- train --steps 3 --epochs 1
+expect bad-checkpoint 2 "revolve.*every:K" err -- train --checkpoint revolve
+expect checkpoint-every-needs-k 2 'every:K' err -- train --checkpoint every
+expect optimal-needs-budget 2 'checkpoint-budget' err -- train --checkpoint optimal
+expect optimal-impossible-budget 1 'most frugal schedule needs' err -- \
+  train --model resnet --width 4 --steps 1 --no-eval -q --checkpoint optimal --checkpoint-budget 1KiB
+expect checkpointed-run 0 'checkpoint schedule: \[0,4\)\* \[4,8\)\* \[8,12\)' out -- \
+  train --model resnet --width 4 --steps 3 --batch 16 --no-eval -q --checkpoint sqrt --offload-checkpoints
+expect optimal-run 0 'checkpoint schedule: .*\*' out -- \
+  train --model resnet --width 4 --steps 3 --batch 16 --no-eval -q --checkpoint optimal \
+  --checkpoint-budget 3MiB
 expect missing-data 1 'dataset-fashion-mnist' err -- train --data "$tmp/none" --steps 1
 expect over-budget 1 'out of memory.*tried to allocate' err -- \
   train --model mlp --budget 1MiB --steps 2 --no-eval -q

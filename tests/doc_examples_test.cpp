@@ -1,8 +1,11 @@
 // Every `Example:` in the public headers, compiled and run as written
 // (assert → EXPECT). When a header's example changes, change it here too.
 
+#include "memfit/checkpoint.h"
 #include "memfit/data.h"
 #include "memfit/memory.h"
+#include "memfit/profile.h"
+#include "memfit/schedule.h"
 #include "memfit/models.h"
 #include "memfit/trainer.h"
 
@@ -91,6 +94,77 @@ TEST_F(DocExamples, ModelsHeader) {
   }
   auto net = memfit::make_model(memfit::ModelKind::kMlp);
   EXPECT_FALSE(net.is_empty());
+}
+
+TEST_F(DocExamples, CheckpointHeader) {
+  {
+    torch::nn::Linear lin(8, 8);
+    auto x = torch::randn({4, 8});
+    auto outs = memfit::checkpoint(
+        [&](const std::vector<torch::Tensor>& in) {
+          return std::vector<torch::Tensor>{torch::relu(lin(in[0]))};
+        },
+        {x});
+    outs[0].sum().backward();
+    EXPECT_TRUE(lin->weight.grad().defined());
+  }
+  {
+    torch::nn::Linear lin(8, 8);
+    auto y = memfit::checkpoint([&](const torch::Tensor& x) { return torch::tanh(lin(x)); },
+                                torch::randn({4, 8}));
+    y.sum().backward();
+    EXPECT_TRUE(lin->weight.grad().defined());
+  }
+  {
+    torch::nn::Sequential block(torch::nn::Linear(8, 8), torch::nn::ReLU());
+    auto y = memfit::checkpoint(block, torch::randn({4, 8}));
+    y.sum().backward();
+  }
+  {
+    torch::nn::Sequential seq;
+    for (int i = 0; i < 10; ++i) seq->push_back(torch::nn::Linear(8, 8));
+    auto y = memfit::checkpoint_sequential(seq, 2, torch::randn({4, 8}));
+    y.sum().backward();
+  }
+}
+
+TEST_F(DocExamples, ProfileAndScheduleHeaders) {
+  {
+    torch::nn::Sequential chain(torch::nn::Linear(16, 32), torch::nn::ReLU(),
+                                torch::nn::Linear(32, 4));
+    auto p = memfit::profile_chain(chain, torch::randn({8, 16}));
+    EXPECT_EQ(p.layers.size(), 3u);
+    EXPECT_EQ(p.layers[0].output_bytes, 8 * 32 * 4);
+  }
+  EXPECT_EQ(memfit::parse_schedule_kind("sqrt"), memfit::ScheduleKind::kSqrt);
+  EXPECT_EQ(memfit::schedule_none(4).to_string(), "[0,4)");
+  EXPECT_EQ(memfit::schedule_every(10, 4).to_string(), "[0,4)* [4,8)* [8,10)");
+  EXPECT_EQ(memfit::schedule_uniform(10, 3).to_string(), "[0,3)* [3,6)* [6,10)");
+  EXPECT_EQ(memfit::schedule_sqrt(16).segments.size(), 4u);
+  {
+    torch::nn::Sequential chain(torch::nn::Linear(8, 8), torch::nn::Tanh());
+    auto costs = memfit::costs_from_profile(memfit::profile_chain(chain, torch::randn({2, 8})));
+    EXPECT_EQ(costs.size(), 2);
+  }
+  {
+    memfit::ChainCosts c{{4, 4, 4}, {8, 8}, {1, 1}, {2, 2}, {false, false}};
+    auto cost = memfit::simulate(memfit::schedule_none(2), c);
+    EXPECT_EQ(cost.time, 6);
+    auto least = memfit::min_budget(c);
+    EXPECT_GT(least, 0);
+  }
+  {
+    memfit::ChainCosts c{{4, 4, 4, 4}, {8, 8, 8}, {1, 1, 1}, {2, 2, 2}, {false, false, false}};
+    auto s = memfit::solve_optimal(c, 40);
+    EXPECT_LE(memfit::simulate(s, c).peak_bytes, 40);
+  }
+  {
+    torch::nn::Sequential chain;
+    for (int i = 0; i < 16; ++i) chain->push_back(torch::nn::Linear(32, 32));
+    memfit::CheckpointedSequential model(
+        chain, memfit::CheckpointedSequentialOptions().kind(memfit::ScheduleKind::kSqrt));
+    model->forward(torch::randn({8, 32})).sum().backward();
+  }
 }
 
 TEST_F(DocExamples, DataAndTrainerHeaders) {

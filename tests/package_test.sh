@@ -19,6 +19,8 @@ cmake -S "$consumer" -B "$work/find" -DCMAKE_BUILD_TYPE=Release \
 cmake --build "$work/find" -j "$jobs" >"$work/find-build.log"
 "$work/find/consumer" | tee "$work/find-run.log"
 grep -q "refused as expected" "$work/find-run.log"
+"$work/find/checkpointing" | tee "$work/checkpointing-run.log"
+grep -q "gradients identical" "$work/checkpointing-run.log"
 echo "ok   find_package(memfit CONFIG REQUIRED)"
 
 cmake -S "$consumer" -B "$work/subdir" -DCMAKE_BUILD_TYPE=Release \

@@ -41,8 +41,9 @@ TEST(Schedules, ValidateRejectsGapsAndOverlaps) {
 TEST(Simulate, MatchesAHandCountedPlainRun) {
   // x = input/output sizes, kept per layer, forward and backward times.
   ChainCosts c{{4, 4, 4}, {8, 8}, {1, 1}, {2, 2}, {false, false}};
-  // grad out 4; forward keeps 8 + 8 (20); backward of layer 1 adds its input's
-  // gradient (24), then frees its 8 and the output gradient, and so on.
+  // Forward keeps 8 + 8; the output's gradient arrives (20); backward of layer
+  // 1 adds its input's gradient (24), then frees its 8 and the output
+  // gradient, and so on.
   const auto cost = simulate(schedule_none(2), c);
   EXPECT_EQ(cost.peak_bytes, 24);
   EXPECT_DOUBLE_EQ(cost.time, 6.0);
@@ -298,7 +299,8 @@ TEST_F(CheckpointedSequentialTest, OptimalSchedulesMeasuredPeakIsTheSimulatedOne
     const int64_t peak = activation_peak([&](const torch::Tensor& in) { return model->forward(in); }, params, x);
     // Exact but for the scalar loss and its gradient (8 bytes).
     EXPECT_LE(peak, predicted + 8) << model->schedule().to_string();
-    EXPECT_GE(peak, predicted - act / 2) << model->schedule().to_string();
+    EXPECT_GE(peak, predicted - act) << "conservative by less than one activation: "
+                                     << model->schedule().to_string();
   }
 }
 

@@ -4,6 +4,7 @@
 #include "memfit/data.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
+#include "memfit/schedule.h"
 #include "memfit/trainer.h"
 #include "progress.h"
 
@@ -14,6 +15,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <thread>
 #include <unistd.h>
 
@@ -53,7 +55,25 @@ struct TrainArgs {
   bool no_eval = false;
   bool quiet = false;
   int threads = 0;
+  std::string checkpoint = "none";
+  std::string checkpoint_budget;
+  bool offload_checkpoints = false;
 };
+
+// Parses --checkpoint's value: none, sqrt, optimal, every:K or uniform:K.
+memfit::CheckpointedSequentialOptions parse_checkpoint(const std::string& spec) {
+  static const std::regex pattern(R"(^(none|sqrt|optimal)$|^(every|uniform):([1-9][0-9]*)$)");
+  std::smatch m;
+  TORCH_CHECK(std::regex_match(spec, m, pattern), "invalid checkpoint schedule '", spec,
+              "': expected none, sqrt, optimal, every:K or uniform:K (K a positive integer)");
+  memfit::CheckpointedSequentialOptions o;
+  if (m[1].matched) {
+    o.kind(memfit::parse_schedule_kind(m[1].str()));
+  } else {
+    o.kind(memfit::parse_schedule_kind(m[2].str())).k(std::stoll(m[3].str()));
+  }
+  return o;
+}
 
 void add_train_command(CLI::App& app, TrainArgs& a) {
   auto* train = app.add_subcommand(
@@ -101,6 +121,27 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   train->add_flag("--no-eval", a.no_eval, "Skip the evaluation on the test set");
   train->add_flag("-q,--quiet", a.quiet, "No progress display");
+  train->add_option("--checkpoint", a.checkpoint,
+                    "Activation checkpointing: none, sqrt (Chen et al.), every:K layers, "
+                    "uniform:K segments (checkpoint_sequential), or optimal (needs "
+                    "--checkpoint-budget)")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            try {
+              parse_checkpoint(v);
+              return {};
+            } catch (const c10::Error& e) {
+              return e.msg();
+            }
+          },
+          "SCHEDULE"))
+      ->capture_default_str();
+  train->add_option("--checkpoint-budget", a.checkpoint_budget,
+                    "Memory for the model's activations under --checkpoint optimal, e.g. 24MiB: "
+                    "the schedule with the least recomputation that fits")
+      ->check(memory_size_validator());
+  train->add_flag("--offload-checkpoints", a.offload_checkpoints,
+                  "Keep checkpointed segments' inputs in host memory until backward");
   train->add_option("--threads", a.threads,
                     "CPU threads for LibTorch's kernels (0: every hardware thread)")
       ->check(CLI::NonNegativeNumber)
@@ -137,8 +178,16 @@ int run_train(const TrainArgs& a) {
   memfit::set_memory_budget(device, budget);
   memfit::reset_peak_memory_stats(device);
 
-  auto model = memfit::make_model(memfit::parse_model_kind(a.model),
+  auto chain = memfit::make_model(memfit::parse_model_kind(a.model),
                                   memfit::ModelOptions().width(a.width).depth(a.depth));
+  auto ck_options = parse_checkpoint(a.checkpoint);
+  if (ck_options.kind() == memfit::ScheduleKind::kOptimal) {
+    ck_options.budget(memfit::parse_memory_size(a.checkpoint_budget));
+  }
+  ck_options.checkpoint(memfit::CheckpointOptions().offload(
+      a.offload_checkpoints ? memfit::Offload::kHost : memfit::Offload::kNone));
+  memfit::CheckpointedSequential checkpointed(chain, ck_options);
+  torch::nn::Sequential model(checkpointed);
   memfit::TrainerOptions options;
   options.batch_size(a.batch)
       .steps(a.epochs > 0 ? 0 : a.steps)
@@ -187,6 +236,8 @@ int run_train(const TrainArgs& a) {
     fmt::print("test accuracy {:.2f}% ({} examples, loss {:.4f}, evaluated under no-grad)\n",
                100.0 * report.test.accuracy, test_data.size(), report.test.loss);
   }
+  fmt::print("checkpoint schedule: {} (layers [begin,end), * recomputed)\n",
+             checkpointed->schedule().to_string());
   fmt::print("peak memory {} ({} bytes){}\n", memfit::format_bytes(peak), peak,
              budget > 0 ? fmt::format(" of budget {}", memfit::format_bytes(budget)) : "");
   fmt::print("peak of the largest training step:\n{}", report.step_memory.table());
@@ -221,6 +272,13 @@ int main(int argc, char** argv) {
     std::string where = "memfit";
     for (const auto* sub : app.get_subcommands()) where += " " + sub->get_name();
     fmt::print(stderr, "{}: error: {} (see '{} --help')\n", where, e.what(), where);
+    return kExitUsage;
+  }
+  if (app.got_subcommand("train") && train_args.checkpoint == "optimal" &&
+      train_args.checkpoint_budget.empty()) {
+    fmt::print(stderr,
+               "memfit train: error: --checkpoint optimal needs --checkpoint-budget SIZE, the memory "
+               "for activations, e.g. --checkpoint-budget 24MiB (see 'memfit train --help')\n");
     return kExitUsage;
   }
 

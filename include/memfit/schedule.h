@@ -18,7 +18,7 @@
 /// output and makes that of its input; a checkpointed segment's backward
 /// recomputes it with its inner schedule while autograd holds the gradient of
 /// its output. The chain's input is held outside; the gradient of its output
-/// is counted from the start. simulate() and
+/// appears when the forward is done. simulate() and
 /// solve_optimal() share this model; tests check the solver against
 /// brute-force enumeration of every schedule.
 ///

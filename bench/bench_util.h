@@ -1,0 +1,56 @@
+#pragma once
+// Side-by-side timing for benchmarks: each iteration runs every variant once,
+// rotating which goes first, so machine noise hits all alike; ratios are the
+// median over iterations of each iteration's time ratio.
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace memfit {
+namespace bench {
+
+struct Variant {
+  std::string name;            ///< Counter prefix: NAME_ms.
+  std::function<void()> run;   ///< One unit of work (sets its own state up).
+};
+
+/// Times `variants` side by side; reports NAME_ms for each and, for each
+/// variant after the first, NAME_vs_FIRST: the median ratio of its time to
+/// the first variant's.
+inline void side_by_side(benchmark::State& state, const std::vector<Variant>& variants) {
+  using Clock = std::chrono::steady_clock;
+  const size_t k = variants.size();
+  for (const auto& v : variants) v.run();  // warm up
+  std::vector<double> total(k, 0.0);
+  std::vector<std::vector<double>> ratios(k);
+  size_t iteration = 0;
+  for (auto _ : state) {
+    std::vector<double> t(k, 0.0);
+    for (size_t j = 0; j < k; ++j) {
+      const size_t v = (iteration + j) % k;
+      const auto t0 = Clock::now();
+      variants[v].run();
+      t[v] = std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+    for (size_t v = 0; v < k; ++v) {
+      total[v] += t[v];
+      if (v > 0) ratios[v].push_back(t[v] / t[0]);
+    }
+    ++iteration;
+  }
+  for (size_t v = 0; v < k; ++v) {
+    state.counters[variants[v].name + "_ms"] = 1e3 * total[v] / double(iteration);
+    if (v == 0) continue;
+    auto& r = ratios[v];
+    std::nth_element(r.begin(), r.begin() + r.size() / 2, r.end());
+    state.counters[variants[v].name + "_vs_" + variants[0].name] = r[r.size() / 2];
+  }
+}
+
+} // namespace bench
+} // namespace memfit

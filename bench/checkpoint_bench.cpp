@@ -1,0 +1,232 @@
+// Activation checkpointing: peak activation memory and step time of each
+// schedule relative to no checkpointing, and the optimal schedule against
+// checkpoint_sequential's best segment count at the same budget.
+//
+// Chains of n blocks:
+//   mlp      n × (Linear(256, 256), tanh)                      homogeneous
+//   mlp_het  alternating Linear(128, 1024)+ReLU and Linear(1024, 128)+tanh
+//            (8× larger activations every other block)          heterogeneous
+//   cnn      residual conv blocks, 3 stages (16/32/64 channels, 32→16→8 px)
+//
+// Memory is measured with memfit's byte-exact meter on the activations and
+// their gradients (parameters frozen, the input requiring grad); times are a
+// training step with parameter gradients, measured side by side in one run.
+//
+//   make bench   or   build/bench/memfit_checkpoint_bench [--benchmark_filter=mlp_het]
+
+#include "memfit/memory.h"
+#include "memfit/schedule.h"
+
+#include "bench_util.h"
+
+#include <benchmark/benchmark.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <memory>
+
+namespace {
+
+using memfit::CheckpointedSequential;
+using memfit::CheckpointedSequentialOptions;
+using memfit::Schedule;
+
+struct MlpBlockImpl : torch::nn::Module {
+  MlpBlockImpl(int64_t in, int64_t out, bool relu)
+      : lin(register_module("lin", torch::nn::Linear(in, out))), relu(relu) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return relu ? torch::relu(lin(x)) : torch::tanh(lin(x));
+  }
+  torch::nn::Linear lin;
+  bool relu;
+};
+TORCH_MODULE(MlpBlock);
+
+struct ConvBlockImpl : torch::nn::Module {
+  ConvBlockImpl(int64_t in, int64_t out, int64_t stride)
+      : c1(register_module("c1", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false)))),
+        b1(register_module("b1", torch::nn::BatchNorm2d(out))),
+        c2(register_module("c2", torch::nn::Conv2d(torch::nn::Conv2dOptions(out, out, 3).padding(1).bias(false)))),
+        b2(register_module("b2", torch::nn::BatchNorm2d(out))) {
+    if (stride != 1 || in != out) {
+      proj = register_module("proj", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = b2(c2(torch::relu(b1(c1(x)))));
+    return torch::relu(y + (proj ? proj(x) : x));
+  }
+  torch::nn::Conv2d c1;
+  torch::nn::BatchNorm2d b1;
+  torch::nn::Conv2d c2;
+  torch::nn::BatchNorm2d b2;
+  torch::nn::Conv2d proj{nullptr};
+};
+TORCH_MODULE(ConvBlock);
+
+struct Chain {
+  torch::nn::Sequential seq;
+  torch::Tensor input;
+  torch::Tensor target;
+  memfit::ChainCosts costs;
+  int64_t plain_peak = 0;  // measured activation bytes of the plain run
+};
+
+torch::nn::Sequential build(const std::string& kind, int64_t n) {
+  torch::nn::Sequential seq;
+  for (int64_t i = 0; i < n; ++i) {
+    if (kind == "mlp") {
+      seq->push_back(MlpBlock(256, 256, false));
+    } else if (kind == "mlp_het") {
+      seq->push_back(i % 2 == 0 ? MlpBlock(128, 1024, true) : MlpBlock(1024, 128, false));
+    } else {
+      const int64_t stage = std::min<int64_t>(2, 3 * i / n);
+      const int64_t prev = std::min<int64_t>(2, i == 0 ? 0 : 3 * (i - 1) / n);
+      const bool down = i > 0 && stage != prev;
+      seq->push_back(ConvBlock(16 << prev, 16 << stage, down ? 2 : 1));
+    }
+  }
+  return seq;
+}
+
+// Activation bytes of one forward and backward: parameters frozen, input requires grad.
+int64_t activation_peak(const std::function<torch::Tensor(const torch::Tensor&)>& forward,
+                        torch::nn::Sequential& seq, const torch::Tensor& input) {
+  for (auto& p : seq->parameters()) p.requires_grad_(false);
+  auto x = input.detach().requires_grad_(true);
+  int64_t peak = 0;
+  {
+    memfit::PeakMeter meter;
+    forward(x).sum().backward();
+    peak = meter.peak_delta();
+  }
+  for (auto& p : seq->parameters()) p.requires_grad_(true);
+  return peak;
+}
+
+Chain& chain(const std::string& kind, int64_t n) {
+  static std::map<std::string, std::unique_ptr<Chain>> cache;
+  const std::string key = kind + std::to_string(n);
+  auto& slot = cache[key];
+  if (slot) return *slot;
+  torch::manual_seed(0);
+  slot = std::make_unique<Chain>();
+  Chain& c = *slot;
+  c.seq = build(kind, n);
+  c.input = kind == "cnn" ? torch::randn({8, 16, 32, 32})
+                          : torch::randn({64, kind == "mlp" ? 256 : 128});
+  c.target = torch::randn_like(c.seq->forward(c.input));
+  for (auto& p : c.seq->parameters()) p.requires_grad_(false);
+  c.costs = memfit::costs_from_profile(memfit::profile_chain(c.seq, c.input.detach().requires_grad_(true)));
+  for (auto& p : c.seq->parameters()) p.requires_grad_(true);
+  c.plain_peak = activation_peak([&](const torch::Tensor& x) { return c.seq->forward(x); }, c.seq, c.input);
+  return c;
+}
+
+std::function<void()> train_step(Chain& c, CheckpointedSequential model) {
+  return [&c, model]() mutable {
+    for (auto& p : c.seq->parameters()) p.mutable_grad() = torch::Tensor();
+    torch::mse_loss(model->forward(c.input), c.target).backward();
+  };
+}
+
+CheckpointedSequential with_schedule(Chain& c, const Schedule& s) {
+  CheckpointedSequential m(c.seq, CheckpointedSequentialOptions());
+  m->set_schedule(s);
+  return m;
+}
+
+int64_t peak_of(Chain& c, CheckpointedSequential m) {
+  return activation_peak([&](const torch::Tensor& x) { return m->forward(x); }, c.seq, c.input);
+}
+
+// sqrt(n) against the plain run.
+void BM_Sqrt(benchmark::State& state, std::string kind, int64_t n) {
+  Chain& c = chain(kind, n);
+  auto plain = with_schedule(c, memfit::schedule_none(n));
+  auto ck = with_schedule(c, memfit::schedule_sqrt(n));
+  state.counters["plain_act_MiB"] = double(c.plain_peak) / (1 << 20);
+  state.counters["mem_ratio"] = double(peak_of(c, ck)) / double(c.plain_peak);
+  state.counters["bound_2.5sqrt(n)/n"] = 2.5 * std::sqrt(double(n)) / double(n);
+  memfit::bench::side_by_side(state, {{"plain", train_step(c, plain)}, {"sqrt", train_step(c, ck)}});
+}
+
+// The optimal schedule at fraction × the plain run's activation peak, against
+// the plain run and the fastest checkpoint_sequential split that fits too.
+void BM_Optimal(benchmark::State& state, std::string kind, int64_t n, double fraction) {
+  Chain& c = chain(kind, n);
+  const auto budget = static_cast<int64_t>(fraction * double(c.plain_peak));
+  auto plain = with_schedule(c, memfit::schedule_none(n));
+  Schedule best;
+  try {
+    best = memfit::solve_optimal(c.costs, budget);
+  } catch (const c10::Error& e) {
+    state.SkipWithError(e.msg().c_str());
+    for (auto _ : state) {
+    }
+    return;
+  }
+  auto opt = with_schedule(c, best);
+  // checkpoint_sequential's segment counts, fastest first (by the model), the
+  // first whose measured peak fits.
+  std::vector<std::pair<double, int64_t>> splits;
+  for (int64_t k = 2; k <= n; ++k) {
+    splits.emplace_back(memfit::simulate(memfit::schedule_uniform(n, k), c.costs).time, k);
+  }
+  std::sort(splits.begin(), splits.end());
+  int64_t segments = 0;
+  for (const auto& s : splits) {
+    if (peak_of(c, with_schedule(c, memfit::schedule_uniform(n, s.second))) <= budget) {
+      segments = s.second;
+      break;
+    }
+  }
+  state.counters["budget_frac"] = fraction;
+  state.counters["opt_mem_ratio"] = double(peak_of(c, opt)) / double(c.plain_peak);
+  std::vector<memfit::bench::Variant> variants{{"plain", train_step(c, plain)},
+                                               {"optimal", train_step(c, opt)}};
+  if (segments > 0) {
+    auto uni = with_schedule(c, memfit::schedule_uniform(n, segments));
+    state.counters["seq_segments"] = double(segments);
+    state.counters["seq_mem_ratio"] = double(peak_of(c, uni)) / double(c.plain_peak);
+    variants.push_back({"ckseq", train_step(c, uni)});
+  } else {
+    state.counters["seq_segments"] = 0;  // no split fits: only the optimal schedule does
+  }
+  memfit::bench::side_by_side(state, variants);
+  if (segments > 0) {
+    state.counters["optimal_vs_ckseq"] =
+        double(state.counters["optimal_vs_plain"]) / double(state.counters["ckseq_vs_plain"]);
+  }
+}
+
+void register_all() {
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> chains = {
+      {"mlp", {16, 64, 256}}, {"mlp_het", {16, 64, 256}}, {"cnn", {16, 64}}};
+  for (const auto& [kind, sizes] : chains) {
+    for (int64_t n : sizes) {
+      const double min_time = n >= 256 ? 3.0 : 1.5;
+      benchmark::RegisterBenchmark(("sqrt/" + kind + "/" + std::to_string(n)).c_str(), BM_Sqrt, kind, n)
+          ->Unit(benchmark::kMillisecond)
+          ->MinTime(min_time);
+      for (double f : {0.5, 0.25}) {
+        benchmark::RegisterBenchmark(
+            ("optimal/" + kind + "/" + std::to_string(n) + "/" + (f == 0.5 ? "half" : "quarter")).c_str(),
+            BM_Optimal, kind, n, f)
+            ->Unit(benchmark::kMillisecond)
+            ->MinTime(min_time);
+      }
+    }
+  }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  at::set_num_threads(1);  // one core per run keeps the pairs comparable on a shared machine
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
