@@ -4,6 +4,7 @@
 #include "memfit/memory.h"
 
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/nn/modules/container/any.h>
 
 #include <fmt/format.h>
@@ -16,6 +17,7 @@ namespace memfit {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using torch::autograd::variable_list;
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -125,25 +127,38 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
       const double f = std::chrono::duration<double>(Clock::now() - t0).count();
       const int64_t kept = memory_allocated(device) - before;
       const int64_t fwd_peak = meter.peak() - before;
+      // The output and parameter flags are read now: `y` is let go of below.
+      const int64_t out_bytes = tensor_bytes(y);
+      const bool shares_input = y.has_storage() && input.has_storage() &&
+                                y.storage().unsafeGetStorageImpl() == input.storage().unsafeGetStorageImpl();
       double b = 0;
       int64_t backward_overhead = 0;
       if (y.requires_grad() && !wrt.empty()) {
-        auto grad = torch::ones_like(y);
-        const int64_t before_backward = memory_allocated(device);
+        // As in a chain: autograd alone holds the output (through what the
+        // layer saved) and the output's gradient; the gradients of the input
+        // and parameters are captured, not accumulated.
+        torch::autograd::edge_list roots{torch::autograd::impl::gradient_edge(y)};
+        torch::autograd::edge_list outputs;
+        for (const auto& t : wrt) outputs.push_back(torch::autograd::impl::gradient_edge(t));
+        variable_list grad_out{torch::ones_like(y)};
+        y = torch::Tensor();
+        const int64_t before_backward = memory_allocated(device);  // kept + output gradient
         PeakMeter backward_meter(device);
         const auto t1 = Clock::now();
-        auto grads = torch::autograd::grad({y}, wrt, {grad}, /*retain_graph=*/false,
-                                           /*create_graph=*/false, /*allow_unused=*/true);
+        auto grads = torch::autograd::Engine::get_default_engine().execute(
+            roots, grad_out, /*keep_graph=*/false, /*create_graph=*/false,
+            /*accumulate_grad=*/false, outputs);
         b = std::chrono::duration<double>(Clock::now() - t1).count();
-        backward_overhead = backward_meter.peak() - before_backward - storage_bytes(grads);
+        // Parameter gradients belong to the gradients, not to activations.
+        std::vector<torch::Tensor> param_grads(grads.begin() + (floating ? 1 : 0), grads.end());
+        backward_overhead = backward_meter.peak() - before_backward - storage_bytes(param_grads);
       }
       if (r == 0) {
         l.kept_bytes = kept;
         l.forward_peak_bytes = fwd_peak;
         l.backward_overhead_bytes = std::max<int64_t>(0, backward_overhead);
-        l.output_bytes = tensor_bytes(y);
-        l.in_place = y.has_storage() && input.has_storage() &&
-                     y.storage().unsafeGetStorageImpl() == input.storage().unsafeGetStorageImpl();
+        l.output_bytes = out_bytes;
+        l.in_place = shares_input;
       } else {
         fwd.push_back(f);
         bwd.push_back(b);

@@ -119,11 +119,11 @@ struct Simulation {
         continue;
       }
       for (int64_t i = s.end - 1; i >= s.begin; --i) {
-        allocate(c.x[i]);  // gradient of the input
-        spike(c.backward_extra(i));
+        spike(c.backward_extra(i));  // the input's gradient and temporaries
         time += c.backward[i];
         release(c.kept[i]);
         if (!(held && i == s.end - 1)) release(c.x[i + 1]);  // gradient of the output
+        allocate(c.x[i]);  // gradient of the input
       }
     }
   }
@@ -237,8 +237,9 @@ class Solver {
             // gradient only after the forward; recomputed ones hold it throughout.
             const int64_t grad_in_forward = t == n_ ? 0 : x[t];
             const int64_t forward_peak = grad_in_forward + kept[s] + fo[s];
-            const int64_t backward_peak = kept[s] + x[s + 1] + x[s] + bo[s] + (s + 1 < t ? held : 0);
-            if (kept[s] <= m && forward_peak <= m && backward_peak <= m) {
+            const int64_t backward_peak = kept[s] + x[s + 1] + bo[s] + (s + 1 < t ? held : 0);
+            const int64_t after_backward = x[s] + held;
+            if (kept[s] <= m && forward_peak <= m && backward_peak <= m && after_backward <= m) {
               const double rest = time(s + 1, t, m - kept[s], keep);
               if (rest < kInfinity) {
                 best = c_.forward[s] + c_.backward[s] + rest;

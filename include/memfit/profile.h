@@ -28,8 +28,9 @@ struct LayerProfile {
   int64_t output_bytes = 0;    ///< Bytes of the tensor it returns.
   int64_t kept_bytes = 0;      ///< Bytes it keeps until backward when run with grad, output included.
   int64_t forward_peak_bytes = 0;  ///< Peak extra bytes during its forward with grad.
-  /// Peak bytes during its backward beyond the gradients of its input, output
-  /// and parameters (the backward's temporaries).
+  /// Peak bytes during its backward beyond what it kept and its output's
+  /// gradient, with those freed as autograd frees them (its input's gradient
+  /// and temporaries; parameter gradients excluded).
   int64_t backward_overhead_bytes = 0;
   int64_t parameter_bytes = 0;     ///< Bytes of its parameters.
   double forward_seconds = 0;      ///< Median forward time.

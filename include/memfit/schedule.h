@@ -14,8 +14,9 @@
 /// forward and backward need on top; forward and backward time. A schedule's
 /// peak is simulated event by event: a layer run with grad keeps kept[i]; a
 /// checkpointed segment's no-grad forward holds one layer's input and output
-/// at a time and keeps its output; backward holds the gradient of the layer's
-/// output and makes that of its input; a checkpointed segment's backward
+/// at a time and keeps its output; a layer's backward peaks at what it kept,
+/// its output's gradient and its backward overhead, then holds its input's
+/// gradient only; a checkpointed segment's backward
 /// recomputes it with its inner schedule while autograd holds the gradient of
 /// its output. The chain's input is held outside; the gradient of its output
 /// appears when the forward is done. simulate() and
@@ -124,8 +125,9 @@ struct ChainCosts {
   std::vector<bool> in_place;      ///< n: layer modifies its input (cannot start a checkpoint).
   /// n or empty (zeros): bytes layer i's forward needs briefly beyond kept[i].
   std::vector<int64_t> forward_overhead;
-  /// n or empty (zeros): bytes layer i's backward needs briefly beyond the
-  /// gradients of its input and output (parameter gradients excluded).
+  /// n or empty (zeros): bytes layer i's backward needs at its peak beyond
+  /// kept[i] and its output's gradient (its input's gradient and temporaries;
+  /// parameter gradients excluded).
   std::vector<int64_t> backward_overhead;
 
   /// Number of layers.
