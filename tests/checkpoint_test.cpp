@@ -12,16 +12,8 @@ namespace memfit {
 namespace {
 
 using testing::Seeded;
-
-std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& params) {
-  std::vector<torch::Tensor> g;
-  for (const auto& p : params) g.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
-  return g;
-}
-
-void zero_grads(const std::vector<torch::Tensor>& params) {
-  for (const auto& p : params) const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
-}
+using testing::grads_of;
+const auto zero_grads = testing::clear_grads;
 
 void expect_bitwise_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   ASSERT_EQ(a.size(), b.size());

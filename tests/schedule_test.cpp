@@ -13,6 +13,7 @@ namespace memfit {
 namespace {
 
 using testing::Seeded;
+using testing::grads_of;
 
 TEST(Schedules, StandardKindsSplitLikeCheckpointSequential) {
   EXPECT_EQ(schedule_none(5).to_string(), "[0,5)");
@@ -205,12 +206,6 @@ torch::nn::Sequential mlp_blocks(int64_t n, int64_t w) {
   return seq;
 }
 
-std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& ps) {
-  std::vector<torch::Tensor> g;
-  for (const auto& p : ps) g.push_back(p.grad().clone());
-  return g;
-}
-
 class CheckpointedSequentialTest : public Seeded {};
 
 TEST_F(CheckpointedSequentialTest, EverySchedulesGradientsEqualThePlainRunBitwise) {
@@ -226,8 +221,8 @@ TEST_F(CheckpointedSequentialTest, EverySchedulesGradientsEqualThePlainRunBitwis
                        CheckpointedSequentialOptions().kind(ScheduleKind::kUniform).k(4),
                        CheckpointedSequentialOptions().kind(ScheduleKind::kSqrt),
                        CheckpointedSequentialOptions().kind(ScheduleKind::kOptimal).budget(10 * act)}) {
-    for (auto& p : params) p.mutable_grad() = torch::Tensor();
-    x.mutable_grad() = torch::Tensor();
+    testing::clear_grads(params);
+    testing::clear_grads({x});
     CheckpointedSequential model(seq, options);
     model->forward(x).pow(2).sum().backward();
     const auto got = grads_of(params);

@@ -21,5 +21,17 @@ class Seeded : public ::testing::Test {
   void TearDown() override { set_memory_budget(torch::kCPU, 0); }
 };
 
+/// Copies of the gradients of `params` (undefined where a gradient is).
+inline std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> g;
+  for (const auto& p : params) g.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  return g;
+}
+
+/// Sets the gradients of `params` to none.
+inline void clear_grads(const std::vector<torch::Tensor>& params) {
+  for (const auto& p : params) const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
+}
+
 } // namespace testing
 } // namespace memfit
