@@ -201,7 +201,7 @@ class Solver {
   // The least m for which [0, n) is feasible, or -1.
   int64_t least_units() const {
     for (int64_t m = 0; m < width_; ++m) {
-      if (time(0, n_, m, false) < kInfinity) return m;
+      if (time(0, n_, m, true) < kInfinity) return m;
     }
     return -1;
   }
@@ -432,7 +432,9 @@ ScheduleCost simulate(const Schedule& schedule, const ChainCosts& costs) {
   Simulation sim{costs};
   sim.forward(schedule.segments);
   sim.allocate(costs.x.back());  // the gradient of the chain's output, once the loss is back
-  sim.backward(schedule.segments, /*keep=*/false);
+  // The caller holds the chain's output (the logits) until backward is done:
+  // as much as keeping its gradient.
+  sim.backward(schedule.segments, /*keep=*/true);
   return {sim.time, sim.peak};
 }
 
@@ -445,7 +447,7 @@ int64_t min_budget(const ChainCosts& costs, const SolverOptions& options) {
   Solver solver(costs, units);
   const int64_t m = solver.least_units();
   TORCH_INTERNAL_ASSERT(m >= 0, "the plain schedule must be feasible at its own peak");
-  Schedule frugal{solver.build(0, costs.size(), m, /*keep=*/false)};
+  Schedule frugal{solver.build(0, costs.size(), m, /*keep=*/true)};
   return simulate(frugal, costs).peak_bytes;
 }
 
@@ -458,7 +460,7 @@ Schedule solve_optimal(const ChainCosts& costs, int64_t budget, const SolverOpti
   if (simulate(schedule_none(n), costs).peak_bytes <= budget) return schedule_none(n);
   const UnitCosts units = to_units(costs, budget, options.slots());
   Solver solver(costs, units);
-  if (solver.time(0, n, units.capacity, /*keep=*/false) == kInfinity) {
+  if (solver.time(0, n, units.capacity, /*keep=*/true) == kInfinity) {
     const int64_t least = min_budget(costs, options);
     TORCH_CHECK(least > budget, "no checkpoint schedule fits an activation budget of ",
                 format_bytes(budget), " when memory is counted in units of ",
@@ -468,7 +470,7 @@ Schedule solve_optimal(const ChainCosts& costs, int64_t budget, const SolverOpti
                 " (", budget, " bytes): the most frugal schedule needs ", format_bytes(least), " (",
                 least, " bytes); raise the budget to at least that or lower the batch size");
   }
-  return Schedule{solver.build(0, n, units.capacity, /*keep=*/false)};
+  return Schedule{solver.build(0, n, units.capacity, /*keep=*/true)};
 }
 
 CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential sequential,

@@ -276,7 +276,7 @@ TEST_F(CheckpointedSequentialTest, SqrtScheduleCutsMeasuredActivationMemoryAsPro
       << "sqrt(n): " << ck << " of " << plain;
 }
 
-TEST_F(CheckpointedSequentialTest, OptimalSchedulesMeasuredPeakIsWithinOneActivationOfTheModel) {
+TEST_F(CheckpointedSequentialTest, OptimalSchedulesMeasuredPeakNeverExceedsTheModel) {
   const int64_t n = 24, w = 128, batch = 64;
   auto seq = mlp_blocks(n, w);
   auto params = seq->parameters();
@@ -292,10 +292,10 @@ TEST_F(CheckpointedSequentialTest, OptimalSchedulesMeasuredPeakIsWithinOneActiva
     const int64_t predicted = simulate(model->schedule(), costs).peak_bytes;
     EXPECT_LE(predicted, budget_acts * act);
     const int64_t peak = activation_peak([&](const torch::Tensor& in) { return model->forward(in); }, params, x);
-    // Within one activation (plus the scalar loss and its gradient): the model
-    // does not see, for example, that sum()'s gradient reaches the last layer
-    // as a broadcast view of one element.
-    EXPECT_LE(peak, predicted + act + 8) << model->schedule().to_string();
+    // Never above the model (but for the scalar loss and its gradient), and
+    // below it by at most one activation: the model does not see that sum()'s
+    // gradient reaches the last layer as a broadcast view of one element.
+    EXPECT_LE(peak, predicted + 8) << model->schedule().to_string();
     EXPECT_GE(peak, predicted - act) << model->schedule().to_string();
   }
 }

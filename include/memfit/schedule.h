@@ -19,7 +19,8 @@
 /// gradient only; a checkpointed segment's backward
 /// recomputes it with its inner schedule while autograd holds the gradient of
 /// its output. The chain's input is held outside; the gradient of its output
-/// appears when the forward is done. simulate() and
+/// appears when the forward is done; the caller holds the chain's output (the
+/// logits) until backward is done. simulate() and
 /// solve_optimal() share this model; tests check the solver against
 /// brute-force enumeration of every schedule.
 ///
