@@ -181,8 +181,11 @@ TEST(OptimalSolver, TooSmallABudgetNamesTheSmallestThatWorks) {
 TEST(OptimalSolver, CoarseSlotsStayWithinTheBudget) {
   std::mt19937 rng(99);
   auto c = random_chain(rng, 40, false);
-  for (auto& v : c.x) v *= 1000;
-  for (auto& v : c.kept) v *= 1000;
+  // Sizes without a common factor: memory is counted in coarse units.
+  std::uniform_int_distribution<int64_t> jitter(0, 999);
+  for (auto& v : c.x) v = v * 1000 + jitter(rng);
+  for (auto& v : c.kept) v = v * 1000 + jitter(rng);
+  c.x[0] = c.x[0] | 1;  // odd, so the greatest common divisor is small
   const int64_t plain = simulate(schedule_none(40), c).peak_bytes;
   const int64_t least = min_budget(c, SolverOptions().slots(400));
   for (double f : {0.9, 0.6, 0.4}) {

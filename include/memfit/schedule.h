@@ -26,7 +26,8 @@
 ///
 /// Thread safety: schedules and costs are values; CheckpointedSequential is a
 /// module (one forward at a time). Sync points: none. Extra memory: the
-/// solver's tables, n² × (slots + 1) entries of 12 bytes (host memory).
+/// solver's tables, (n + 1)(n + 2) × (units + 1) entries of 12 bytes (host
+/// memory), units being the budget in memory units (at most 8 × slots).
 
 #include "memfit/checkpoint.h"
 #include "memfit/profile.h"
@@ -173,9 +174,11 @@ ScheduleCost simulate(const Schedule& schedule, const ChainCosts& costs);
 
 /// How the optimal solver discretises memory.
 struct SolverOptions {
-  /// Memory is counted in units of ceil(budget / slots) bytes, each size rounded
-  /// up (so a solution never exceeds the budget). More slots: closer to the
-  /// budget, more time and memory (n³/6 × slots steps).
+  /// Memory is counted in units: the greatest common divisor of all sizes when
+  /// the budget is at most 8 × slots of it (exact; tensor sizes usually share
+  /// a large factor), else ceil(budget / slots) bytes with each size rounded up
+  /// (a solution never exceeds the budget). More slots: closer to the budget,
+  /// more time and memory (about n³/3 × units steps).
   TORCH_ARG(int64_t, slots) = 200;
 };
 
