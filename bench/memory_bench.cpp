@@ -7,6 +7,7 @@
 //
 //   make bench        or   build/bench/memfit_bench --benchmark_filter=TrainStep
 
+#include "memfit/compat.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
 #include "memory_internal.h"
@@ -29,7 +30,8 @@ namespace {
 // Forwards to LibTorch's default allocator and counts the calls.
 struct CountingAllocator final : c10::Allocator {
   mutable std::atomic<int64_t> calls{0};
-  c10::DataPtr allocate(size_t n) const override {
+  MEMFIT_ALLOCATOR_METHODS(allocate_impl)
+  c10::DataPtr allocate_impl(size_t n) const {
     calls.fetch_add(1, std::memory_order_relaxed);
     return c10::GetDefaultCPUAllocator()->allocate(n);
   }

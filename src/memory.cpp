@@ -105,7 +105,8 @@ void tracked_delete(void* data) {
 }
 
 struct TrackingAllocator final : public c10::Allocator {
-  c10::DataPtr allocate(size_t n) const override {
+  MEMFIT_ALLOCATOR_METHODS(allocate_impl)
+  c10::DataPtr allocate_impl(size_t n) const {
     const c10::Device cpu(c10::DeviceType::CPU);
     if (n == 0) return {nullptr, nullptr, &tracked_delete, cpu};
     TORCH_CHECK(n <= static_cast<size_t>(std::numeric_limits<int64_t>::max()) - kHeaderBytes,

@@ -30,6 +30,8 @@
 /// (5 KiB of host memory for the CPU generator, not counted); during backward,
 /// the recomputed activations of one checkpoint at a time.
 
+#include "memfit/memory.h"
+
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
@@ -40,12 +42,6 @@
 #include <vector>
 
 namespace memfit {
-
-/// Where a checkpoint keeps the inputs it saves for recomputation.
-enum class Offload {
-  kNone,  ///< On the inputs' device.
-  kHost,  ///< In host memory (pinned when CUDA), copied back for recomputation.
-};
 
 /// Options of checkpoint() and checkpoint_sequential(), named after PyTorch's.
 struct CheckpointOptions {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(MEMFIT_WITH_CUDA)
 #include <ATen/cuda/CUDAContext.h>
@@ -31,6 +32,19 @@
 #define MEMFIT_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||         \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+/// Declares a c10::Allocator subclass's allocate and copy_data for every
+/// LibTorch version. allocate is `const` in 1.x and early 2.x and not `const`
+/// later; copy_data became pure virtual in 2.x. Both overloads of allocate are
+/// declared (whichever the base has is overridden, the other is an ordinary
+/// member), so no version number has to be guessed. `impl` is a const member
+/// function `c10::DataPtr impl(size_t) const` of the subclass.
+#define MEMFIT_ALLOCATOR_METHODS(impl)                                  \
+  c10::DataPtr allocate(size_t n) const { return impl(n); }             \
+  c10::DataPtr allocate(size_t n) { return impl(n); }                   \
+  void copy_data(void* dest, const void* src, std::size_t count) const { \
+    if (count > 0) std::memcpy(dest, src, count);                       \
+  }
 
 namespace memfit {
 namespace compat {
@@ -74,6 +88,20 @@ inline void cuda_set_memory_fraction(double fraction, c10::DeviceIndex device) {
   c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device);
 }
 #endif
+
+/// Whether CUDA device `device` computes in bfloat16 natively (compute capability 8.0+).
+inline bool cuda_supports_bf16(c10::DeviceIndex device) {
+#if defined(MEMFIT_WITH_CUDA)
+  return at::cuda::getDeviceProperties(device)->major >= 8;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
+/// Whether CPU autocast can compute in float16 (LibTorch 2.4 and later; 1.13's
+/// CPU autocast knows bfloat16 only).
+constexpr bool kCpuAutocastHalf = MEMFIT_TORCH_AT_LEAST(2, 4);
 
 /// Turns CPU autocast on or off (1.13: set_cpu_enabled; 2.4+: device-typed).
 inline void set_cpu_autocast_enabled(bool enabled) {

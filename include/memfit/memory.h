@@ -33,6 +33,17 @@ class Optimizer;
 
 namespace memfit {
 
+/// Where memfit keeps state that need not live on the device: the inputs a
+/// checkpoint saves for recomputation, fp32 master weights, optimizer state.
+///
+/// On a CPU-only build "host" and "device" are the same memory; host copies
+/// are then made under UntrackedGuard, so memory_allocated(kCPU) counts what
+/// would stay on a GPU.
+enum class Offload {
+  kNone,  ///< On the device of the tensors concerned.
+  kHost,  ///< In host memory (pinned when CUDA), copied to the device when needed.
+};
+
 /// Bytes currently held by tensors on `device`.
 ///
 /// CPU: the exact sum of the sizes of live tensor storages allocated since

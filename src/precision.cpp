@@ -1,0 +1,413 @@
+#include "memfit/precision.h"
+
+#include "memfit/compat.h"
+
+#include <torch/optim/optimizer.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <map>
+
+namespace memfit {
+
+Precision parse_precision(const std::string& name) {
+  if (name == "fp32") return Precision::kFP32;
+  if (name == "bf16") return Precision::kBF16;
+  if (name == "fp16") return Precision::kFP16;
+  TORCH_CHECK(false, "unknown precision '", name, "': expected fp32, bf16, fp16 or auto");
+}
+
+std::string to_string(Precision precision) {
+  switch (precision) {
+    case Precision::kFP32: return "fp32";
+    case Precision::kBF16: return "bf16";
+    case Precision::kFP16: return "fp16";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled precision");
+}
+
+at::ScalarType scalar_type(Precision precision) {
+  switch (precision) {
+    case Precision::kFP32: return at::kFloat;
+    case Precision::kBF16: return at::kBFloat16;
+    case Precision::kFP16: return at::kHalf;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled precision");
+}
+
+Precision auto_precision(const torch::Device& device) {
+  if (device.is_cuda()) {
+    return compat::cuda_supports_bf16(device.has_index() ? device.index() : 0) ? Precision::kBF16
+                                                                               : Precision::kFP16;
+  }
+  return Precision::kBF16;
+}
+
+void check_precision_supported(Precision precision, const torch::Device& device) {
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "mixed precision runs on cpu or cuda, got ",
+              device.str());
+  if (device.is_cuda()) {
+    TORCH_CHECK(compat::kBuiltWithCuda,
+                "this build of memfit has no CUDA: run with --device cpu, or rebuild "
+                "against a LibTorch with CUDA");
+    return;
+  }
+  TORCH_CHECK(precision != Precision::kFP16 || compat::kCpuAutocastHalf,
+              "fp16 compute is not available on the CPU with LibTorch ", TORCH_VERSION,
+              " (CPU autocast supports bfloat16 only before LibTorch 2.4): use --precision bf16 "
+              "or fp32 on the CPU, or fp16 on a CUDA device");
+}
+
+// ---------------------------------------------------------------- AutocastGuard
+
+namespace {
+constexpr int kCpuSlot = 0;
+constexpr int kCudaSlot = 1;
+} // namespace
+
+AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::optional<at::ScalarType> dtype,
+                             bool enabled, bool cache_enabled) {
+  TORCH_CHECK(device_type == c10::DeviceType::CPU || device_type == c10::DeviceType::CUDA,
+              "autocast supports device types cpu and cuda, got ", device_type);
+  const bool cuda = device_type == c10::DeviceType::CUDA;
+  const at::ScalarType fast = dtype.value_or(cuda ? at::kHalf : at::kBFloat16);
+  TORCH_CHECK(fast == at::kBFloat16 || fast == at::kHalf,
+              "autocast computes in bfloat16 or float16, got ", fast);
+  if (enabled) {
+    check_precision_supported(fast == at::kHalf ? Precision::kFP16 : Precision::kBF16,
+                              torch::Device(device_type));
+  }
+  const auto prev = compat::get_autocast_state();
+  prev_enabled_[kCpuSlot] = prev.cpu_enabled;
+  prev_dtype_[kCpuSlot] = prev.cpu_dtype;
+  prev_enabled_[kCudaSlot] = prev.cuda_enabled;
+  prev_dtype_[kCudaSlot] = prev.cuda_dtype;
+  prev_cache_enabled_ = at::autocast::is_autocast_cache_enabled();
+
+  auto next = prev;
+  if (cuda) {
+    next.cuda_enabled = enabled;
+    next.cuda_dtype = fast;
+  } else {
+    next.cpu_enabled = enabled;
+    next.cpu_dtype = fast;
+  }
+  compat::set_autocast_state(next);
+  at::autocast::increment_nesting();
+  at::autocast::set_autocast_cache_enabled(cache_enabled);
+}
+
+AutocastGuard::AutocastGuard(const torch::Device& device, Precision precision)
+    : AutocastGuard(device.type(),
+                    precision == Precision::kFP32 ? c10::nullopt
+                                                  : c10::make_optional(scalar_type(precision)),
+                    precision != Precision::kFP32) {}
+
+AutocastGuard::~AutocastGuard() {
+  // Python's torch.autocast.__exit__: clear the cache when leaving the
+  // outermost autocast region, then restore the state saved on entry.
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  compat::AutocastState prev;
+  prev.cpu_enabled = prev_enabled_[kCpuSlot];
+  prev.cpu_dtype = prev_dtype_[kCpuSlot];
+  prev.cuda_enabled = prev_enabled_[kCudaSlot];
+  prev.cuda_dtype = prev_dtype_[kCudaSlot];
+  compat::set_autocast_state(prev);
+  at::autocast::set_autocast_cache_enabled(prev_cache_enabled_);
+}
+
+// ---------------------------------------------------------------- GradScaler
+
+GradScaler::GradScaler(GradScalerOptions options) : options_(std::move(options)) {
+  TORCH_CHECK(std::isfinite(options_.init_scale()) && options_.init_scale() > 0,
+              "GradScaler init_scale must be a positive finite number, got ",
+              options_.init_scale());
+  set_growth_factor(options_.growth_factor());
+  set_backoff_factor(options_.backoff_factor());
+  set_growth_interval(options_.growth_interval());
+}
+
+GradScaler::~GradScaler() = default;
+GradScaler::GradScaler(GradScaler&&) noexcept = default;
+GradScaler& GradScaler::operator=(GradScaler&&) noexcept = default;
+
+void GradScaler::set_growth_factor(double v) {
+  TORCH_CHECK(v > 1.0, "GradScaler growth_factor must be > 1.0, got ", v);
+  options_.growth_factor(v);
+}
+
+void GradScaler::set_backoff_factor(double v) {
+  TORCH_CHECK(v > 0.0 && v < 1.0, "GradScaler backoff_factor must be in (0, 1), got ", v);
+  options_.backoff_factor(v);
+}
+
+void GradScaler::set_growth_interval(int64_t v) {
+  TORCH_CHECK(v >= 1 && v <= std::numeric_limits<int32_t>::max(),
+              "GradScaler growth_interval must be a positive int32, got ", v);
+  options_.growth_interval(v);
+}
+
+void GradScaler::lazy_init(const torch::Device& device) {
+  if (scale_.defined()) return;
+  auto opts = torch::TensorOptions().device(device);
+  scale_ = torch::full({}, options_.init_scale(), opts.dtype(torch::kFloat));
+  growth_tracker_ = torch::full({}, loaded_tracker_, opts.dtype(torch::kInt));
+}
+
+torch::Tensor GradScaler::scale(const torch::Tensor& outputs) {
+  if (!options_.enabled()) return outputs;
+  TORCH_CHECK(outputs.defined(), "GradScaler::scale got an undefined tensor");
+  lazy_init(outputs.device());
+  return outputs * scale_.to(outputs.device(), /*non_blocking=*/true);
+}
+
+std::vector<torch::Tensor> GradScaler::scale(const std::vector<torch::Tensor>& outputs) {
+  std::vector<torch::Tensor> out;
+  out.reserve(outputs.size());
+  for (const auto& t : outputs) out.push_back(scale(t));
+  return out;
+}
+
+std::vector<torch::Tensor> GradScaler::unscale_grads(torch::optim::Optimizer& optimizer,
+                                                     const torch::Tensor& inv_scale) {
+  // Gradients grouped by device and dtype, as in PyTorch's _unscale_grads_.
+  std::map<std::pair<std::string, at::ScalarType>, std::vector<torch::Tensor>> groups;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      auto g = p.grad();
+      TORCH_CHECK(g.scalar_type() != at::kHalf,
+                  "Attempting to unscale FP16 gradients: keep the optimizer's parameters in "
+                  "fp32 (memfit::MasterWeights) and unscale their fp32 gradients");
+      if (g.is_sparse()) {
+        // PyTorch coalesces fp16 sparse gradients so duplicate indices cannot
+        // overflow; sparse values are unscaled in place either way.
+        g = g._values();
+      }
+      groups[{g.device().str(), g.scalar_type()}].push_back(g);
+    }
+  }
+  std::map<std::string, std::pair<torch::Tensor, torch::Tensor>> per_device;  // found_inf, inv_scale
+  for (auto& kv : groups) {
+    auto& grads = kv.second;
+    const auto device = grads.front().device();
+    auto& dev = per_device[kv.first.first];
+    if (!dev.first.defined()) {
+      dev.first = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(device));
+      dev.second = inv_scale.to(device, /*non_blocking=*/true).reshape({1});
+    }
+    if (device.is_cuda()) {
+      at::_amp_foreach_non_finite_check_and_unscale_(grads, dev.first, dev.second);
+      continue;
+    }
+    // Where the fused kernel is missing (the CPU in LibTorch 1.13): the same
+    // check and scaling with ordinary ops, and no sync.
+    for (auto& g : grads) {
+      auto nonfinite = torch::isfinite(g).all().logical_not();
+      dev.first.masked_fill_(nonfinite, 1.0);
+      g.mul_(dev.second);
+    }
+  }
+  std::vector<torch::Tensor> found;
+  for (auto& kv : per_device) found.push_back(kv.second.first);
+  return found;
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled()) return;
+  auto& state = per_optimizer_[&optimizer];
+  TORCH_CHECK(state.stage != Stage::kUnscaled,
+              "unscale_() has already been called on this optimizer since the last update()");
+  TORCH_CHECK(state.stage != Stage::kStepped, "unscale_() is being called after step()");
+  TORCH_CHECK(scale_.defined(),
+              "GradScaler::unscale_ before any scale(): scale the loss with scaler.scale(loss) "
+              "before backward");
+  // Reciprocal in double, then float, as PyTorch does.
+  const auto inv_scale = scale_.to(torch::kDouble).reciprocal().to(torch::kFloat);
+  state.found_inf_per_device = unscale_grads(optimizer, inv_scale);
+  state.stage = Stage::kUnscaled;
+}
+
+bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled()) {
+    optimizer.step();
+    return true;
+  }
+  auto& state = per_optimizer_[&optimizer];
+  TORCH_CHECK(state.stage != Stage::kStepped,
+              "step() has already been called since the last update()");
+  if (state.stage == Stage::kReady) unscale_(optimizer);
+  TORCH_CHECK(!state.found_inf_per_device.empty(),
+              "No inf checks were recorded for this optimizer: none of its parameters has a "
+              "gradient; run backward on scaler.scale(loss) first");
+  double found = 0;
+  for (const auto& f : state.found_inf_per_device) found += f.item<double>();
+  state.stage = Stage::kStepped;
+  if (found != 0) return false;
+  optimizer.step();
+  return true;
+}
+
+void GradScaler::update() {
+  if (!options_.enabled()) return;
+  TORCH_CHECK(scale_.defined(), "GradScaler::update before any scale()");
+  std::vector<torch::Tensor> found_infs;
+  for (auto& kv : per_optimizer_) {
+    for (auto& f : kv.second.found_inf_per_device) found_infs.push_back(f.to(scale_.device(), true));
+  }
+  TORCH_CHECK(!found_infs.empty(),
+              "No inf checks were recorded prior to update(): call step() or unscale_() first");
+  auto combined = found_infs.front().clone();
+  for (size_t i = 1; i < found_infs.size(); ++i) combined.add_(found_infs[i]);
+  if (scale_.is_cuda()) {
+    at::_amp_update_scale_(scale_, growth_tracker_, combined, options_.growth_factor(),
+                           options_.backoff_factor(), options_.growth_interval());
+  } else {
+    // _amp_update_scale_'s arithmetic with tensor ops (no sync): back off on
+    // inf; otherwise count the clean step and grow at growth_interval, keeping
+    // the old scale if the grown one is not finite.
+    auto found = combined.reshape({}).gt(0);
+    auto successful = growth_tracker_ + 1;
+    auto at_interval = successful.eq(options_.growth_interval());
+    auto grown = scale_ * options_.growth_factor();
+    auto grow = at_interval.logical_and(torch::isfinite(grown));
+    auto next_scale =
+        torch::where(found, scale_ * options_.backoff_factor(), torch::where(grow, grown, scale_));
+    auto next_tracker = torch::where(found.logical_or(at_interval),
+                                     torch::zeros_like(growth_tracker_), successful);
+    scale_.copy_(next_scale);
+    growth_tracker_.copy_(next_tracker);
+  }
+  per_optimizer_.clear();
+}
+
+void GradScaler::update(double new_scale) {
+  if (!options_.enabled()) return;
+  TORCH_CHECK(std::isfinite(new_scale) && new_scale > 0,
+              "GradScaler::update(new_scale) needs a positive finite scale, got ", new_scale);
+  if (!scale_.defined()) {
+    options_.init_scale(new_scale);
+  } else {
+    scale_.fill_(new_scale);
+  }
+  per_optimizer_.clear();
+}
+
+void GradScaler::update(const torch::Tensor& new_scale) {
+  if (!options_.enabled()) return;
+  TORCH_CHECK(new_scale.numel() == 1 && new_scale.scalar_type() == torch::kFloat,
+              "GradScaler::update(new_scale) needs a one-element float32 tensor, got ",
+              new_scale.numel(), " elements of ", new_scale.scalar_type());
+  TORCH_CHECK(!new_scale.requires_grad(), "new_scale should not require grad");
+  if (!scale_.defined()) lazy_init(new_scale.device());
+  scale_.copy_(new_scale.reshape({}));
+  per_optimizer_.clear();
+}
+
+double GradScaler::get_scale() const {
+  if (!options_.enabled()) return 1.0;
+  return scale_.defined() ? scale_.item<double>() : options_.init_scale();
+}
+
+int64_t GradScaler::growth_tracker() const {
+  return growth_tracker_.defined() ? growth_tracker_.item<int64_t>() : loaded_tracker_;
+}
+
+void GradScaler::save(torch::serialize::OutputArchive& archive) const {
+  TORCH_CHECK(options_.enabled(), "GradScaler::save on a disabled scaler: it has no state");
+  archive.write("scale", c10::IValue(get_scale()));
+  archive.write("growth_factor", c10::IValue(options_.growth_factor()));
+  archive.write("backoff_factor", c10::IValue(options_.backoff_factor()));
+  archive.write("growth_interval", c10::IValue(options_.growth_interval()));
+  archive.write("growth_tracker", c10::IValue(growth_tracker()));
+}
+
+void GradScaler::load(torch::serialize::InputArchive& archive) {
+  TORCH_CHECK(options_.enabled(),
+              "GradScaler::load on a disabled scaler: enable it (GradScalerOptions().enabled(true))");
+  c10::IValue scale, growth, backoff, interval, tracker;
+  TORCH_CHECK(archive.try_read("scale", scale) && archive.try_read("growth_factor", growth) &&
+                  archive.try_read("backoff_factor", backoff) &&
+                  archive.try_read("growth_interval", interval) &&
+                  archive.try_read("growth_tracker", tracker),
+              "GradScaler::load: the archive holds no GradScaler state (scale, growth_factor, "
+              "backoff_factor, growth_interval, growth_tracker); was it saved by "
+              "GradScaler::save?");
+  set_growth_factor(growth.toDouble());
+  set_backoff_factor(backoff.toDouble());
+  set_growth_interval(interval.toInt());
+  if (scale_.defined()) {
+    scale_.fill_(scale.toDouble());
+    growth_tracker_.fill_(tracker.toInt());
+  } else {
+    options_.init_scale(scale.toDouble());
+    loaded_tracker_ = tracker.toInt();
+  }
+}
+
+// ---------------------------------------------------------------- MasterWeights
+
+MasterWeights::MasterWeights(std::vector<torch::Tensor> params, MasterWeightsOptions options)
+    : params_(std::move(params)), options_(std::move(options)) {
+  TORCH_CHECK(options_.dtype() == at::kBFloat16 || options_.dtype() == at::kHalf,
+              "MasterWeights holds parameters in bfloat16 or float16, got ", options_.dtype());
+  for (const auto& p : params_) {
+    TORCH_CHECK(p.defined() && p.scalar_type() == at::kFloat,
+                "MasterWeights needs float32 parameters to copy, got ",
+                p.defined() ? c10::toString(p.scalar_type()) : "an undefined tensor");
+  }
+  masters_.reserve(params_.size());
+  for (auto& p : params_) {
+    torch::Tensor master;
+    {
+      torch::NoGradGuard no_grad;
+      if (options_.offload() == Offload::kHost) {
+        UntrackedGuard host;
+        master = torch::empty(p.sizes(), p.options().device(torch::kCPU).pinned_memory(p.is_cuda()));
+        master.copy_(p);
+      } else {
+        master = p.detach().clone();
+      }
+    }
+    master.set_requires_grad(p.requires_grad());
+    masters_.push_back(master);
+    torch::NoGradGuard no_grad;
+    p.set_data(p.to(options_.dtype()));
+  }
+}
+
+MasterWeights::~MasterWeights() = default;
+MasterWeights::MasterWeights(MasterWeights&&) noexcept = default;
+MasterWeights& MasterWeights::operator=(MasterWeights&&) noexcept = default;
+
+void MasterWeights::grads_to_master() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    auto& m = masters_[i];
+    if (!p.grad().defined()) {
+      m.mutable_grad() = torch::Tensor();
+      continue;
+    }
+    torch::Tensor g;
+    if (options_.offload() == Offload::kHost) {
+      UntrackedGuard host;
+      g = torch::empty(m.sizes(), m.options().pinned_memory(p.is_cuda()));
+      g.copy_(p.grad());
+    } else {
+      g = p.grad().to(at::kFloat);
+    }
+    m.mutable_grad() = g;
+    p.mutable_grad() = torch::Tensor();  // the low-precision gradient is released
+  }
+}
+
+void MasterWeights::master_to_model() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].copy_(masters_[i]);
+    masters_[i].mutable_grad() = torch::Tensor();
+  }
+}
+
+} // namespace memfit
