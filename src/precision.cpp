@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <algorithm>
 #include <map>
 
 namespace memfit {
@@ -348,7 +349,35 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
 // ---------------------------------------------------------------- MasterWeights
 
 MasterWeights::MasterWeights(std::vector<torch::Tensor> params, MasterWeightsOptions options)
-    : params_(std::move(params)), options_(std::move(options)) {
+    : params_(std::move(params)), cast_(params_.size(), true), options_(std::move(options)) {
+  init();
+}
+
+namespace {
+bool is_normalization(const torch::nn::Module& m) {
+  const std::string& name = m.name();
+  for (const char* norm : {"BatchNorm", "InstanceNorm", "LayerNorm", "GroupNorm"}) {
+    if (name.find(norm) != std::string::npos) return true;
+  }
+  return false;
+}
+} // namespace
+
+MasterWeights::MasterWeights(torch::nn::Module& module, MasterWeightsOptions options)
+    : options_(std::move(options)) {
+  std::vector<const c10::TensorImpl*> kept;
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (!is_normalization(*m)) continue;
+    for (const auto& p : m->parameters(/*recurse=*/false)) kept.push_back(p.unsafeGetTensorImpl());
+  }
+  params_ = module.parameters();
+  for (const auto& p : params_) {
+    cast_.push_back(std::find(kept.begin(), kept.end(), p.unsafeGetTensorImpl()) == kept.end());
+  }
+  init();
+}
+
+void MasterWeights::init() {
   TORCH_CHECK(options_.dtype() == at::kBFloat16 || options_.dtype() == at::kHalf,
               "MasterWeights holds parameters in bfloat16 or float16, got ", options_.dtype());
   for (const auto& p : params_) {
@@ -357,7 +386,12 @@ MasterWeights::MasterWeights(std::vector<torch::Tensor> params, MasterWeightsOpt
                 p.defined() ? c10::toString(p.scalar_type()) : "an undefined tensor");
   }
   masters_.reserve(params_.size());
-  for (auto& p : params_) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    if (!cast_[i] && options_.offload() == Offload::kNone) {
+      masters_.push_back(p);  // an fp32 parameter on the device is its own master
+      continue;
+    }
     torch::Tensor master;
     {
       torch::NoGradGuard no_grad;
@@ -371,8 +405,10 @@ MasterWeights::MasterWeights(std::vector<torch::Tensor> params, MasterWeightsOpt
     }
     master.set_requires_grad(p.requires_grad());
     masters_.push_back(master);
-    torch::NoGradGuard no_grad;
-    p.set_data(p.to(options_.dtype()));
+    if (cast_[i]) {
+      torch::NoGradGuard no_grad;
+      p.set_data(p.to(options_.dtype()));
+    }
   }
 }
 
@@ -385,6 +421,7 @@ void MasterWeights::grads_to_master() {
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     auto& m = masters_[i];
+    if (m.is_same(p)) continue;  // its own master
     if (!p.grad().defined()) {
       m.mutable_grad() = torch::Tensor();
       continue;
@@ -405,6 +442,7 @@ void MasterWeights::grads_to_master() {
 void MasterWeights::master_to_model() {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (masters_[i].is_same(params_[i])) continue;  // updated in place by the optimizer
     params_[i].copy_(masters_[i]);
     masters_[i].mutable_grad() = torch::Tensor();
   }

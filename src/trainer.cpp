@@ -43,6 +43,13 @@ void release_gradients(const std::vector<torch::Tensor>& params) {
 
 } // namespace
 
+MasterWeightsMode parse_master_weights_mode(const std::string& name) {
+  if (name == "none") return MasterWeightsMode::kNone;
+  if (name == "device") return MasterWeightsMode::kDevice;
+  if (name == "host") return MasterWeightsMode::kHost;
+  TORCH_CHECK(false, "unknown master weights mode '", name, "': expected none, device or host");
+}
+
 OptimizerKind parse_optimizer_kind(const std::string& name) {
   if (name == "sgd") return OptimizerKind::kSGD;
   if (name == "adam") return OptimizerKind::kAdam;
@@ -62,9 +69,53 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   TORCH_CHECK(options_.lr() > 0, "lr must be positive, got ", options_.lr());
   TORCH_CHECK(options_.eval_batch_size() > 0, "eval_batch_size must be positive, got ",
               options_.eval_batch_size());
+  TORCH_CHECK(options_.master_weights() == MasterWeightsMode::kNone ||
+                  options_.precision() != Precision::kFP32,
+              "master weights hold parameters in bf16 or fp16: set precision to bf16 or fp16, "
+              "or master_weights to none");
+  check_precision_supported(options_.precision(), options_.device());
   memory_allocated(options_.device());  // starts tracking (and checks the device)
   model_->to(options_.device());
-  optimizer_ = make_optimizer(options_, model_->parameters());
+  std::vector<torch::Tensor> params = model_->parameters();
+  if (options_.master_weights() != MasterWeightsMode::kNone) {
+    master_ = std::make_unique<MasterWeights>(
+        *model_, MasterWeightsOptions()
+                    .dtype(scalar_type(options_.precision()))
+                    .offload(options_.master_weights() == MasterWeightsMode::kHost ? Offload::kHost
+                                                                                  : Offload::kNone));
+    params = master_->master_parameters();
+  }
+  auto scaler_options = options_.grad_scaler();
+  scaler_options.enabled(scaler_options.enabled() && options_.precision() == Precision::kFP16);
+  scaler_ = std::make_unique<GradScaler>(scaler_options);
+  if (options_.master_weights() == MasterWeightsMode::kHost) {
+    UntrackedGuard host;  // optimizer state lives with the masters
+    optimizer_ = make_optimizer(options_, params);
+  } else {
+    optimizer_ = make_optimizer(options_, params);
+  }
+}
+
+StepMemory Trainer::breakdown(int64_t peak, int64_t model_grad_bytes) const {
+  StepMemory m;
+  m.peak = peak;
+  std::vector<torch::Tensor> persistent = model_->parameters();
+  const auto buffers = model_->buffers();
+  persistent.insert(persistent.end(), buffers.begin(), buffers.end());
+  m.gradients = model_grad_bytes;
+  const bool state_on_device = options_.master_weights() != MasterWeightsMode::kHost;
+  if (master_ && state_on_device) {
+    // One count: parameters kept in fp32 are their own masters.
+    const auto& masters = master_->master_parameters();
+    persistent.insert(persistent.end(), masters.begin(), masters.end());
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : master_->master_parameters()) grads.push_back(p.grad());
+    m.gradients = std::max(m.gradients, storage_bytes(grads));
+  }
+  m.parameters = storage_bytes(persistent);
+  m.optimizer_state = state_on_device ? optimizer_state_bytes(*optimizer_) : 0;
+  m.activations = std::max<int64_t>(0, peak - m.parameters - m.gradients - m.optimizer_state);
+  return m;
 }
 
 Trainer::~Trainer() = default;
@@ -83,7 +134,6 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
   const int64_t n = data.size();
   const int64_t total = total_steps(data);
   const auto params = model_->parameters();
-  const auto buffers = model_->buffers();
 
   auto generator = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
   torch::Tensor order;
@@ -111,19 +161,39 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
     cursor += batch;
     auto x = data.images.index_select(0, idx).to(device);
     auto y = data.labels.index_select(0, idx).to(device);
-    auto logits = model_->forward(x);
-    auto loss = torch::nn::functional::cross_entropy(logits, y);
-    loss.backward();
-    optimizer_->step();
+    torch::Tensor logits;
+    {
+      AutocastGuard autocast(device, options_.precision());
+      logits = model_->forward(x);
+    }
+    auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y);
+    scaler_->scale(loss).backward();
+    std::vector<torch::Tensor> grads;
+    grads.reserve(params.size());
+    for (const auto& p : params) grads.push_back(p.grad());
+    const int64_t model_grad_bytes = storage_bytes(grads);
+    grads.clear();
+    if (master_) master_->grads_to_master();
+    bool stepped = true;
+    if (options_.master_weights() == MasterWeightsMode::kHost) {
+      UntrackedGuard host;  // the optimizer steps on the host copies
+      stepped = scaler_->step(*optimizer_);
+    } else {
+      stepped = scaler_->step(*optimizer_);
+    }
+    scaler_->update();
 
     StepRecord rec;
     rec.step = step;
     rec.epoch = epoch;
     rec.loss = loss.item<double>();
+    rec.skipped = !stepped;
+    report.skipped_steps += stepped ? 0 : 1;
     rec.peak_bytes = meter.peak();
     if (rec.peak_bytes > report.step_memory.peak) {
-      report.step_memory = breakdown_step(rec.peak_bytes, params, buffers, *optimizer_);
+      report.step_memory = breakdown(rec.peak_bytes, model_grad_bytes);
     }
+    if (master_) master_->master_to_model();
     release_gradients(params);
     loss = logits = x = y = torch::Tensor();
     rec.current_bytes = memory_allocated(device);
@@ -136,6 +206,8 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
   report.samples_per_second = report.seconds > 0 ? double(samples) / report.seconds : 0.0;
   report.final_loss = report.steps.empty() ? 0.0 : report.steps.back().loss;
   report.peak_bytes = run_meter.peak();
+  report.precision = to_string(options_.precision());
+  report.final_scale = scaler_->is_enabled() ? scaler_->get_scale() : 0.0;
   return report;
 }
 
@@ -152,7 +224,11 @@ EvalResult Trainer::evaluate(const ImageDataset& data) {
     const int64_t len = std::min(options_.eval_batch_size(), n - start);
     auto x = data.images.narrow(0, start, len).to(device);
     auto y = data.labels.narrow(0, start, len).to(device);
-    auto logits = model_->forward(x);
+    torch::Tensor logits;
+    {
+      AutocastGuard autocast(device, options_.precision());
+      logits = model_->forward(x).to(torch::kFloat);
+    }
     loss_sum += torch::nn::functional::cross_entropy(
                     logits, y,
                     torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
@@ -176,13 +252,17 @@ std::string TrainReport::to_json() const {
                           {"loss", s.loss},
                           {"seconds", s.seconds},
                           {"peak_bytes", s.peak_bytes},
-                          {"current_bytes", s.current_bytes}});
+                          {"current_bytes", s.current_bytes},
+                          {"skipped", s.skipped}});
   }
   nlohmann::json summary = {{"steps", steps.size()},
                             {"final_loss", final_loss},
                             {"seconds", seconds},
                             {"samples_per_second", samples_per_second},
                             {"peak_bytes", peak_bytes},
+                            {"precision", precision},
+                            {"skipped_steps", skipped_steps},
+                            {"final_scale", final_scale},
                             {"step_memory", nlohmann::json::parse(step_memory.to_json())}};
   if (evaluated) {
     summary["test_accuracy"] = test.accuracy;

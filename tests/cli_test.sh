@@ -35,7 +35,7 @@ expect() {
 expect help 0 'train' out -- --help
 for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --seed --budget \
             --data --report --eval-batch --no-eval --quiet --threads --checkpoint \
-            --checkpoint-budget --offload-checkpoints; do
+            --checkpoint-budget --offload-checkpoints --precision --master-weights --device; do
   expect "train-help-documents$flag" 0 "$flag" out -- train --help
 done
 expect version 0 'memfit 0\.' out -- --version
@@ -57,6 +57,19 @@ expect checkpointed-run 0 'checkpoint schedule: \[0,4\)\* \[4,8\)\* \[8,12\)' ou
 expect optimal-run 0 'checkpoint schedule: .*\*' out -- \
   train --model resnet --width 4 --steps 3 --batch 16 --no-eval -q --checkpoint optimal \
   --checkpoint-budget 3MiB
+expect bad-precision 2 'precision.*fp8' err -- train --precision fp8
+expect master-weights-need-precision 2 'precision bf16' err -- train --master-weights host
+expect bad-device 1 "invalid device 'tpu'.*cpu, cuda or cuda:N" err -- train --device tpu --steps 1
+expect bf16-run 0 'precision bf16, parameters in bf16 with fp32 master weights on the host' out -- \
+  train --model resnet --width 4 --steps 3 --batch 16 --no-eval -q --precision bf16 --master-weights host
+version=$("$bin" --version)
+if [[ "$version" == *"LibTorch 1."* ]]; then
+  expect fp16-on-cpu-refused 1 'fp16 compute is not available on the CPU.*--precision bf16' err -- \
+    train --precision fp16 --steps 1 --no-eval -q
+fi
+if [[ "$version" == *"CPU only"* ]]; then
+  expect cuda-on-cpu-build 1 'no CUDA device.*--device cpu' err -- train --device cuda --steps 1
+fi
 expect missing-data 1 'dataset-fashion-mnist' err -- train --data "$tmp/none" --steps 1
 expect over-budget 1 'out of memory.*tried to allocate' err -- \
   train --model mlp --budget 1MiB --steps 2 --no-eval -q

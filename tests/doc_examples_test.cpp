@@ -7,6 +7,7 @@
 #include "memfit/profile.h"
 #include "memfit/schedule.h"
 #include "memfit/models.h"
+#include "memfit/precision.h"
 #include "memfit/trainer.h"
 
 #include "test_util.h"
@@ -17,6 +18,40 @@ namespace memfit {
 namespace {
 
 class DocExamples : public testing::Seeded {};
+
+TEST_F(DocExamples, PrecisionHeader) {
+  EXPECT_EQ(memfit::parse_precision("bf16"), memfit::Precision::kBF16);
+  {  // AutocastGuard
+    torch::Tensor y;
+    {
+      memfit::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      y = torch::mm(torch::ones({2, 2}), torch::ones({2, 2}));  // bfloat16
+    }
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  }
+  {  // GradScaler
+    auto model = torch::nn::Linear(4, 1);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    memfit::GradScaler scaler(memfit::GradScalerOptions().init_scale(1024.));
+    auto loss = model->forward(torch::ones({2, 4})).sum();
+    scaler.scale(loss).backward();
+    scaler.unscale_(opt);  // gradients are now unscaled: clip them here
+    torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+    scaler.step(opt);
+    scaler.update();
+  }
+  {  // MasterWeights
+    auto model = torch::nn::Linear(4, 2);
+    memfit::MasterWeights master(model->parameters());
+    torch::optim::SGD opt(master.master_parameters(), torch::optim::SGDOptions(0.1));
+    memfit::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+    model->forward(torch::ones({3, 4})).sum().backward();
+    master.grads_to_master();
+    opt.step();
+    master.master_to_model();
+    EXPECT_EQ(model->weight.scalar_type(), torch::kBFloat16);
+  }
+}
 
 TEST_F(DocExamples, MemoryHeader) {
   {  // memory_allocated

@@ -1,5 +1,6 @@
 #include "memfit/trainer.h"
 
+#include "memfit/compat.h"
 #include "memfit/models.h"
 #include "test_util.h"
 
@@ -7,6 +8,7 @@
 
 #include <filesystem>
 #include <numeric>
+#include <tuple>
 
 namespace memfit {
 namespace {
@@ -124,6 +126,70 @@ TEST_F(TrainerTest, BadOptionsAreRejectedInTheConstructor) {
   EXPECT_THROW(Trainer(model, TrainerOptions().lr(-1)), c10::Error);
   EXPECT_THROW(Trainer(model, TrainerOptions().steps(-3)), c10::Error);
   EXPECT_THROW(parse_optimizer_kind("lamb"), c10::Error);
+}
+
+TEST_F(TrainerTest, Bf16AutocastHalvesActivationBytesAndStillLearns) {
+  auto run = [](Precision precision) {
+    torch::manual_seed(5);
+    Trainer t(make_resnet(ModelOptions().width(8).depth(1)),
+              TrainerOptions().batch_size(64).steps(40).lr(3e-3).precision(precision));
+    return t.fit(small_real_data());
+  };
+  const auto fp32 = run(Precision::kFP32);
+  const auto bf16 = run(Precision::kBF16);
+  EXPECT_EQ(bf16.precision, "bf16");
+  EXPECT_EQ(bf16.step_memory.parameters, fp32.step_memory.parameters) << "fp32 parameters";
+  // Conv and linear outputs are bf16 (2 of 4 bytes); BatchNorm and ReLU keep
+  // their input's dtype, and the fp32 loss is tiny: activations at most 0.6x.
+  EXPECT_LT(bf16.step_memory.activations, 0.6 * fp32.step_memory.activations);
+  EXPECT_LT(mean_loss(bf16, 30, 40), 0.75 * mean_loss(bf16, 0, 10));
+  EXPECT_NEAR(mean_loss(bf16, 30, 40), mean_loss(fp32, 30, 40), 0.1 * mean_loss(fp32, 30, 40));
+}
+
+TEST_F(TrainerTest, MasterWeightsHoldLowPrecisionParametersAndHostState) {
+  const auto width = 8;
+  auto run = [&](MasterWeightsMode mode) {
+    torch::manual_seed(5);
+    Trainer t(make_resnet(ModelOptions().width(width).depth(1)),
+              TrainerOptions().batch_size(32).steps(6).precision(Precision::kBF16).master_weights(mode));
+    auto report = t.fit(small_real_data());
+    int64_t cast = 0, kept = 0, norm = 0;
+    for (const auto& p : t.model()->parameters()) {
+      (p.scalar_type() == torch::kBFloat16 ? cast : kept) += p.numel();
+    }
+    for (const auto& m : t.model()->modules()) {
+      if (m->name().find("BatchNorm") == std::string::npos) continue;
+      for (const auto& p : m->parameters(false)) norm += p.numel();
+    }
+    EXPECT_EQ(kept, mode == MasterWeightsMode::kNone ? cast + kept : norm)
+        << "exactly the BatchNorm weights and biases stay fp32";
+    return std::make_tuple(report, cast, kept);
+  };
+  const auto [none, none_cast, none_kept] = run(MasterWeightsMode::kNone);
+  EXPECT_EQ(none_cast, 0);
+  const auto [host, cast, kept] = run(MasterWeightsMode::kHost);
+  EXPECT_GT(cast, 0);
+  EXPECT_EQ(host.step_memory.parameters, none.step_memory.parameters - 2 * cast)
+      << "2 bytes saved per cast parameter";
+  EXPECT_EQ(host.step_memory.optimizer_state, 0) << "optimizer state on the host";
+  EXPECT_EQ(host.step_memory.gradients, none.step_memory.gradients - 2 * cast);
+  const auto [device, dcast, dkept] = run(MasterWeightsMode::kDevice);
+  EXPECT_EQ(device.step_memory.parameters, host.step_memory.parameters + 4 * dcast)
+      << "fp32 masters of the cast parameters on the device";
+  EXPECT_EQ(device.step_memory.optimizer_state, none.step_memory.optimizer_state);
+  for (size_t i = 0; i < host.steps.size(); ++i) {
+    EXPECT_EQ(host.steps[i].loss, device.steps[i].loss) << "where the masters live changes nothing";
+  }
+}
+
+TEST_F(TrainerTest, PrecisionOptionsAreChecked) {
+  auto model = make_mlp(ModelOptions().width(8).depth(1));
+  EXPECT_THROW(Trainer(model, TrainerOptions().master_weights(MasterWeightsMode::kHost)), c10::Error)
+      << "master weights need bf16 or fp16";
+  if (!compat::kCpuAutocastHalf) {
+    EXPECT_THROW(Trainer(model, TrainerOptions().precision(Precision::kFP16)), c10::Error);
+  }
+  EXPECT_THROW(parse_master_weights_mode("gpu"), c10::Error);
 }
 
 } // namespace

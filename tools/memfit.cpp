@@ -1,9 +1,11 @@
 // memfit: the command-line tool. Exit codes: 0 success, 1 a run that failed
 // (out of memory under the budget, missing data, I/O), 2 bad usage.
 
+#include "memfit/compat.h"
 #include "memfit/data.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
+#include "memfit/precision.h"
 #include "memfit/schedule.h"
 #include "memfit/trainer.h"
 #include "progress.h"
@@ -58,6 +60,9 @@ struct TrainArgs {
   std::string checkpoint = "none";
   std::string checkpoint_budget;
   bool offload_checkpoints = false;
+  std::string precision = "fp32";
+  std::string master_weights = "none";
+  std::string device = "cpu";
 };
 
 // Parses --checkpoint's value: none, sqrt, optimal, every:K or uniform:K.
@@ -142,6 +147,18 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->check(memory_size_validator());
   train->add_flag("--offload-checkpoints", a.offload_checkpoints,
                   "Keep checkpointed segments' inputs in host memory until backward");
+  train->add_option("--precision", a.precision,
+                    "Compute precision: fp32, bf16 (autocast), fp16 (autocast and a GradScaler) or "
+                    "auto (bf16 where the device supports it, else fp16)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16", "auto"}))
+      ->capture_default_str();
+  train->add_option("--master-weights", a.master_weights,
+                    "Hold parameters in the --precision dtype with fp32 master copies: none, "
+                    "device, or host (masters and optimizer state in host memory)")
+      ->check(CLI::IsMember({"none", "device", "host"}))
+      ->capture_default_str();
+  train->add_option("--device", a.device, "Device to train on: cpu, cuda or cuda:N")
+      ->capture_default_str();
   train->add_option("--threads", a.threads,
                     "CPU threads for LibTorch's kernels (0: every hardware thread)")
       ->check(CLI::NonNegativeNumber)
@@ -161,8 +178,24 @@ void write_file_atomically(const std::string& path, const std::string& text) {
   std::filesystem::rename(tmp, path);
 }
 
+// Parses --device: cpu, cuda or cuda:N, on a build and machine that has it.
+torch::Device parse_device(const std::string& text) {
+  static const std::regex pattern(R"(^cpu$|^cuda(:[0-9]+)?$)");
+  TORCH_CHECK(std::regex_match(text, pattern), "invalid device '", text,
+              "': expected cpu, cuda or cuda:N");
+  torch::Device device(text);
+  if (device.is_cuda()) {
+    TORCH_CHECK(torch::cuda::is_available(),
+                "--device ", text, ": no CUDA device is available to this build of memfit "
+                "(LibTorch ", TORCH_VERSION, "); use --device cpu");
+    TORCH_CHECK(!device.has_index() || device.index() < static_cast<int>(torch::cuda::device_count()),
+                "--device ", text, ": there are only ", torch::cuda::device_count(), " CUDA devices");
+  }
+  return device;
+}
+
 int run_train(const TrainArgs& a) {
-  const torch::Device device(torch::kCPU);
+  const torch::Device device = parse_device(a.device);
   memfit::memory_allocated(device);  // begins tracking before anything is allocated
   torch::manual_seed(a.seed);
   const unsigned hw = std::thread::hardware_concurrency();
@@ -196,7 +229,10 @@ int run_train(const TrainArgs& a) {
       .optimizer(memfit::parse_optimizer_kind(a.optimizer))
       .seed(a.seed)
       .eval_batch_size(a.eval_batch)
-      .device(device);
+      .device(device)
+      .precision(a.precision == "auto" ? memfit::auto_precision(device)
+                                       : memfit::parse_precision(a.precision))
+      .master_weights(memfit::parse_master_weights_mode(a.master_weights));
   memfit::Trainer trainer(model, options);
 
   int64_t params = 0;
@@ -236,6 +272,14 @@ int run_train(const TrainArgs& a) {
     fmt::print("test accuracy {:.2f}% ({} examples, loss {:.4f}, evaluated under no-grad)\n",
                100.0 * report.test.accuracy, test_data.size(), report.test.loss);
   }
+  fmt::print("precision {}{}{}\n", report.precision,
+             a.master_weights != "none"
+                 ? fmt::format(", parameters in {} with fp32 master weights on the {}",
+                               report.precision, a.master_weights)
+                 : std::string(),
+             report.final_scale > 0 ? fmt::format(", loss scale {:g}, {} steps skipped",
+                                                  report.final_scale, report.skipped_steps)
+                                    : std::string());
   fmt::print("checkpoint schedule: {} (layers [begin,end), * recomputed)\n",
              checkpointed->schedule().to_string());
   fmt::print("peak memory {} ({} bytes){}\n", memfit::format_bytes(peak), peak,
@@ -255,7 +299,8 @@ int main(int argc, char** argv) {
       "memfit: train LibTorch models and batches that do not fit in memory.\n"
       "Exit codes: 0 success, 1 failed run (e.g. out of memory under --budget), 2 bad usage.",
       "memfit"};
-  app.set_version_flag("--version", "memfit 0.1.0");
+  app.set_version_flag("--version", fmt::format("memfit 0.1.0 (LibTorch {}, {})", TORCH_VERSION,
+                                                 memfit::compat::kBuiltWithCuda ? "CUDA" : "CPU only"));
   app.require_subcommand(1);
   TrainArgs train_args;
   add_train_command(app, train_args);
@@ -279,6 +324,16 @@ int main(int argc, char** argv) {
     fmt::print(stderr,
                "memfit train: error: --checkpoint optimal needs --checkpoint-budget SIZE, the memory "
                "for activations, e.g. --checkpoint-budget 24MiB (see 'memfit train --help')\n");
+    return kExitUsage;
+  }
+
+  if (app.got_subcommand("train") && train_args.master_weights != "none" &&
+      train_args.precision == "fp32") {
+    fmt::print(stderr,
+               "memfit train: error: --master-weights {} holds parameters in bf16 or fp16: add "
+               "--precision bf16 (or fp16, auto), or drop --master-weights (see 'memfit train "
+               "--help')\n",
+               train_args.master_weights);
     return kExitUsage;
   }
 

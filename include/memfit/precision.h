@@ -25,6 +25,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
+#include <torch/nn/module.h>
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
 
@@ -267,8 +268,14 @@ struct MasterWeightsOptions {
 /// \endcode
 class MasterWeights {
  public:
-  /// Makes fp32 masters of `params` (floating point, all fp32) and casts them to options.dtype().
+  /// Makes fp32 masters of `params` (all fp32) and casts them to options.dtype().
   explicit MasterWeights(std::vector<torch::Tensor> params, MasterWeightsOptions options = {});
+  /// Over `module`'s parameters, except that those of normalization layers
+  /// (BatchNorm, InstanceNorm, LayerNorm, GroupNorm) stay fp32, as apex's O2
+  /// keep_batchnorm_fp32 does: their kernels need weights in the dtype of their
+  /// fp32 running statistics. Kept parameters are their own masters (or, with
+  /// Offload::kHost, have host masters like the others).
+  explicit MasterWeights(torch::nn::Module& module, MasterWeightsOptions options = {});
   ~MasterWeights();
   MasterWeights(MasterWeights&&) noexcept;
   MasterWeights& operator=(MasterWeights&&) noexcept;
@@ -287,9 +294,14 @@ class MasterWeights {
   void master_to_model();
   /// The options, as checked.
   const MasterWeightsOptions& options() const { return options_; }
+  /// Whether parameter i is held in the low dtype (false: kept in fp32).
+  bool is_cast(size_t i) const { return cast_.at(i); }
 
  private:
+  void init();
+
   std::vector<torch::Tensor> params_;
+  std::vector<bool> cast_;
   std::vector<torch::Tensor> masters_;
   MasterWeightsOptions options_;
 };

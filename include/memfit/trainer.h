@@ -10,6 +10,7 @@
 
 #include "memfit/data.h"
 #include "memfit/memory.h"
+#include "memfit/precision.h"
 
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
@@ -34,6 +35,16 @@ enum class OptimizerKind { kSGD, kAdam, kAdamW };
 /// \endcode
 OptimizerKind parse_optimizer_kind(const std::string& name);
 
+/// How a Trainer holds parameters when its precision is bf16 or fp16.
+enum class MasterWeightsMode {
+  kNone,    ///< fp32 parameters; autocast alone lowers the compute precision.
+  kDevice,  ///< Parameters in the low dtype, fp32 masters and optimizer state on the device.
+  kHost,    ///< Parameters in the low dtype, fp32 masters and optimizer state in host memory.
+};
+
+/// Parses "none", "device" or "host"; throws c10::Error naming the accepted names.
+MasterWeightsMode parse_master_weights_mode(const std::string& name);
+
 /// Options of a training run, named after PyTorch's (lr, weight_decay, momentum).
 struct TrainerOptions {
   /// Examples per optimizer step.
@@ -56,6 +67,12 @@ struct TrainerOptions {
   TORCH_ARG(int64_t, eval_batch_size) = 1000;
   /// Where the model, batches and optimizer state live.
   TORCH_ARG(torch::Device, device) = torch::kCPU;
+  /// Compute precision of forward and backward (autocast); fp16 adds a GradScaler.
+  TORCH_ARG(Precision, precision) = Precision::kFP32;
+  /// Low-precision parameters with fp32 masters (needs precision bf16 or fp16).
+  TORCH_ARG(MasterWeightsMode, master_weights) = MasterWeightsMode::kNone;
+  /// The GradScaler's options when precision is fp16.
+  TORCH_ARG(GradScalerOptions, grad_scaler) = GradScalerOptions();
 };
 
 /// One optimizer step as measured.
@@ -66,6 +83,7 @@ struct StepRecord {
   double seconds = 0;      ///< Wall time of the step.
   int64_t peak_bytes = 0;  ///< Peak memory_allocated(device) during the step.
   int64_t current_bytes = 0;  ///< memory_allocated(device) after the step.
+  bool skipped = false;    ///< The GradScaler skipped the step (inf or NaN gradients).
 };
 
 /// Accuracy and loss on a data set.
@@ -83,6 +101,9 @@ struct TrainReport {
   double samples_per_second = 0;   ///< Training examples per second.
   int64_t peak_bytes = 0;          ///< Peak memory_allocated(device) during fit.
   StepMemory step_memory;          ///< Breakdown of the step with the highest peak.
+  std::string precision = "fp32";  ///< Compute precision of the run.
+  int64_t skipped_steps = 0;       ///< Steps the GradScaler skipped.
+  double final_scale = 0;          ///< The GradScaler's scale at the end (0 without one).
   bool evaluated = false;          ///< Whether `test` holds a result.
   EvalResult test;                 ///< Test-set result, when evaluated.
 
@@ -96,6 +117,14 @@ struct TrainReport {
 /// Each step cuts a batch from a per-epoch shuffle of the data (seeded by
 /// options.seed), runs forward and backward, steps the optimizer and releases
 /// the gradients (set to none) before the next step.
+///
+/// Precision: forward runs under an AutocastGuard in options.precision (also
+/// during evaluation); the loss is taken in fp32. With fp16 a GradScaler scales
+/// the loss, skips steps with inf or NaN gradients and adapts the scale. With
+/// master weights the parameters are held in the low dtype and the optimizer
+/// steps fp32 masters (on the host for MasterWeightsMode::kHost, where the step
+/// then runs). Sync points: one per step for the loss, one more with fp16 (the
+/// GradScaler's inf check).
 ///
 /// Example:
 /// \code
@@ -129,10 +158,18 @@ class Trainer {
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
   /// The options, as checked.
   const TrainerOptions& options() const { return options_; }
+  /// The GradScaler (disabled unless precision is fp16).
+  GradScaler& grad_scaler() { return *scaler_; }
+  /// The master weights, or nullptr without them.
+  MasterWeights* master_weights() { return master_.get(); }
 
  private:
+  StepMemory breakdown(int64_t peak, int64_t model_grad_bytes) const;
+
   torch::nn::Sequential model_;
   TrainerOptions options_;
+  std::unique_ptr<MasterWeights> master_;
+  std::unique_ptr<GradScaler> scaler_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
 };
 
