@@ -29,6 +29,7 @@ run: build
 bench: build
 	./$(BUILD_DIR)/bench/memfit_bench
 	./$(BUILD_DIR)/bench/memfit_checkpoint_bench
+	./$(BUILD_DIR)/bench/memfit_precision_bench
 
 install: build
 	cmake --install $(BUILD_DIR) $(if $(PREFIX),--prefix $(PREFIX),)

@@ -205,7 +205,10 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
   report.seconds = seconds_since(run_start);
   report.samples_per_second = report.seconds > 0 ? double(samples) / report.seconds : 0.0;
   report.final_loss = report.steps.empty() ? 0.0 : report.steps.back().loss;
+  // On CUDA each step's meter resets the device's one peak statistic, so the
+  // run's peak is also taken as the largest step peak.
   report.peak_bytes = run_meter.peak();
+  for (const auto& r : report.steps) report.peak_bytes = std::max(report.peak_bytes, r.peak_bytes);
   report.precision = to_string(options_.precision());
   report.final_scale = scaler_->is_enabled() ? scaler_->get_scale() : 0.0;
   return report;

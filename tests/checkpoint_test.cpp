@@ -4,6 +4,7 @@
 #include "memfit/checkpoint.h"
 
 #include "memfit/compat.h"
+#include "memfit/schedule.h"
 #include "test_util.h"
 
 #include <torch/torch.h>
@@ -303,6 +304,74 @@ TEST_F(Checkpoint, OffloadedInputsLiveInHostMemoryAndGradientsAreUnchanged) {
     y.sum().backward();
     expect_bitwise_equal(grads_of(params), plain);
   }
+}
+
+class CudaCheckpoint : public testing::OnCuda {};
+
+TEST_F(CudaCheckpoint, DropoutRecomputesTheSameMaskWithTheCudaGenerator) {
+  torch::nn::Linear lin(64, 64);
+  lin->to(cuda);
+  auto fn = [&](const torch::Tensor& t) {
+    return torch::dropout(torch::relu(lin(t)), 0.5, /*train=*/true);
+  };
+  auto x = torch::randn({128, 64}, torch::TensorOptions().device(cuda).requires_grad(true));
+  torch::cuda::manual_seed(42);
+  auto plain = fn(x);
+  plain.sum().backward();
+  auto plain_grads = grads_of({lin->weight, lin->bias, x});
+  auto after_plain = torch::rand({8}, torch::TensorOptions().device(cuda));
+  zero_grads({lin->weight, lin->bias, x});
+
+  torch::cuda::manual_seed(42);
+  auto ck = checkpoint(fn, x);
+  EXPECT_TRUE(torch::equal(ck, plain));
+  ck.sum().backward();
+  expect_bitwise_equal(grads_of({lin->weight, lin->bias, x}), plain_grads);
+  EXPECT_TRUE(torch::equal(torch::rand({8}, torch::TensorOptions().device(cuda)), after_plain))
+      << "the recomputation leaves the CUDA generator where the plain run left it";
+}
+
+TEST_F(CudaCheckpoint, HostOffloadKeepsTheSavedInputOffTheDevice) {
+  auto block = mlp_chain(3, 256);
+  block->to(cuda);
+  auto params = block->parameters();
+  auto make_input = [&] {
+    torch::manual_seed(5);
+    return torch::randn({512, 256}).to(cuda).requires_grad_();
+  };
+  auto x0 = make_input();
+  block->forward(x0).sum().backward();
+  const auto plain = grads_of(params);
+  const int64_t input_bytes = 512 * 256 * 4;
+  for (Offload where : {Offload::kNone, Offload::kHost}) {
+    zero_grads(params);
+    auto x = make_input();
+    const int64_t base = memory_allocated(cuda) - input_bytes;
+    auto y = checkpoint(block, x, CheckpointOptions().offload(where));
+    x = torch::Tensor();
+    const int64_t kept = memory_allocated(cuda) - base;
+    EXPECT_EQ(kept, where == Offload::kHost ? input_bytes : 2 * input_bytes);
+    y.sum().backward();
+    expect_bitwise_equal(grads_of(params), plain);
+  }
+}
+
+TEST_F(CudaCheckpoint, SqrtScheduleCutsActivationMemoryOnTheDevice) {
+  auto chain = mlp_chain(32, 512);
+  chain->to(cuda);
+  auto x = torch::randn({256, 512}, torch::TensorOptions().device(cuda).requires_grad(true));
+  auto peak_of = [&](ScheduleKind kind) {
+    CheckpointedSequential model(chain, CheckpointedSequentialOptions().kind(kind));
+    zero_grads(chain->parameters());
+    x.mutable_grad() = torch::Tensor();
+    empty_cache(cuda);
+    PeakMeter meter(cuda);
+    model->forward(x).sum().backward();
+    return meter.peak_delta();
+  };
+  const int64_t none = peak_of(ScheduleKind::kNone);
+  const int64_t sqrt_peak = peak_of(ScheduleKind::kSqrt);
+  EXPECT_LT(sqrt_peak, none / 2) << "none " << none << " sqrt " << sqrt_peak;
 }
 
 } // namespace

@@ -398,5 +398,40 @@ TEST_F(Breakdown, CountsSgdMomentumBuffers) {
   EXPECT_EQ(optimizer_state_bytes(sgd), 110 * 4);
 }
 
+class CudaMemory : public testing::OnCuda {};
+
+TEST_F(CudaMemory, CountsTensorBytesAndPeakOnTheDevice) {
+  empty_cache(cuda);
+  const int64_t base = memory_allocated(cuda);
+  auto t = torch::empty({1 << 20}, torch::TensorOptions().device(cuda));  // 4 MiB
+  EXPECT_EQ(memory_allocated(cuda) - base, 4 << 20);
+  reset_peak_memory_stats(cuda);
+  { auto u = torch::empty({1 << 18}, torch::TensorOptions().device(cuda)); }  // 1 MiB
+  EXPECT_EQ(max_memory_allocated(cuda) - memory_allocated(cuda), 1 << 20);
+  {
+    PeakMeter meter(cuda);
+    auto v = torch::empty({1 << 19}, torch::TensorOptions().device(cuda));  // 2 MiB
+    v = torch::Tensor();
+    EXPECT_EQ(meter.peak_delta(), 2 << 20);
+  }
+  t = torch::Tensor();
+  EXPECT_EQ(memory_allocated(cuda), base);
+  EXPECT_EQ(memory_allocated(torch::kCPU) >= 0, true);
+}
+
+TEST_F(CudaMemory, BudgetThrowsOutOfMemoryAndTheCallerRecovers) {
+  empty_cache(cuda);
+  set_memory_budget(cuda, int64_t(256) << 20);
+  EXPECT_EQ(memory_budget(cuda), int64_t(256) << 20);
+  EXPECT_THROW(torch::empty({int64_t(256) << 20}, torch::TensorOptions().device(cuda)),
+               c10::OutOfMemoryError)
+      << "1 GiB under a 256 MiB budget";
+  auto fits = torch::empty({1 << 20}, torch::TensorOptions().device(cuda));
+  EXPECT_EQ(fits.numel(), 1 << 20);
+  set_memory_budget(cuda, 0);
+  auto big = torch::empty({int64_t(256) << 20}, torch::TensorOptions().device(cuda));
+  EXPECT_EQ(big.numel(), int64_t(256) << 20) << "the budget is lifted";
+}
+
 } // namespace
 } // namespace memfit

@@ -683,5 +683,120 @@ TEST_F(Master, Bf16TrainingTracksFp32Loss) {
   EXPECT_NEAR(bf16, fp32, 0.05 * fp32 + 1e-3);
 }
 
+// ---------------------------------------------------------------- CUDA
+
+class CudaPrecision : public testing::OnCuda {};
+
+TEST_F(CudaPrecision, AutocastGuardCastsToFp16AndBf16OnCuda) {
+  const auto a = torch::ones({4, 4}, torch::TensorOptions().device(cuda));
+  {
+    AutocastGuard fp16(torch::kCUDA);
+    EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kHalf);
+    {
+      AutocastGuard bf16(torch::kCUDA, torch::kBFloat16);
+      EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kBFloat16);
+      EXPECT_EQ(torch::mm(torch::ones({2, 2}), torch::ones({2, 2})).scalar_type(), torch::kFloat)
+          << "CPU autocast untouched";
+    }
+    EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kHalf);
+  }
+  EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kFloat);
+  EXPECT_EQ(auto_precision(cuda), compat::cuda_supports_bf16(0) ? Precision::kBF16 : Precision::kFP16);
+}
+
+TEST_F(CudaPrecision, FusedUnscaleFindsInfAndUpdateBacksOff) {
+  GradScaler scaler(
+      GradScalerOptions().init_scale(4.0).growth_factor(2.0).backoff_factor(0.25).growth_interval(2));
+  scaler.scale(torch::ones({}, torch::TensorOptions().device(cuda)));
+  EXPECT_TRUE(scaler.scale_tensor().is_cuda());
+  auto iteration = [&](float value, bool strided) {
+    auto g = torch::full({10, 10}, 4.0, torch::TensorOptions().device(cuda));
+    g[2][2] = value;
+    GradHolder h({strided ? g.narrow(1, 0, 5) : g, torch::full({3}, 4.0, torch::TensorOptions().device(cuda).dtype(torch::kBFloat16))});
+    const bool stepped = scaler.step(*h.opt);
+    if (stepped) {
+      for (const auto& p : h.params) EXPECT_TRUE(p.grad().equal(torch::ones_like(p.grad())));
+    }
+    scaler.update();
+    return stepped;
+  };
+  EXPECT_TRUE(iteration(4.0f, false));
+  EXPECT_EQ(scaler.get_scale(), 4.0);
+  EXPECT_EQ(scaler.growth_tracker(), 1);
+  // The scale is now 8: gradients of 4 become 0.5 — only the first check matters here.
+  EXPECT_FALSE(iteration(kNaN, true));
+  EXPECT_EQ(scaler.get_scale(), 1.0);
+  EXPECT_EQ(scaler.growth_tracker(), 0);
+  EXPECT_FALSE(iteration(kInf, false));
+  EXPECT_EQ(scaler.get_scale(), 0.25);
+}
+
+TEST_F(CudaPrecision, Fp16ScalingCaseWithAutocastMatchesControl) {
+  // test_grad_scaling_autocast on CUDA: fp16 autocast for the scaled run, atol 1e-3.
+  for (bool enabled : {true, false}) {
+    torch::manual_seed(7);
+    ScalingCase sc;
+    sc.control->to(cuda);
+    sc.scaling->to(cuda);
+    for (auto& d : sc.data) d = {d.first.to(cuda), d.second.to(cuda)};
+    GradScaler scaler(
+        GradScalerOptions().init_scale(128.).growth_factor(2.0).enabled(enabled).growth_interval(1));
+    auto run = [&](torch::nn::Sequential& model, torch::optim::SGD& opt, bool scaled) {
+      for (size_t i = 0; i < sc.data.size(); ++i) {
+        opt.zero_grad();
+        torch::Tensor loss;
+        {
+          AutocastGuard autocast(torch::kCUDA, torch::kHalf, scaled);
+          loss = torch::mse_loss(model->forward(sc.data[i].first).to(torch::kFloat), sc.data[i].second);
+        }
+        if (scaled) {
+          scaler.scale(loss).backward();
+          if (int(i) == sc.skip_iter && scaler.is_enabled()) fill_inf(model);
+          scaler.step(opt);
+          scaler.update();
+        } else {
+          loss.backward();
+          if (!scaler.is_enabled() || int(i) != sc.skip_iter) opt.step();
+        }
+      }
+    };
+    run(sc.control, *sc.opt_control, false);
+    run(sc.scaling, *sc.opt_scaling, true);
+    EXPECT_EQ(scaler.get_scale(), enabled ? 128. * 8 * 0.5 : 1.0);
+    auto c = sc.control->parameters();
+    auto s2 = sc.scaling->parameters();
+    for (size_t i = 0; i < c.size(); ++i) expect_close(c[i], s2[i], 1e-3, 1e-5);
+  }
+}
+
+TEST_F(CudaPrecision, HostMastersArePinnedAndDeviceParametersHalved) {
+  torch::nn::Linear model(512, 512);
+  model->to(cuda);
+  empty_cache(cuda);
+  const int64_t before = memory_allocated(cuda);
+  MasterWeights master(*model, MasterWeightsOptions().dtype(torch::kHalf).offload(Offload::kHost));
+  EXPECT_EQ(memory_allocated(cuda) - before, -(512 * 512 + 512) * 2) << "fp32 -> fp16 on the device";
+  for (const auto& m : master.master_parameters()) {
+    EXPECT_TRUE(m.is_cpu());
+    EXPECT_TRUE(m.is_pinned());
+  }
+  torch::optim::Adam opt(master.master_parameters(), torch::optim::AdamOptions(1e-3));
+  GradScaler scaler;
+  torch::Tensor loss;
+  {
+    AutocastGuard autocast(torch::kCUDA);
+    loss = model->forward(torch::randn({8, 512}, torch::TensorOptions().device(cuda))).to(torch::kFloat).pow(2).mean();
+  }
+  scaler.scale(loss).backward();
+  master.grads_to_master();
+  EXPECT_TRUE(master.master_parameters()[0].grad().is_cpu());
+  EXPECT_TRUE(scaler.step(opt));
+  scaler.update();
+  master.master_to_model();
+  EXPECT_TRUE(model->weight.is_cuda());
+  EXPECT_EQ(model->weight.scalar_type(), torch::kHalf);
+  EXPECT_TRUE(model->weight.cpu().equal(master.master_parameters()[0].to(torch::kHalf)));
+}
+
 } // namespace
 } // namespace memfit

@@ -21,6 +21,23 @@ class Seeded : public ::testing::Test {
   void TearDown() override { set_memory_budget(torch::kCPU, 0); }
 };
 
+/// Seeded, on CUDA device 0; skips the test where this build or machine has no CUDA.
+class OnCuda : public Seeded {
+ protected:
+  void SetUp() override {
+    Seeded::SetUp();
+    if (!torch::cuda::is_available()) {
+      GTEST_SKIP() << "no CUDA device (CPU-only LibTorch or no GPU): run on a GPU machine";
+    }
+    torch::cuda::manual_seed_all(1234);
+  }
+  void TearDown() override {
+    if (torch::cuda::is_available()) set_memory_budget(cuda, 0);
+    Seeded::TearDown();
+  }
+  const torch::Device cuda{torch::kCUDA, 0};
+};
+
 /// Copies of the gradients of `params` (undefined where a gradient is).
 inline std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& params) {
   std::vector<torch::Tensor> g;

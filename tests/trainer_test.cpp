@@ -192,5 +192,41 @@ TEST_F(TrainerTest, PrecisionOptionsAreChecked) {
   EXPECT_THROW(parse_master_weights_mode("gpu"), c10::Error);
 }
 
+class CudaTrainer : public testing::OnCuda {
+ protected:
+  void SetUp() override {
+    testing::OnCuda::SetUp();
+    if (IsSkipped()) return;
+    if (!std::filesystem::exists(FashionMnistOptions().root())) {
+      GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed";
+    }
+  }
+};
+
+TEST_F(CudaTrainer, EveryPrecisionLearnsAndLowPrecisionHalvesDeviceBytes) {
+  struct Run {
+    Precision precision;
+    MasterWeightsMode master;
+  };
+  std::vector<TrainReport> reports;
+  for (const auto& r : {Run{Precision::kFP32, MasterWeightsMode::kNone},
+                        Run{Precision::kFP16, MasterWeightsMode::kNone},
+                        Run{Precision::kBF16, MasterWeightsMode::kNone},
+                        Run{Precision::kFP16, MasterWeightsMode::kHost}}) {
+    torch::manual_seed(5);
+    Trainer t(make_resnet(ModelOptions().width(16).depth(1)),
+              TrainerOptions().batch_size(64).steps(60).lr(3e-3).device(cuda).precision(r.precision).master_weights(r.master));
+    reports.push_back(t.fit(small_real_data()));
+    const auto& rep = reports.back();
+    EXPECT_LT(mean_loss(rep, 50, 60), 0.75 * mean_loss(rep, 0, 10)) << rep.precision;
+    if (r.precision == Precision::kFP16) {
+      EXPECT_GT(rep.final_scale, 0) << "fp16 runs with a GradScaler";
+    }
+  }
+  EXPECT_LT(reports[1].step_memory.activations, 0.65 * reports[0].step_memory.activations);
+  EXPECT_LT(reports[3].step_memory.parameters, 0.6 * reports[0].step_memory.parameters);
+  EXPECT_EQ(reports[3].step_memory.optimizer_state, 0);
+}
+
 } // namespace
 } // namespace memfit
