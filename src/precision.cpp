@@ -197,12 +197,13 @@ std::vector<torch::Tensor> GradScaler::unscale_grads(torch::optim::Optimizer& op
       dev.first = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(device));
       dev.second = inv_scale.to(device, /*non_blocking=*/true).reshape({1});
     }
-    if (device.is_cuda()) {
+    const auto dtype = kv.first.second;
+    if (device.is_cuda() && (dtype == at::kFloat || dtype == at::kHalf)) {
       at::_amp_foreach_non_finite_check_and_unscale_(grads, dev.first, dev.second);
       continue;
     }
-    // Where the fused kernel is missing (the CPU in LibTorch 1.13): the same
-    // check and scaling with ordinary ops, and no sync.
+    // Where the fused kernel is missing (the CPU in LibTorch 1.13; bfloat16
+    // gradients on CUDA): the same check and scaling with ordinary ops, and no sync.
     for (auto& g : grads) {
       auto nonfinite = torch::isfinite(g).all().logical_not();
       dev.first.masked_fill_(nonfinite, 1.0);
