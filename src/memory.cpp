@@ -153,8 +153,17 @@ Kind kind_of(const torch::Device& device) {
 }
 
 #if defined(MEMFIT_WITH_CUDA)
+// The device's index, with CUDA and its caching allocator initialized: their
+// statistics and memory fraction refuse a device before its first tensor
+// ("Invalid device argument: did you call init?").
 c10::DeviceIndex cuda_index(const torch::Device& device) {
-  return device.has_index() ? device.index() : c10::DeviceIndex(0);
+  const c10::DeviceIndex index = device.has_index() ? device.index() : c10::DeviceIndex(0);
+  static std::once_flag once[64];
+  TORCH_CHECK(index >= 0 && index < 64, "memfit: CUDA device index ", int(index), " out of range");
+  std::call_once(once[index], [&] {
+    at::empty({0}, at::TensorOptions().device(torch::Device(torch::kCUDA, index)));
+  });
+  return index;
 }
 std::atomic<int64_t> cuda_budgets[64];
 #endif

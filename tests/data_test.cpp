@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include <unistd.h>
+
 namespace memfit {
 namespace {
 
@@ -25,8 +27,14 @@ class FashionMnist : public testing::Seeded {
     cache_ = fs::temp_directory_path() / ("memfit-data-test-" + std::to_string(::getpid()));
   }
   void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(cache_, ec);
+    // POSIX calls rather than fs::remove_all, which a LibTorch 2.x build may
+    // resolve to libtorch.so's own (incompatible) copy and crash in.
+    for (const char* f : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                          "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"}) {
+      ::unlink((cache_ / "fashion-mnist" / f).c_str());
+    }
+    ::rmdir((cache_ / "fashion-mnist").c_str());
+    ::rmdir(cache_.c_str());
     Seeded::TearDown();
   }
   fs::path cache_;
