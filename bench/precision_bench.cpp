@@ -152,6 +152,11 @@ void register_all() {
 int main(int argc, char** argv) {
   const unsigned hw = std::thread::hardware_concurrency();
   at::set_num_threads(hw > 0 ? static_cast<int>(hw) : 1);
+  // MEMFIT_FLUSH_DENORMAL=1: flush subnormal floats to zero (to test whether
+  // a slow fp32 step is spent in denormal arithmetic).
+  if (const char* f = std::getenv("MEMFIT_FLUSH_DENORMAL"); f && *f == '1') {
+    at::globalContext().setFlushDenormal(true);
+  }
   memfit::memory_allocated(torch::kCPU);  // track from the start
   register_all();
   benchmark::Initialize(&argc, argv);

@@ -21,6 +21,8 @@ cmake --build "$work/find" -j "$jobs" >"$work/find-build.log"
 grep -q "refused as expected" "$work/find-run.log"
 "$work/find/checkpointing" | tee "$work/checkpointing-run.log"
 grep -q "gradients identical" "$work/checkpointing-run.log"
+"$work/find/mixed_precision" | tee "$work/mixed-precision-run.log"
+grep -q "mixed precision matches fp32" "$work/mixed-precision-run.log"
 echo "ok   find_package(memfit CONFIG REQUIRED)"
 
 cmake -S "$consumer" -B "$work/subdir" -DCMAKE_BUILD_TYPE=Release \
