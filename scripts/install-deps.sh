@@ -5,7 +5,6 @@ set -euo pipefail
 
 packages=(
   build-essential cmake make pkg-config
-  libopenblas0-openmp
   libtorch-dev libgloo-dev zlib1g-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
