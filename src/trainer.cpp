@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cmath>
 
 namespace memfit {
 namespace {
@@ -67,6 +68,8 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   TORCH_CHECK(options_.steps() > 0 || options_.epochs() > 0,
               "epochs must be positive when steps is 0, got ", options_.epochs());
   TORCH_CHECK(options_.lr() > 0, "lr must be positive, got ", options_.lr());
+  TORCH_CHECK(options_.max_grad_norm() >= 0 && std::isfinite(options_.max_grad_norm()),
+              "max_grad_norm must be >= 0 (0: no clipping), got ", options_.max_grad_norm());
   TORCH_CHECK(options_.eval_batch_size() > 0, "eval_batch_size must be positive, got ",
               options_.eval_batch_size());
   TORCH_CHECK(options_.master_weights() == MasterWeightsMode::kNone ||
@@ -134,6 +137,10 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
   const int64_t n = data.size();
   const int64_t total = total_steps(data);
   const auto params = model_->parameters();
+  std::vector<torch::Tensor> optimizer_params;
+  for (const auto& group : optimizer_->param_groups()) {
+    optimizer_params.insert(optimizer_params.end(), group.params().begin(), group.params().end());
+  }
 
   auto generator = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
   torch::Tensor order;
@@ -167,6 +174,28 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
       logits = model_->forward(x);
     }
     auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y);
+    const double loss_value = loss.item<double>();
+    if (!std::isfinite(loss_value) && !scaler_->is_enabled()) {
+      TORCH_CHECK(options_.nonfinite_loss() == NonfiniteLoss::kSkip, "step ", step,
+                  " (epoch ", epoch, "): the loss is ",
+                  std::isnan(loss_value) ? "NaN" : (loss_value > 0 ? "inf" : "-inf"),
+                  "; lower the learning rate, clip gradients (max_grad_norm, --clip-grad-norm), "
+                  "or skip such steps (NonfiniteLoss::kSkip, --skip-nonfinite)");
+      StepRecord rec;
+      rec.step = step;
+      rec.epoch = epoch;
+      rec.loss = loss_value;
+      rec.skipped = true;
+      ++report.skipped_steps;
+      loss = logits = x = y = torch::Tensor();
+      rec.peak_bytes = meter.peak();
+      rec.current_bytes = memory_allocated(device);
+      rec.seconds = seconds_since(step_start);
+      samples += batch;
+      report.steps.push_back(rec);
+      if (on_step) on_step(rec);
+      continue;
+    }
     scaler_->scale(loss).backward();
     std::vector<torch::Tensor> grads;
     grads.reserve(params.size());
@@ -174,19 +203,26 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
     const int64_t model_grad_bytes = storage_bytes(grads);
     grads.clear();
     if (master_) master_->grads_to_master();
+    auto clip_and_step = [&] {
+      if (options_.max_grad_norm() > 0) {
+        scaler_->unscale_(*optimizer_);  // no-op without fp16
+        torch::nn::utils::clip_grad_norm_(optimizer_params, options_.max_grad_norm());
+      }
+      return scaler_->step(*optimizer_);
+    };
     bool stepped = true;
     if (options_.master_weights() == MasterWeightsMode::kHost) {
       UntrackedGuard host;  // the optimizer steps on the host copies
-      stepped = scaler_->step(*optimizer_);
+      stepped = clip_and_step();
     } else {
-      stepped = scaler_->step(*optimizer_);
+      stepped = clip_and_step();
     }
     scaler_->update();
 
     StepRecord rec;
     rec.step = step;
     rec.epoch = epoch;
-    rec.loss = loss.item<double>();
+    rec.loss = loss_value;
     rec.skipped = !stepped;
     report.skipped_steps += stepped ? 0 : 1;
     rec.peak_bytes = meter.peak();

@@ -35,7 +35,7 @@ expect() {
 expect help 0 'train' out -- --help
 for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --seed --budget \
             --data --report --eval-batch --no-eval --quiet --threads --checkpoint \
-            --checkpoint-budget --offload-checkpoints --precision --master-weights --device; do
+            --checkpoint-budget --offload-checkpoints --precision --master-weights --device --clip-grad-norm --skip-nonfinite; do
   expect "train-help-documents$flag" 0 "$flag" out -- train --help
 done
 expect version 0 'memfit 0\.' out -- --version
@@ -70,6 +70,11 @@ fi
 if [[ "$version" == *"CPU only"* ]]; then
   expect cuda-on-cpu-build 1 'no CUDA device.*--device cpu' err -- train --device cuda --steps 1
 fi
+expect negative-clip 2 'clip-grad-norm' err -- train --clip-grad-norm -1
+expect nan-loss-names-the-step 1 'step [0-9]+ \(epoch 0\): the loss is (NaN|inf|-inf);.*--skip-nonfinite' err -- \
+  train --model mlp --width 8 --depth 1 --steps 5 --lr 1e38 --optimizer sgd --no-eval -q
+expect clipped-run 0 'final loss' out -- \
+  train --model mlp --width 8 --depth 1 --steps 3 --clip-grad-norm 0.5 --no-eval -q
 expect missing-data 1 'dataset-fashion-mnist' err -- train --data "$tmp/none" --steps 1
 expect over-budget 1 'out of memory.*tried to allocate' err -- \
   train --model mlp --budget 1MiB --steps 2 --no-eval -q

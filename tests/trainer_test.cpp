@@ -6,7 +6,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <filesystem>
+#include <limits>
 #include <numeric>
 #include <tuple>
 
@@ -182,6 +184,53 @@ TEST_F(TrainerTest, MasterWeightsHoldLowPrecisionParametersAndHostState) {
   }
 }
 
+TEST_F(TrainerTest, ClippingBoundsTheUpdateNorm) {
+  // SGD without momentum, lr 1: the update is the clipped gradient, whose
+  // total norm is max_grad_norm (PyTorch's clip coefficient max / (norm + 1e-6)).
+  auto model = make_mlp(ModelOptions().width(32).depth(1));
+  std::vector<torch::Tensor> before;
+  for (const auto& p : model->parameters()) before.push_back(p.detach().clone());
+  Trainer t(model, TrainerOptions()
+                       .batch_size(64)
+                       .steps(1)
+                       .lr(1.0)
+                       .optimizer(OptimizerKind::kSGD)
+                       .momentum(0)
+                       .max_grad_norm(1e-3));
+  t.fit(small_real_data());
+  double sq = 0;
+  const auto after = model->parameters();
+  for (size_t i = 0; i < after.size(); ++i) sq += (after[i] - before[i]).pow(2).sum().item<double>();
+  EXPECT_NEAR(std::sqrt(sq), 1e-3, 1e-6);
+}
+
+TEST_F(TrainerTest, NonfiniteLossStopsNamingTheStepOrIsSkipped) {
+  ImageDataset bad;
+  {
+    UntrackedGuard host;
+    bad.images = small_real_data().images.narrow(0, 0, 64).clone();
+    bad.labels = small_real_data().labels.narrow(0, 0, 64).clone();
+    bad.images.fill_(std::numeric_limits<float>::quiet_NaN());
+  }
+  auto model = make_mlp(ModelOptions().width(8).depth(1));
+  Trainer t(model, TrainerOptions().batch_size(32).steps(2));
+  try {
+    t.fit(bad);
+    FAIL() << "a NaN loss must stop the run";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.msg()).find("step 1 (epoch 0): the loss is NaN"), std::string::npos)
+        << e.msg();
+  }
+  std::vector<torch::Tensor> before;
+  for (const auto& p : model->parameters()) before.push_back(p.detach().clone());
+  Trainer skipping(model, TrainerOptions().batch_size(32).steps(2).nonfinite_loss(NonfiniteLoss::kSkip));
+  const auto report = skipping.fit(bad);
+  EXPECT_EQ(report.skipped_steps, 2);
+  for (const auto& s : report.steps) EXPECT_TRUE(s.skipped);
+  const auto after = model->parameters();
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(after[i].equal(before[i]));
+}
+
 TEST_F(TrainerTest, PrecisionOptionsAreChecked) {
   auto model = make_mlp(ModelOptions().width(8).depth(1));
   EXPECT_THROW(Trainer(model, TrainerOptions().master_weights(MasterWeightsMode::kHost)), c10::Error)
@@ -190,6 +239,7 @@ TEST_F(TrainerTest, PrecisionOptionsAreChecked) {
     EXPECT_THROW(Trainer(model, TrainerOptions().precision(Precision::kFP16)), c10::Error);
   }
   EXPECT_THROW(parse_master_weights_mode("gpu"), c10::Error);
+  EXPECT_THROW(Trainer(model, TrainerOptions().max_grad_norm(-1)), c10::Error);
 }
 
 class CudaTrainer : public testing::OnCuda {

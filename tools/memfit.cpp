@@ -63,6 +63,8 @@ struct TrainArgs {
   std::string precision = "fp32";
   std::string master_weights = "none";
   std::string device = "cpu";
+  double clip_grad_norm = 0;
+  bool skip_nonfinite = false;
 };
 
 // Parses --checkpoint's value: none, sqrt, optimal, every:K or uniform:K.
@@ -159,6 +161,12 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   train->add_option("--device", a.device, "Device to train on: cpu, cuda or cuda:N")
       ->capture_default_str();
+  train->add_option("--clip-grad-norm", a.clip_grad_norm,
+                    "Clip the gradients' total 2-norm to this, after unscaling (0: no clipping)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  train->add_flag("--skip-nonfinite", a.skip_nonfinite,
+                  "Skip steps whose loss is NaN or infinite instead of stopping");
   train->add_option("--threads", a.threads,
                     "CPU threads for LibTorch's kernels (0: every hardware thread)")
       ->check(CLI::NonNegativeNumber)
@@ -232,7 +240,10 @@ int run_train(const TrainArgs& a) {
       .device(device)
       .precision(a.precision == "auto" ? memfit::auto_precision(device)
                                        : memfit::parse_precision(a.precision))
-      .master_weights(memfit::parse_master_weights_mode(a.master_weights));
+      .master_weights(memfit::parse_master_weights_mode(a.master_weights))
+      .max_grad_norm(a.clip_grad_norm)
+      .nonfinite_loss(a.skip_nonfinite ? memfit::NonfiniteLoss::kSkip
+                                       : memfit::NonfiniteLoss::kError);
   memfit::Trainer trainer(model, options);
 
   int64_t params = 0;

@@ -45,6 +45,14 @@ enum class MasterWeightsMode {
 /// Parses "none", "device" or "host"; throws c10::Error naming the accepted names.
 MasterWeightsMode parse_master_weights_mode(const std::string& name);
 
+/// What a Trainer does with a step whose loss is NaN or infinite (without a
+/// GradScaler; with one, the scaler skips such steps and backs off).
+enum class NonfiniteLoss {
+  kError,  ///< Stop with a c10::Error naming the step.
+  kSkip,   ///< Skip the step: no backward, no optimizer step (BatchNorm's running
+           ///< statistics keep what the skipped forward put in them, as in PyTorch).
+};
+
 /// Options of a training run, named after PyTorch's (lr, weight_decay, momentum).
 struct TrainerOptions {
   /// Examples per optimizer step.
@@ -73,6 +81,10 @@ struct TrainerOptions {
   TORCH_ARG(MasterWeightsMode, master_weights) = MasterWeightsMode::kNone;
   /// The GradScaler's options when precision is fp16.
   TORCH_ARG(GradScalerOptions, grad_scaler) = GradScalerOptions();
+  /// Clip the gradients' total 2-norm to this (after unscaling); 0: no clipping.
+  TORCH_ARG(double, max_grad_norm) = 0.0;
+  /// A NaN or infinite loss stops the run or skips the step.
+  TORCH_ARG(NonfiniteLoss, nonfinite_loss) = NonfiniteLoss::kError;
 };
 
 /// One optimizer step as measured.
@@ -124,7 +136,12 @@ struct TrainReport {
 /// master weights the parameters are held in the low dtype and the optimizer
 /// steps fp32 masters (on the host for MasterWeightsMode::kHost, where the step
 /// then runs). Sync points: one per step for the loss, one more with fp16 (the
-/// GradScaler's inf check).
+/// GradScaler's inf check). With max_grad_norm the gradients of the
+/// optimizer's parameters (the fp32 masters, if any) are clipped after the
+/// GradScaler unscales them. A NaN or infinite loss without a GradScaler
+/// stops the run with an error naming the step, or skips the step
+/// (NonfiniteLoss::kSkip, recorded as skipped); the loss is read before
+/// backward for this, which is the step's one sync.
 ///
 /// Example:
 /// \code
