@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <optional>
 #include <cmath>
 
 namespace memfit {
@@ -175,49 +176,35 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
     }
     auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y);
     const double loss_value = loss.item<double>();
-    if (!std::isfinite(loss_value) && !scaler_->is_enabled()) {
-      TORCH_CHECK(options_.nonfinite_loss() == NonfiniteLoss::kSkip, "step ", step,
-                  " (epoch ", epoch, "): the loss is ",
-                  std::isnan(loss_value) ? "NaN" : (loss_value > 0 ? "inf" : "-inf"),
-                  "; lower the learning rate, clip gradients (max_grad_norm, --clip-grad-norm), "
-                  "or skip such steps (NonfiniteLoss::kSkip, --skip-nonfinite)");
-      StepRecord rec;
-      rec.step = step;
-      rec.epoch = epoch;
-      rec.loss = loss_value;
-      rec.skipped = true;
-      ++report.skipped_steps;
-      loss = logits = x = y = torch::Tensor();
-      rec.peak_bytes = meter.peak();
-      rec.current_bytes = memory_allocated(device);
-      rec.seconds = seconds_since(step_start);
-      samples += batch;
-      report.steps.push_back(rec);
-      if (on_step) on_step(rec);
-      continue;
-    }
-    scaler_->scale(loss).backward();
-    std::vector<torch::Tensor> grads;
-    grads.reserve(params.size());
-    for (const auto& p : params) grads.push_back(p.grad());
-    const int64_t model_grad_bytes = storage_bytes(grads);
-    grads.clear();
-    if (master_) master_->grads_to_master();
-    auto clip_and_step = [&] {
-      if (options_.max_grad_norm() > 0) {
-        scaler_->unscale_(*optimizer_);  // no-op without fp16
-        torch::nn::utils::clip_grad_norm_(optimizer_params, options_.max_grad_norm());
+    // Without a GradScaler a non-finite loss stops the run or skips the step;
+    // with one, the scaler finds the non-finite gradients and skips the step.
+    const bool skip = !std::isfinite(loss_value) && !scaler_->is_enabled();
+    TORCH_CHECK(!skip || options_.nonfinite_loss() == NonfiniteLoss::kSkip, "step ", step,
+                " (epoch ", epoch, "): the loss is ",
+                std::isnan(loss_value) ? "NaN" : (loss_value > 0 ? "inf" : "-inf"),
+                "; lower the learning rate, clip gradients (max_grad_norm, --clip-grad-norm), "
+                "or skip such steps (NonfiniteLoss::kSkip, --skip-nonfinite)");
+    bool stepped = false;
+    int64_t model_grad_bytes = 0;
+    if (!skip) {
+      scaler_->scale(loss).backward();
+      std::vector<torch::Tensor> grads;
+      grads.reserve(params.size());
+      for (const auto& p : params) grads.push_back(p.grad());
+      model_grad_bytes = storage_bytes(grads);
+      grads.clear();
+      if (master_) master_->grads_to_master();
+      {
+        std::optional<UntrackedGuard> host;  // the optimizer steps on host copies
+        if (options_.master_weights() == MasterWeightsMode::kHost) host.emplace();
+        if (options_.max_grad_norm() > 0) {
+          scaler_->unscale_(*optimizer_);  // a no-op without fp16
+          torch::nn::utils::clip_grad_norm_(optimizer_params, options_.max_grad_norm());
+        }
+        stepped = scaler_->step(*optimizer_);
       }
-      return scaler_->step(*optimizer_);
-    };
-    bool stepped = true;
-    if (options_.master_weights() == MasterWeightsMode::kHost) {
-      UntrackedGuard host;  // the optimizer steps on the host copies
-      stepped = clip_and_step();
-    } else {
-      stepped = clip_and_step();
+      scaler_->update();
     }
-    scaler_->update();
 
     StepRecord rec;
     rec.step = step;
@@ -226,10 +213,10 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
     rec.skipped = !stepped;
     report.skipped_steps += stepped ? 0 : 1;
     rec.peak_bytes = meter.peak();
-    if (rec.peak_bytes > report.step_memory.peak) {
+    if (!skip && rec.peak_bytes > report.step_memory.peak) {
       report.step_memory = breakdown(rec.peak_bytes, model_grad_bytes);
     }
-    if (master_) master_->master_to_model();
+    if (master_ && !skip) master_->master_to_model();
     release_gradients(params);
     loss = logits = x = y = torch::Tensor();
     rec.current_bytes = memory_allocated(device);

@@ -34,12 +34,6 @@
 #include <unordered_map>
 #include <vector>
 
-namespace torch {
-namespace optim {
-class Optimizer;
-} // namespace optim
-} // namespace torch
-
 namespace memfit {
 
 /// The precision of a training step's compute.
