@@ -38,14 +38,10 @@ class RecomputeScope {
       own_rng_ = compat::get_rng_state(s.cuda_devices);
       compat::set_rng_state(s.rng);
     }
-    own_autocast_ = compat::get_autocast_state();
-    compat::set_autocast_state(s.autocast);
-    at::autocast::increment_nesting();
+    own_autocast_ = compat::enter_autocast(s.autocast);
   }
   ~RecomputeScope() {
-    // Like leaving torch.autocast: the outermost exit clears the cast cache.
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    compat::set_autocast_state(own_autocast_);
+    compat::exit_autocast(own_autocast_);
     if (preserve_) compat::set_rng_state(own_rng_);
   }
   RecomputeScope(const RecomputeScope&) = delete;

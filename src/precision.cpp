@@ -61,11 +61,6 @@ void check_precision_supported(Precision precision, const torch::Device& device)
 
 // ---------------------------------------------------------------- AutocastGuard
 
-namespace {
-constexpr int kCpuSlot = 0;
-constexpr int kCudaSlot = 1;
-} // namespace
-
 AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::optional<at::ScalarType> dtype,
                              bool enabled, bool cache_enabled) {
   TORCH_CHECK(device_type == c10::DeviceType::CPU || device_type == c10::DeviceType::CUDA,
@@ -78,23 +73,11 @@ AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::optional<at::Scal
     check_precision_supported(fast == at::kHalf ? Precision::kFP16 : Precision::kBF16,
                               torch::Device(device_type));
   }
-  const auto prev = compat::get_autocast_state();
-  prev_enabled_[kCpuSlot] = prev.cpu_enabled;
-  prev_dtype_[kCpuSlot] = prev.cpu_dtype;
-  prev_enabled_[kCudaSlot] = prev.cuda_enabled;
-  prev_dtype_[kCudaSlot] = prev.cuda_dtype;
+  AutocastState next = compat::get_autocast_state();
+  (cuda ? next.cuda_enabled : next.cpu_enabled) = enabled;
+  (cuda ? next.cuda_dtype : next.cpu_dtype) = fast;
   prev_cache_enabled_ = at::autocast::is_autocast_cache_enabled();
-
-  auto next = prev;
-  if (cuda) {
-    next.cuda_enabled = enabled;
-    next.cuda_dtype = fast;
-  } else {
-    next.cpu_enabled = enabled;
-    next.cpu_dtype = fast;
-  }
-  compat::set_autocast_state(next);
-  at::autocast::increment_nesting();
+  prev_ = compat::enter_autocast(next);
   at::autocast::set_autocast_cache_enabled(cache_enabled);
 }
 
@@ -105,15 +88,7 @@ AutocastGuard::AutocastGuard(const torch::Device& device, Precision precision)
                     precision != Precision::kFP32) {}
 
 AutocastGuard::~AutocastGuard() {
-  // Python's torch.autocast.__exit__: clear the cache when leaving the
-  // outermost autocast region, then restore the state saved on entry.
-  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-  compat::AutocastState prev;
-  prev.cpu_enabled = prev_enabled_[kCpuSlot];
-  prev.cpu_dtype = prev_dtype_[kCpuSlot];
-  prev.cuda_enabled = prev_enabled_[kCudaSlot];
-  prev.cuda_dtype = prev_dtype_[kCudaSlot];
-  compat::set_autocast_state(prev);
+  compat::exit_autocast(prev_);
   at::autocast::set_autocast_cache_enabled(prev_cache_enabled_);
 }
 

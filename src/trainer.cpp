@@ -92,12 +92,9 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   auto scaler_options = options_.grad_scaler();
   scaler_options.enabled(scaler_options.enabled() && options_.precision() == Precision::kFP16);
   scaler_ = std::make_unique<GradScaler>(scaler_options);
-  if (options_.master_weights() == MasterWeightsMode::kHost) {
-    UntrackedGuard host;  // optimizer state lives with the masters
-    optimizer_ = make_optimizer(options_, params);
-  } else {
-    optimizer_ = make_optimizer(options_, params);
-  }
+  std::optional<UntrackedGuard> host;  // optimizer state lives with the masters
+  if (options_.master_weights() == MasterWeightsMode::kHost) host.emplace();
+  optimizer_ = make_optimizer(options_, params);
 }
 
 StepMemory Trainer::breakdown(int64_t peak, int64_t model_grad_bytes) const {

@@ -4,6 +4,7 @@
 #include "memfit/checkpoint.h"
 
 #include "memfit/compat.h"
+#include "memfit/precision.h"
 #include "memfit/schedule.h"
 #include "test_util.h"
 
@@ -120,15 +121,11 @@ TEST_F(Checkpoint, AutocastStateIsRestoredForRecomputation) {
   auto x = torch::randn({8, 16}, torch::requires_grad());
   auto run = [&](bool ck) {
     zero_grads({lin->weight, lin->bias, x});
-    compat::AutocastState on;
-    on.cpu_enabled = true;
-    on.cpu_dtype = torch::kBFloat16;
-    const auto before = compat::get_autocast_state();
-    compat::set_autocast_state(on);
-    at::autocast::increment_nesting();
-    auto y = ck ? checkpoint(lin, x) : lin(x);
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    compat::set_autocast_state(before);
+    torch::Tensor y;
+    {
+      AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      y = ck ? checkpoint(lin, x) : lin(x);
+    }
     EXPECT_EQ(y.scalar_type(), torch::kBFloat16) << "output keeps the reduced dtype";
     y.to(torch::kFloat).pow(2).sum().backward();  // backward outside autocast
     return grads_of({lin->weight, lin->bias, x});

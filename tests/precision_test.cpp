@@ -396,55 +396,41 @@ void fill_inf(torch::nn::Sequential& model) {
   w.mutable_grad().fill_(kInf);
 }
 
+// test_grad_scaling_autocast's loop: the scaled run optionally under autocast
+// on `device` (CPU: bfloat16; CUDA: float16, as in PyTorch), the control run in fp32.
+RunFn basic_scaling_run(c10::DeviceType device, bool autocast_scaled) {
+  return [device, autocast_scaled](ScalingCase& sc, torch::nn::Sequential& model,
+                                   torch::optim::SGD& opt, GradScaler& scaler,
+                                   bool try_scaling_api) {
+    for (size_t i = 0; i < sc.data.size(); ++i) {
+      opt.zero_grad();
+      torch::Tensor loss;
+      {
+        AutocastGuard autocast(device, c10::nullopt, autocast_scaled && try_scaling_api);
+        loss = torch::mse_loss(model->forward(sc.data[i].first).to(torch::kFloat),
+                               sc.data[i].second);
+      }
+      if (try_scaling_api) {
+        scaler.scale(loss).backward();
+        if (int(i) == sc.skip_iter && scaler.is_enabled()) fill_inf(model);
+        scaler.step(opt);
+        scaler.update();
+      } else {
+        loss.backward();
+        if (!scaler.is_enabled() || int(i) != sc.skip_iter) opt.step();
+      }
+    }
+  };
+}
+
 TEST_F(GradScaling, ScalingCaseMatchesUnscaledControlBitwise) {
   // Powers of two scale and unscale exactly in fp32: parameters are equal bitwise.
-  run_scaling_case(
-      [](ScalingCase& sc, torch::nn::Sequential& model, torch::optim::SGD& opt, GradScaler& scaler,
-         bool try_scaling_api) {
-        for (size_t i = 0; i < sc.data.size(); ++i) {
-          opt.zero_grad();
-          auto loss = torch::mse_loss(model->forward(sc.data[i].first), sc.data[i].second);
-          if (try_scaling_api) {
-            scaler.scale(loss).backward();
-            if (int(i) == sc.skip_iter && scaler.is_enabled()) fill_inf(model);
-            scaler.step(opt);
-            scaler.update();
-          } else {
-            loss.backward();
-            if (!scaler.is_enabled() || int(i) != sc.skip_iter) opt.step();
-          }
-        }
-      },
-      /*unskipped=*/3, /*skipped=*/1, 0.0, /*bitwise=*/true);
+  run_scaling_case(basic_scaling_run(torch::kCPU, false), /*unskipped=*/3, /*skipped=*/1, 0.0, /*bitwise=*/true);
 }
 
 TEST_F(GradScaling, ScalingCaseUnderBf16AutocastMatchesWithinTolerance) {
-  // The same under CPU bfloat16 autocast for the scaled run only (PyTorch's
-  // test_grad_scaling_autocast, fp16 there): bf16 has 8 mantissa bits, so the
-  // tolerance is 3e-2 rather than 1e-3.
-  run_scaling_case(
-      [](ScalingCase& sc, torch::nn::Sequential& model, torch::optim::SGD& opt, GradScaler& scaler,
-         bool try_scaling_api) {
-        for (size_t i = 0; i < sc.data.size(); ++i) {
-          opt.zero_grad();
-          torch::Tensor loss;
-          {
-            AutocastGuard autocast(torch::kCPU, torch::kBFloat16, try_scaling_api);
-            loss = torch::mse_loss(model->forward(sc.data[i].first).to(torch::kFloat),
-                                   sc.data[i].second);
-          }
-          if (try_scaling_api) {
-            scaler.scale(loss).backward();
-            if (int(i) == sc.skip_iter && scaler.is_enabled()) fill_inf(model);
-            scaler.step(opt);
-            scaler.update();
-          } else {
-            loss.backward();
-            if (!scaler.is_enabled() || int(i) != sc.skip_iter) opt.step();
-          }
-        }
-      },
-      3, 1, 3e-2, false);
+  // bf16 has 8 mantissa bits, so the tolerance is 3e-2 rather than PyTorch's 1e-3 for fp16.
+  run_scaling_case(basic_scaling_run(torch::kCPU, true), 3, 1, 3e-2, false);
 }
 
 TEST_F(GradScaling, ClippingScaledGradientsMatchesControl) {
@@ -741,27 +727,9 @@ TEST_F(CudaPrecision, Fp16ScalingCaseWithAutocastMatchesControl) {
     for (auto& d : sc.data) d = {d.first.to(cuda), d.second.to(cuda)};
     GradScaler scaler(
         GradScalerOptions().init_scale(128.).growth_factor(2.0).enabled(enabled).growth_interval(1));
-    auto run = [&](torch::nn::Sequential& model, torch::optim::SGD& opt, bool scaled) {
-      for (size_t i = 0; i < sc.data.size(); ++i) {
-        opt.zero_grad();
-        torch::Tensor loss;
-        {
-          AutocastGuard autocast(torch::kCUDA, torch::kHalf, scaled);
-          loss = torch::mse_loss(model->forward(sc.data[i].first).to(torch::kFloat), sc.data[i].second);
-        }
-        if (scaled) {
-          scaler.scale(loss).backward();
-          if (int(i) == sc.skip_iter && scaler.is_enabled()) fill_inf(model);
-          scaler.step(opt);
-          scaler.update();
-        } else {
-          loss.backward();
-          if (!scaler.is_enabled() || int(i) != sc.skip_iter) opt.step();
-        }
-      }
-    };
-    run(sc.control, *sc.opt_control, false);
-    run(sc.scaling, *sc.opt_scaling, true);
+    const auto run = basic_scaling_run(torch::kCUDA, true);  // fp16 autocast
+    run(sc, sc.control, *sc.opt_control, scaler, false);
+    run(sc, sc.scaling, *sc.opt_scaling, scaler, true);
     EXPECT_EQ(scaler.get_scale(), enabled ? 128. * 8 * 0.5 : 1.0);
     auto c = sc.control->parameters();
     auto s2 = sc.scaling->parameters();

@@ -8,6 +8,8 @@
 /// 1.13) compiles; the guarded branches are written against LibTorch 1.13 and
 /// 2.x, whose CUDA caching-allocator functions keep the same names.
 
+#include "memfit/precision.h"
+
 #include <torch/version.h>
 
 #include <ATen/autocast_mode.h>
@@ -121,13 +123,8 @@ inline bool is_cpu_autocast_enabled() {
 #endif
 }
 
-/// The autocast state of a thread: what torch.autocast's context manager saves.
-struct AutocastState {
-  bool cpu_enabled = false;
-  at::ScalarType cpu_dtype = at::kBFloat16;
-  bool cuda_enabled = false;
-  at::ScalarType cuda_dtype = at::kHalf;
-};
+/// The autocast state of a thread (memfit::AutocastState, in precision.h).
+using AutocastState = ::memfit::AutocastState;
 
 /// Reads this thread's autocast state.
 inline AutocastState get_autocast_state() {
@@ -159,6 +156,23 @@ inline void set_autocast_state(const AutocastState& s) {
   at::autocast::set_enabled(s.cuda_enabled);
   at::autocast::set_autocast_gpu_dtype(s.cuda_dtype);
 #endif
+}
+
+/// Enters an autocast region in state `next`, as torch.autocast.__enter__
+/// does (the nesting count goes up); returns the state to restore on exit.
+inline AutocastState enter_autocast(const AutocastState& next) {
+  const AutocastState prev = get_autocast_state();
+  set_autocast_state(next);
+  at::autocast::increment_nesting();
+  return prev;
+}
+
+/// Leaves a region entered with enter_autocast, as torch.autocast.__exit__
+/// does: the outermost exit clears the cache of casted weights, then the
+/// saved state is restored.
+inline void exit_autocast(const AutocastState& prev) {
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  set_autocast_state(prev);
 }
 
 /// Random-number-generator states: the default CPU generator and, on CUDA

@@ -68,6 +68,15 @@ Precision auto_precision(const torch::Device& device);
 /// needs a CUDA build and device.
 void check_precision_supported(Precision precision, const torch::Device& device);
 
+/// The autocast state of a thread: what torch.autocast's context manager
+/// saves and restores (the enabled flag and dtype of each device type).
+struct AutocastState {
+  bool cpu_enabled = false;                  ///< CPU autocast on.
+  at::ScalarType cpu_dtype = at::kBFloat16;  ///< The CPU's lower-precision dtype.
+  bool cuda_enabled = false;                 ///< CUDA autocast on.
+  at::ScalarType cuda_dtype = at::kHalf;     ///< CUDA's lower-precision dtype.
+};
+
 /// Enables autocast on one device type for its lifetime, like Python's
 /// `with torch.autocast(device_type, dtype):`.
 ///
@@ -104,8 +113,7 @@ class AutocastGuard {
   AutocastGuard& operator=(AutocastGuard&&) = delete;
 
  private:
-  bool prev_enabled_[2];
-  at::ScalarType prev_dtype_[2];
+  AutocastState prev_;
   bool prev_cache_enabled_;
 };
 
