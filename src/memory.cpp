@@ -326,33 +326,42 @@ int64_t PeakMeter::peak() const {
   return counters().meter_peak[slot_].load(std::memory_order_relaxed);
 }
 
-namespace {
-void add_state_tensors(const torch::optim::OptimizerParamState& state,
-                       std::vector<torch::Tensor>& out) {
+namespace detail {
+void for_each_state_tensor(torch::optim::OptimizerParamState& state,
+                           const std::function<void(torch::Tensor&)>& fn) {
   using namespace torch::optim;
-  if (auto* s = dynamic_cast<const AdamParamState*>(&state)) {
-    out.insert(out.end(), {s->exp_avg(), s->exp_avg_sq(), s->max_exp_avg_sq()});
-  } else if (auto* s = dynamic_cast<const AdamWParamState*>(&state)) {
-    out.insert(out.end(), {s->exp_avg(), s->exp_avg_sq(), s->max_exp_avg_sq()});
-  } else if (auto* s = dynamic_cast<const SGDParamState*>(&state)) {
-    out.push_back(s->momentum_buffer());
-  } else if (auto* s = dynamic_cast<const AdagradParamState*>(&state)) {
-    out.push_back(s->sum());
-  } else if (auto* s = dynamic_cast<const RMSpropParamState*>(&state)) {
-    out.insert(out.end(), {s->square_avg(), s->momentum_buffer(), s->grad_avg()});
-  } else if (auto* s = dynamic_cast<const LBFGSParamState*>(&state)) {
-    out.insert(out.end(), {s->d(), s->H_diag(), s->prev_flat_grad()});
-    for (const auto* q : {&s->old_dirs(), &s->old_stps(), &s->ro()}) {
-      out.insert(out.end(), q->begin(), q->end());
+  auto each = [&](std::initializer_list<torch::Tensor*> ts) {
+    for (auto* t : ts) {
+      if (t->defined()) fn(*t);
     }
-    if (s->al()) out.insert(out.end(), s->al()->begin(), s->al()->end());
+  };
+  if (auto* s = dynamic_cast<AdamParamState*>(&state)) {
+    each({&s->exp_avg(), &s->exp_avg_sq(), &s->max_exp_avg_sq()});
+  } else if (auto* s = dynamic_cast<AdamWParamState*>(&state)) {
+    each({&s->exp_avg(), &s->exp_avg_sq(), &s->max_exp_avg_sq()});
+  } else if (auto* s = dynamic_cast<SGDParamState*>(&state)) {
+    each({&s->momentum_buffer()});
+  } else if (auto* s = dynamic_cast<AdagradParamState*>(&state)) {
+    each({&s->sum()});
+  } else if (auto* s = dynamic_cast<RMSpropParamState*>(&state)) {
+    each({&s->square_avg(), &s->momentum_buffer(), &s->grad_avg()});
+  } else if (auto* s = dynamic_cast<LBFGSParamState*>(&state)) {
+    each({&s->d(), &s->H_diag(), &s->prev_flat_grad()});
+    for (auto* q : {&s->old_dirs(), &s->old_stps(), &s->ro()}) {
+      for (auto& t : *q) each({&t});
+    }
+    if (s->al()) {
+      for (auto& t : *s->al()) each({&t});
+    }
   }
 }
-} // namespace
+} // namespace detail
 
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
   std::vector<torch::Tensor> tensors;
-  for (const auto& kv : optimizer.state()) add_state_tensors(*kv.second, tensors);
+  for (const auto& kv : optimizer.state()) {
+    detail::for_each_state_tensor(*kv.second, [&](torch::Tensor& t) { tensors.push_back(t); });
+  }
   return storage_bytes(tensors);
 }
 

@@ -9,8 +9,9 @@ namespace nn = torch::nn;
 
 // A basic residual block: conv-bn-relu-conv-bn plus a shortcut, then relu.
 struct BasicBlockImpl : nn::Module {
-  BasicBlockImpl(int64_t in, int64_t out, int64_t stride)
-      : conv1(nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false)),
+  BasicBlockImpl(int64_t in, int64_t out, int64_t stride, bool inplace)
+      : inplace(inplace),
+        conv1(nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false)),
         bn1(out),
         conv2(nn::Conv2dOptions(out, out, 3).stride(1).padding(1).bias(false)),
         bn2(out) {
@@ -27,12 +28,17 @@ struct BasicBlockImpl : nn::Module {
   }
 
   torch::Tensor forward(const torch::Tensor& x) {
-    auto y = torch::relu(bn1(conv1(x)));
+    // BatchNorm saves its input, not its output, and the sum saves nothing:
+    // both ReLUs may overwrite what they are given.
+    auto y = relu(bn1(conv1(x)));
     y = bn2(conv2(y));
     y = y + (shortcut ? shortcut->forward(x) : x);
-    return torch::relu(y);
+    return relu(y);
   }
 
+  torch::Tensor relu(torch::Tensor t) const { return inplace ? torch::relu_(t) : torch::relu(t); }
+
+  bool inplace;
   nn::Conv2d conv1;
   nn::BatchNorm2d bn1;
   nn::Conv2d conv2;
@@ -76,7 +82,7 @@ torch::nn::Sequential make_mlp(const ModelOptions& o) {
   int64_t in = o.in_channels() * o.image_size() * o.image_size();
   for (int64_t i = 0; i < depth; ++i) {
     seq->push_back("fc" + std::to_string(i), nn::Linear(in, width));
-    seq->push_back("relu" + std::to_string(i), nn::ReLU(nn::ReLUOptions().inplace(true)));
+    seq->push_back("relu" + std::to_string(i), nn::ReLU(nn::ReLUOptions().inplace(o.inplace())));
     in = width;
   }
   seq->push_back("head", nn::Linear(in, o.num_classes()));
@@ -93,14 +99,14 @@ torch::nn::Sequential make_resnet(const ModelOptions& o) {
                                              .padding(1)
                                              .bias(false)));
   seq->push_back("stem_bn", nn::BatchNorm2d(width));
-  seq->push_back("stem_relu", nn::ReLU(nn::ReLUOptions().inplace(true)));
+  seq->push_back("stem_relu", nn::ReLU(nn::ReLUOptions().inplace(o.inplace())));
   int64_t channels = width;
   for (int64_t s = 0; s < o.stages(); ++s) {
     const int64_t out = width << s;
     for (int64_t b = 0; b < depth; ++b) {
       const int64_t stride = (s > 0 && b == 0) ? 2 : 1;
       seq->push_back("stage" + std::to_string(s) + "_block" + std::to_string(b),
-                     BasicBlock(channels, out, stride));
+                     BasicBlock(channels, out, stride, o.inplace()));
       channels = out;
     }
   }

@@ -354,8 +354,12 @@ MasterWeights::MasterWeights(torch::nn::Module& module, MasterWeightsOptions opt
 }
 
 void MasterWeights::init() {
-  TORCH_CHECK(options_.dtype() == at::kBFloat16 || options_.dtype() == at::kHalf,
-              "MasterWeights holds parameters in bfloat16 or float16, got ", options_.dtype());
+  TORCH_CHECK(options_.dtype() == at::kBFloat16 || options_.dtype() == at::kHalf ||
+                  (options_.dtype() == at::kFloat && options_.offload() == Offload::kHost),
+              "MasterWeights holds parameters in bfloat16 or float16 (or in float32 with "
+              "Offload::kHost, host masters only), got ", options_.dtype(),
+              options_.dtype() == at::kFloat ? " without Offload::kHost" : "");
+  if (options_.dtype() == at::kFloat) cast_.assign(params_.size(), false);
   for (const auto& p : params_) {
     TORCH_CHECK(p.defined() && p.scalar_type() == at::kFloat,
                 "MasterWeights needs float32 parameters to copy, got ",

@@ -1,5 +1,10 @@
 #include "memfit/trainer.h"
 
+#include "memfit/compat.h"
+#include "memfit/freeze.h"
+#include "memfit/state.h"
+#include "memory_internal.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim.h>
@@ -8,6 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <filesystem>
+#include <mutex>
 #include <optional>
 #include <cmath>
 
@@ -37,9 +44,14 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainerOptions& o,
   TORCH_INTERNAL_ASSERT(false, "unhandled optimizer kind");
 }
 
-void release_gradients(const std::vector<torch::Tensor>& params) {
+void release_gradients(const std::vector<torch::Tensor>& params, bool set_to_none) {
   for (const auto& p : params) {
-    if (p.grad().defined()) const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
+    if (!p.grad().defined()) continue;
+    if (set_to_none) {
+      const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
+    } else {
+      const_cast<torch::Tensor&>(p).mutable_grad().detach_().zero_();
+    }
   }
 }
 
@@ -73,28 +85,65 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
               "max_grad_norm must be >= 0 (0: no clipping), got ", options_.max_grad_norm());
   TORCH_CHECK(options_.eval_batch_size() > 0, "eval_batch_size must be positive, got ",
               options_.eval_batch_size());
+  TORCH_CHECK(options_.micro_batch_size() >= 0,
+              "micro_batch_size must be >= 0 (0: the whole batch at once), got ",
+              options_.micro_batch_size());
+  TORCH_CHECK(options_.save_every() >= 0, "save_every must be >= 0 (0: save at the end only), got ",
+              options_.save_every());
   TORCH_CHECK(options_.master_weights() == MasterWeightsMode::kNone ||
                   options_.precision() != Precision::kFP32,
               "master weights hold parameters in bf16 or fp16: set precision to bf16 or fp16, "
               "or master_weights to none");
+  TORCH_CHECK(!(options_.master_weights() == MasterWeightsMode::kDevice &&
+                options_.offload_optimizer() == Offload::kHost),
+              "master_weights device keeps the fp32 masters and optimizer state on the device, "
+              "offload_optimizer host moves them to the host: use master_weights host, or "
+              "offload_optimizer none");
   check_precision_supported(options_.precision(), options_.device());
   memory_allocated(options_.device());  // starts tracking (and checks the device)
+  for (const auto& pattern : options_.freeze()) freeze(*model_, pattern);
+  if (options_.micro_batch_size() > 0 && options_.micro_batch_size() < options_.batch_size()) {
+    for (const auto& item : model_->named_modules()) {
+      if (item.value()->name().find("BatchNorm") == std::string::npos) continue;
+      TORCH_WARN("micro-batching: BatchNorm layers (the first is '", item.key(),
+                 "') normalise each micro-batch of ", options_.micro_batch_size(),
+                 " examples with its own statistics, not the batch of ", options_.batch_size(),
+                 "; gradients equal the full batch's only without batch statistics "
+                 "(GroupNorm or LayerNorm do)");
+      break;
+    }
+  }
   model_->to(options_.device());
-  std::vector<torch::Tensor> params = model_->parameters();
-  if (options_.master_weights() != MasterWeightsMode::kNone) {
+  const std::vector<torch::Tensor> model_params = model_->parameters();
+  std::vector<torch::Tensor> params = model_params;
+  if (options_.master_weights() != MasterWeightsMode::kNone ||
+      options_.offload_optimizer() == Offload::kHost) {
+    const auto dtype = options_.master_weights() != MasterWeightsMode::kNone
+                           ? scalar_type(options_.precision())
+                           : at::kFloat;
     master_ = std::make_unique<MasterWeights>(
-        *model_, MasterWeightsOptions()
-                    .dtype(scalar_type(options_.precision()))
-                    .offload(options_.master_weights() == MasterWeightsMode::kHost ? Offload::kHost
-                                                                                  : Offload::kNone));
+        *model_, MasterWeightsOptions().dtype(dtype).offload(state_on_host() ? Offload::kHost
+                                                                             : Offload::kNone));
     params = master_->master_parameters();
   }
+  std::vector<torch::Tensor> trainable;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (model_params[i].requires_grad()) trainable.push_back(params[i]);
+  }
+  TORCH_CHECK(!trainable.empty(), "every parameter is frozen (patterns: ",
+              c10::Join(", ", options_.freeze()), "): nothing to train; freeze fewer parameters");
   auto scaler_options = options_.grad_scaler();
   scaler_options.enabled(scaler_options.enabled() && options_.precision() == Precision::kFP16);
   scaler_ = std::make_unique<GradScaler>(scaler_options);
   std::optional<UntrackedGuard> host;  // optimizer state lives with the masters
-  if (options_.master_weights() == MasterWeightsMode::kHost) host.emplace();
-  optimizer_ = make_optimizer(options_, params);
+  if (state_on_host()) host.emplace();
+  optimizer_ = make_optimizer(options_, trainable);
+  generator_ = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
+}
+
+bool Trainer::state_on_host() const {
+  return options_.master_weights() == MasterWeightsMode::kHost ||
+         options_.offload_optimizer() == Offload::kHost;
 }
 
 StepMemory Trainer::breakdown(int64_t peak, int64_t model_grad_bytes) const {
@@ -104,7 +153,7 @@ StepMemory Trainer::breakdown(int64_t peak, int64_t model_grad_bytes) const {
   const auto buffers = model_->buffers();
   persistent.insert(persistent.end(), buffers.begin(), buffers.end());
   m.gradients = model_grad_bytes;
-  const bool state_on_device = options_.master_weights() != MasterWeightsMode::kHost;
+  const bool state_on_device = !state_on_host();
   if (master_ && state_on_device) {
     // One count: parameters kept in fp32 are their own masters.
     const auto& masters = master_->master_parameters();
@@ -134,57 +183,75 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
   const auto device = options_.device();
   const int64_t n = data.size();
   const int64_t total = total_steps(data);
+  if (step_ >= total) {  // a finished run: start a new one (the generator goes on)
+    step_ = 0;
+    epoch_ = -1;
+    order_ = torch::Tensor();
+    cursor_ = 0;
+  }
+  TORCH_CHECK(!order_.defined() || order_.size(0) == n, "the run's data position is for ",
+              order_.defined() ? order_.size(0) : 0, " examples, but the data set has ", n,
+              ": resume with the data the run was saved with");
   const auto params = model_->parameters();
   std::vector<torch::Tensor> optimizer_params;
   for (const auto& group : optimizer_->param_groups()) {
     optimizer_params.insert(optimizer_params.end(), group.params().begin(), group.params().end());
   }
 
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
-  torch::Tensor order;
-  int64_t cursor = n;  // forces a shuffle before the first step
-  int64_t epoch = -1;
-
   TrainReport report;
-  report.steps.reserve(static_cast<size_t>(total));
+  report.steps.reserve(static_cast<size_t>(total - step_));
   PeakMeter run_meter(device);
   model_->train();
   const auto run_start = Clock::now();
   int64_t samples = 0;
-  for (int64_t step = 1; step <= total; ++step) {
-    if (cursor >= n) {
+  double save_seconds = 0;
+  int64_t last_saved = -1;
+  while (step_ < total) {
+    const int64_t step = step_ + 1;
+    if (!order_.defined() || cursor_ >= n) {
       UntrackedGuard host;  // the sampler's indices live on the host
-      order = torch::randperm(n, generator, torch::kInt64);
-      cursor = 0;
-      ++epoch;
+      order_ = torch::randperm(n, generator_, torch::kInt64);
+      cursor_ = 0;
+      ++epoch_;
     }
     const auto step_start = Clock::now();
     PeakMeter meter(device);
     // The last batch of an epoch holds what is left (like drop_last=false).
-    const int64_t batch = std::min(options_.batch_size(), n - cursor);
-    torch::Tensor idx = order.narrow(0, cursor, batch);
-    cursor += batch;
-    auto x = data.images.index_select(0, idx).to(device);
-    auto y = data.labels.index_select(0, idx).to(device);
-    torch::Tensor logits;
-    {
-      AutocastGuard autocast(device, options_.precision());
-      logits = model_->forward(x);
+    const int64_t batch = std::min(options_.batch_size(), n - cursor_);
+    const int64_t micro = options_.micro_batch_size() > 0
+                              ? std::min(options_.micro_batch_size(), batch)
+                              : batch;
+    double loss_value = 0;
+    bool skip = false;
+    for (int64_t start = 0; start < batch && !skip; start += micro) {
+      const int64_t len = std::min(micro, batch - start);
+      torch::Tensor idx = order_.narrow(0, cursor_ + start, len);
+      auto x = data.images.index_select(0, idx).to(device);
+      auto y = data.labels.index_select(0, idx).to(device);
+      torch::Tensor logits;
+      {
+        AutocastGuard autocast(device, options_.precision());
+        logits = model_->forward(x);
+      }
+      auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y);
+      // Each micro-batch's mean loss weighted by its share of the batch: the
+      // gradients add up to the batch's mean-loss gradient.
+      if (len < batch) loss = loss * (double(len) / double(batch));
+      const double value = loss.item<double>();
+      loss_value += value;
+      // Without a GradScaler a non-finite loss stops the run or skips the
+      // step; with one, the scaler finds the non-finite gradients and skips it.
+      skip = !std::isfinite(value) && !scaler_->is_enabled();
+      TORCH_CHECK(!skip || options_.nonfinite_loss() == NonfiniteLoss::kSkip, "step ", step,
+                  " (epoch ", epoch_, "): the loss is ",
+                  std::isnan(value) ? "NaN" : (value > 0 ? "inf" : "-inf"),
+                  "; lower the learning rate, clip gradients (max_grad_norm, --clip-grad-norm), "
+                  "or skip such steps (NonfiniteLoss::kSkip, --skip-nonfinite)");
+      if (!skip) scaler_->scale(loss).backward();
     }
-    auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y);
-    const double loss_value = loss.item<double>();
-    // Without a GradScaler a non-finite loss stops the run or skips the step;
-    // with one, the scaler finds the non-finite gradients and skips the step.
-    const bool skip = !std::isfinite(loss_value) && !scaler_->is_enabled();
-    TORCH_CHECK(!skip || options_.nonfinite_loss() == NonfiniteLoss::kSkip, "step ", step,
-                " (epoch ", epoch, "): the loss is ",
-                std::isnan(loss_value) ? "NaN" : (loss_value > 0 ? "inf" : "-inf"),
-                "; lower the learning rate, clip gradients (max_grad_norm, --clip-grad-norm), "
-                "or skip such steps (NonfiniteLoss::kSkip, --skip-nonfinite)");
     bool stepped = false;
     int64_t model_grad_bytes = 0;
     if (!skip) {
-      scaler_->scale(loss).backward();
       std::vector<torch::Tensor> grads;
       grads.reserve(params.size());
       for (const auto& p : params) grads.push_back(p.grad());
@@ -193,7 +260,7 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
       if (master_) master_->grads_to_master();
       {
         std::optional<UntrackedGuard> host;  // the optimizer steps on host copies
-        if (options_.master_weights() == MasterWeightsMode::kHost) host.emplace();
+        if (state_on_host()) host.emplace();
         if (options_.max_grad_norm() > 0) {
           scaler_->unscale_(*optimizer_);  // a no-op without fp16
           torch::nn::utils::clip_grad_norm_(optimizer_params, options_.max_grad_norm());
@@ -205,7 +272,7 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
 
     StepRecord rec;
     rec.step = step;
-    rec.epoch = epoch;
+    rec.epoch = epoch_;
     rec.loss = loss_value;
     rec.skipped = !stepped;
     report.skipped_steps += stepped ? 0 : 1;
@@ -214,15 +281,30 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
       report.step_memory = breakdown(rec.peak_bytes, model_grad_bytes);
     }
     if (master_ && !skip) master_->master_to_model();
-    release_gradients(params);
-    loss = logits = x = y = torch::Tensor();
+    release_gradients(params, options_.set_to_none());
+    if (master_) release_gradients(master_->master_parameters(), options_.set_to_none());
     rec.current_bytes = memory_allocated(device);
     rec.seconds = seconds_since(step_start);
+    // The step is done: the position moves on.
+    cursor_ += batch;
+    step_ = step;
     samples += batch;
     report.steps.push_back(rec);
+    if (!options_.save_dir().empty() && options_.save_every() > 0 &&
+        step_ % options_.save_every() == 0) {
+      const auto save_start = Clock::now();
+      save(options_.save_dir());
+      save_seconds += seconds_since(save_start);
+      last_saved = step_;
+    }
     if (on_step) on_step(rec);
   }
-  report.seconds = seconds_since(run_start);
+  if (!options_.save_dir().empty() && last_saved != step_) {
+    const auto save_start = Clock::now();
+    save(options_.save_dir());
+    save_seconds += seconds_since(save_start);
+  }
+  report.seconds = seconds_since(run_start) - save_seconds;
   report.samples_per_second = report.seconds > 0 ? double(samples) / report.seconds : 0.0;
   report.final_loss = report.steps.empty() ? 0.0 : report.steps.back().loss;
   // On CUDA each step's meter resets the device's one peak statistic, so the
@@ -264,6 +346,160 @@ EvalResult Trainer::evaluate(const ImageDataset& data) {
   r.accuracy = double(correct) / double(n);
   r.peak_bytes = meter.peak();
   return r;
+}
+
+namespace {
+
+constexpr const char* kCheckpointFormat = "memfit.trainer.v1";
+constexpr const char* kCheckpointFile = "checkpoint.pt";
+
+std::string checkpoint_path(const std::string& path) {
+  return std::filesystem::is_directory(path) ? (std::filesystem::path(path) / kCheckpointFile).string()
+                                             : path;
+}
+
+std::vector<c10::DeviceIndex> cuda_devices(const torch::Device& device) {
+  if (!device.is_cuda()) return {};
+  return {device.has_index() ? device.index() : c10::DeviceIndex(0)};
+}
+
+int64_t read_int(torch::serialize::InputArchive& a, const char* key, const std::string& what) {
+  c10::IValue v;
+  TORCH_CHECK(a.try_read(key, v) && v.isInt(), what, " is damaged: '", key, "' is missing");
+  return v.toInt();
+}
+
+torch::Tensor read_tensor(torch::serialize::InputArchive& a, const std::string& key,
+                          const std::string& what) {
+  torch::Tensor t;
+  TORCH_CHECK(a.try_read(key, t), what, " is damaged: '", key, "' is missing");
+  return t;
+}
+
+} // namespace
+
+void Trainer::save(const std::string& dir) const {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  TORCH_CHECK(!ec && std::filesystem::is_directory(dir), "cannot create the checkpoint folder ",
+              dir, ": ", ec.message());
+  torch::serialize::OutputArchive a;
+  a.write("format", c10::IValue(std::string(kCheckpointFormat)));
+  torch::serialize::OutputArchive model;
+  detail::write_module(model, *model_);
+  a.write("model", model);
+  if (master_) {
+    torch::serialize::OutputArchive masters;
+    const auto& m = master_->master_parameters();
+    for (size_t i = 0; i < m.size(); ++i) masters.write("m" + std::to_string(i), m[i].detach());
+    a.write("masters", masters);
+  }
+  torch::serialize::OutputArchive optimizer;
+  optimizer_->save(optimizer);
+  a.write("optimizer", optimizer);
+  if (scaler_->is_enabled()) {
+    torch::serialize::OutputArchive scaler;
+    scaler_->save(scaler);
+    a.write("grad_scaler", scaler);
+  }
+  {
+    UntrackedGuard host;  // generator states are host tensors
+    const auto rng = compat::get_rng_state(cuda_devices(options_.device()));
+    a.write("rng_cpu", rng.cpu);
+    for (const auto& [index, state] : rng.cuda) a.write("rng_cuda", state);
+    auto gen = generator_;
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    a.write("sampler_rng", gen.get_state());
+  }
+  a.write("step", c10::IValue(step_));
+  a.write("epoch", c10::IValue(epoch_));
+  a.write("cursor", c10::IValue(cursor_));
+  if (order_.defined()) a.write("order", order_);
+  write_file_atomically((std::filesystem::path(dir) / kCheckpointFile).string(),
+                        detail::archive_bytes(a));
+}
+
+void Trainer::resume(const std::string& path_or_dir) {
+  const std::string path = checkpoint_path(path_or_dir);
+  auto a = detail::read_archive(path);
+  c10::IValue format;
+  TORCH_CHECK(a.try_read("format", format) && format.isString() &&
+                  format.toStringRef() == kCheckpointFormat,
+              path, " is not a memfit Trainer checkpoint (", kCheckpointFormat,
+              "): write one with Trainer::save or memfit train --save DIR");
+  // Check everything before changing anything.
+  torch::serialize::InputArchive model, optimizer, scaler, masters;
+  TORCH_CHECK(a.try_read("model", model), path, " is damaged: 'model' is missing");
+  detail::check_module(model, *model_, path);
+  TORCH_CHECK(a.try_read("masters", masters) == (master_ != nullptr), path,
+              master_ ? " holds no fp32 master weights, but this run keeps them: resume with the "
+                        "master-weights and optimizer-offload options of the saved run"
+                      : " holds fp32 master weights, but this run keeps none: resume with the "
+                        "master-weights and optimizer-offload options of the saved run");
+  std::vector<torch::Tensor> saved_masters;
+  if (master_) {
+    const auto& m = master_->master_parameters();
+    for (size_t i = 0; i < m.size(); ++i) {
+      saved_masters.push_back(read_tensor(masters, "m" + std::to_string(i), path));
+      TORCH_CHECK(saved_masters.back().sizes() == m[i].sizes(), path,
+                  " does not match the model: master ", i, " has another shape");
+    }
+  }
+  TORCH_CHECK(a.try_read("optimizer", optimizer), path, " is damaged: 'optimizer' is missing");
+  TORCH_CHECK(a.try_read("grad_scaler", scaler) == scaler_->is_enabled(), path,
+              scaler_->is_enabled() ? " holds no GradScaler, but this run scales the loss (fp16)"
+                                    : " holds a GradScaler (fp16), but this run scales no loss",
+              ": resume with the precision of the saved run");
+  const torch::Tensor rng_cpu = read_tensor(a, "rng_cpu", path);
+  torch::Tensor rng_cuda;
+  a.try_read("rng_cuda", rng_cuda);
+  const torch::Tensor sampler_rng = read_tensor(a, "sampler_rng", path);
+  const int64_t step = read_int(a, "step", path);
+  const int64_t epoch = read_int(a, "epoch", path);
+  const int64_t cursor = read_int(a, "cursor", path);
+  torch::Tensor order;
+  a.try_read("order", order);
+
+  // Apply: tensor by tensor into the model's storage.
+  detail::copy_into_module(model, *model_);
+  {
+    torch::NoGradGuard no_grad;
+    const auto& m = master_ ? master_->master_parameters() : std::vector<torch::Tensor>();
+    for (size_t i = 0; i < m.size(); ++i) const_cast<torch::Tensor&>(m[i]).copy_(saved_masters[i]);
+  }
+  optimizer_->load(optimizer);
+  // The loaded optimizer state is host memory; state that lives with the
+  // parameters moves to their device one tensor at a time.
+  for (const auto& group : optimizer_->param_groups()) {
+    for (const auto& p : group.params()) {
+      auto it = optimizer_->state().find(compat::optimizer_state_key(p));
+      if (it == optimizer_->state().end()) continue;
+      detail::for_each_state_tensor(*it->second, [&](torch::Tensor& t) {
+        if (state_on_host()) {
+          if (p.is_pinned() && !t.is_pinned()) t = t.pin_memory();
+          return;
+        }
+        torch::Tensor moved = torch::empty(t.sizes(), t.options().device(p.device()));
+        moved.copy_(t);
+        t = moved;
+      });
+    }
+  }
+  if (scaler_->is_enabled()) scaler_->load(scaler);
+  compat::RngState rng;
+  rng.cpu = rng_cpu;
+  if (rng_cuda.defined() && options_.device().is_cuda()) {
+    rng.cuda.emplace_back(cuda_devices(options_.device()).front(), rng_cuda);
+  }
+  compat::set_rng_state(rng);
+  {
+    std::lock_guard<std::mutex> lock(generator_.mutex());
+    generator_.set_state(sampler_rng);
+  }
+  step_ = step;
+  epoch_ = epoch;
+  cursor_ = cursor;
+  order_ = order;
 }
 
 std::string TrainReport::to_json() const {

@@ -35,7 +35,8 @@ expect() {
 expect help 0 'train' out -- --help
 for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --seed --budget \
             --data --report --eval-batch --no-eval --quiet --threads --checkpoint \
-            --checkpoint-budget --offload-checkpoints --precision --master-weights --device --clip-grad-norm --skip-nonfinite; do
+            --checkpoint-budget --offload-checkpoints --precision --master-weights --device --clip-grad-norm --skip-nonfinite \
+            --micro-batch --freeze --offload --save --save-every --resume; do
   expect "train-help-documents$flag" 0 "$flag" out -- train --help
 done
 expect version 0 'memfit 0\.' out -- --version
@@ -88,6 +89,59 @@ if grep -q '"test_accuracy"' "$tmp/r2.json" && grep -q '"peak_bytes"' "$tmp/r2.j
 else
   echo "FAIL report-has-summary"; failed=$((failed + 1))
 fi
+
+# check NAME CONDITION...: records a check that is not one memfit call.
+check() {
+  local name=$1
+  shift
+  if "$@"; then echo "ok   $name"; passed=$((passed + 1)); else echo "FAIL $name"; failed=$((failed + 1)); fi
+}
+
+# Micro-batching, freezing, offloading the optimizer.
+small=(train --model mlp --width 32 --depth 1 --no-eval -q)
+expect micro-batch-run 0 'batch 100 in micro-batches of 32' out -- "${small[@]}" --steps 2 --batch 100 --micro-batch 32
+expect negative-micro-batch 2 'micro-batch' err -- train --micro-batch -1
+expect freeze-run 0 'parameters, 25120 frozen' out -- "${small[@]}" --steps 2 --freeze 'fc0.*'
+expect freeze-no-match 1 "pattern 'layer9.\*' matches no parameter name; names look like: fc0.weight" err -- \
+  "${small[@]}" --steps 1 --freeze 'layer9.*'
+expect offload-optimizer-run 0 'optimizer state +0 bytes' out -- "${small[@]}" --steps 2 --offload optimizer
+expect bad-offload 2 'offload' err -- train --offload gpu
+expect save-every-needs-save 2 'save-every.*requires.*save|save-every.*save' err -- train --save-every 2
+
+# Save and resume: 8 steps straight equal 4 steps, save, resume, 4 steps.
+run_args=(train --model mlp --width 32 --depth 1 --batch 64 --no-eval -q --seed 3)
+expect straight-run 0 'final loss' out -- "${run_args[@]}" --steps 8 --report "$tmp/straight.json"
+expect first-half 0 'checkpoint saved to' out -- "${run_args[@]}" --steps 4 --save "$tmp/ck" --save-every 2
+expect resumed-half 0 'resumed from .* at step 4' out -- \
+  "${run_args[@]}" --steps 8 --resume "$tmp/ck" --save "$tmp/ck" --report "$tmp/resumed.json"
+losses() { grep '"loss"' "$1" | sed 's/,$//'; }
+check resume-is-bit-identical \
+  test "$(losses "$tmp/straight.json" | tail -n 4)" = "$(losses "$tmp/resumed.json")"
+expect resume-complete-run 0 'complete at step 8: nothing left to train' out -- \
+  "${run_args[@]}" --steps 8 --resume "$tmp/ck"
+sum_before=$(md5sum <"$tmp/ck/checkpoint.pt")
+expect resume-mismatch 1 "tensor '0.sequential.fc0.weight' is \[32, 784\] Float in the checkpoint but \[64, 784\]" err -- \
+  train --model mlp --width 64 --depth 1 --steps 9 --no-eval -q --resume "$tmp/ck" --save "$tmp/ck"
+check resume-mismatch-changes-nothing test "$sum_before" = "$(md5sum <"$tmp/ck/checkpoint.pt")"
+expect resume-missing 1 'no checkpoint file at' err -- "${run_args[@]}" --steps 8 --resume "$tmp/none"
+
+# A process killed while it saves leaves the previous checkpoint loadable:
+# kill -9 the moment a temporary file appears, until one is caught mid-save.
+killed_mid_save=0
+for attempt in 1 2 3 4 5 6 7 8 9 10; do
+  rm -rf "$tmp/kill"
+  "$bin" train --model resnet --batch 8 --steps 100000 --no-eval -q --save "$tmp/kill" \
+    --save-every 1 >/dev/null 2>&1 &
+  pid=$!
+  for _ in $(seq 1 600); do [ -e "$tmp/kill/checkpoint.pt" ] && break; sleep 0.05; done
+  while kill -0 "$pid" 2>/dev/null && ! compgen -G "$tmp/kill/checkpoint.pt.tmp.*" >/dev/null; do :; done
+  kill -9 "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  if compgen -G "$tmp/kill/checkpoint.pt.tmp.*" >/dev/null; then killed_mid_save=1; break; fi
+done
+check killed-during-a-save test "$killed_mid_save" -eq 1
+expect killed-run-resumes 0 'resumed from .* at step [1-9]' out -- \
+  train --model resnet --batch 8 --steps 1 --no-eval -q --resume "$tmp/kill"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -12,6 +12,8 @@
 #include <numeric>
 #include <tuple>
 
+#include <unistd.h>
+
 namespace memfit {
 namespace {
 
@@ -240,6 +242,254 @@ TEST_F(TrainerTest, PrecisionOptionsAreChecked) {
   }
   EXPECT_THROW(parse_master_weights_mode("gpu"), c10::Error);
   EXPECT_THROW(Trainer(model, TrainerOptions().max_grad_norm(-1)), c10::Error);
+}
+
+// Largest relative difference ||a - b|| / ||b|| over the tensors.
+double max_relative_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double scale = b[i].norm().item<double>();
+    worst = std::max(worst, (a[i] - b[i]).norm().item<double>() / std::max(scale, 1e-30));
+  }
+  return worst;
+}
+
+std::vector<torch::Tensor> parameters_of(Trainer& t) {
+  UntrackedGuard host;  // copies kept by the test are not the trainer's memory
+  std::vector<torch::Tensor> out;
+  for (const auto& p : t.model()->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+TEST_F(TrainerTest, MicroBatchesGiveTheFullBatchParametersAlsoWhenTheyDoNotDivideIt) {
+  // 100 examples per step in micro-batches of 32 (32+32+32+4); 2048 examples
+  // make the epoch's last batch 48 (32+16): 21 steps cross into epoch 1.
+  for (auto optimizer : {OptimizerKind::kSGD, OptimizerKind::kAdam}) {
+    auto run = [&](int64_t micro) {
+      torch::manual_seed(7);
+      Trainer t(make_mlp(ModelOptions().width(64).depth(2)),
+                TrainerOptions().batch_size(100).steps(21).lr(1e-2).optimizer(optimizer).micro_batch_size(micro));
+      auto report = t.fit(small_real_data());
+      return std::make_pair(parameters_of(t), report);
+    };
+    const auto [full, full_report] = run(0);
+    const auto [micro, micro_report] = run(32);
+    const double diff = max_relative_difference(micro, full);
+    EXPECT_LT(diff, 1e-6) << "optimizer " << int(optimizer);
+    EXPECT_GT(diff, 0) << "the sums round differently: a zero would mean no micro-batching";
+    EXPECT_NEAR(micro_report.final_loss, full_report.final_loss, 1e-5);
+  }
+}
+
+TEST_F(TrainerTest, MicroBatchingHoldsOneMicroBatchOfActivationsAtATime) {
+  auto run = [](int64_t micro) {
+    torch::manual_seed(7);
+    Trainer t(make_mlp(ModelOptions().width(128).depth(2)),
+              TrainerOptions().batch_size(1024).steps(2).optimizer(OptimizerKind::kSGD).micro_batch_size(micro));
+    return t.fit(small_real_data()).step_memory;
+  };
+  const auto full = run(0), micro = run(128);
+  // Activations grow with the examples in flight: 8 times fewer.
+  EXPECT_LT(4 * micro.activations, full.activations);
+  EXPECT_EQ(micro.parameters, full.parameters);
+  EXPECT_EQ(micro.optimizer_state, full.optimizer_state);
+  EXPECT_LT(micro.peak, full.peak - (1024 - 128) * 784 * 4) << "at least the images not in flight";
+}
+
+TEST_F(TrainerTest, MicroBatchingABatchNormModelWarnsOnce) {
+  compat::WarningCapture warnings;
+  Trainer t(make_resnet(ModelOptions().width(4).depth(1)),
+            TrainerOptions().batch_size(32).steps(2).micro_batch_size(8));
+  t.fit(small_real_data());
+  ASSERT_EQ(warnings.messages.size(), 1u);
+  EXPECT_NE(warnings.messages[0].find("BatchNorm layers (the first is 'stem_bn')"), std::string::npos)
+      << warnings.messages[0];
+  Trainer mlp(make_mlp(ModelOptions().width(8).depth(1)),
+              TrainerOptions().batch_size(32).micro_batch_size(8));
+  EXPECT_EQ(warnings.messages.size(), 1u) << "no BatchNorm, no warning";
+}
+
+TEST_F(TrainerTest, SetToNoneReleasesGradientBytesBetweenSteps) {
+  auto run = [](bool set_to_none) {
+    torch::manual_seed(1);
+    Trainer t(make_mlp(ModelOptions().width(64).depth(1)),
+              TrainerOptions().batch_size(32).steps(3).set_to_none(set_to_none));
+    return t.fit(small_real_data());
+  };
+  const auto released = run(true), kept = run(false);
+  const int64_t param_bytes = (784 * 64 + 64 + 64 * 10 + 10) * 4;
+  for (size_t i = 0; i < released.steps.size(); ++i) {
+    EXPECT_EQ(kept.steps[i].current_bytes - released.steps[i].current_bytes, param_bytes)
+        << "zeroed gradients keep one gradient per parameter alive";
+    EXPECT_EQ(kept.steps[i].loss, released.steps[i].loss) << "the same math";
+  }
+}
+
+TEST_F(TrainerTest, InPlaceActivationsSaveOneActivationPerLayerAtTheForwardPeak) {
+  const int64_t batch = 64, width = 256;
+  auto forward_peak = [&](bool inplace) {
+    torch::manual_seed(2);
+    auto net = make_mlp(ModelOptions().width(width).depth(3).inplace(inplace));
+    auto x = small_real_data().images.narrow(0, 0, batch).clone();
+    PeakMeter meter;
+    auto out = net->forward(x);
+    return meter.peak_delta();
+  };
+  // Out of place, the peak is at the last ReLU, which holds its input and
+  // its output at once; in place, it is at the head's [64, 10] output.
+  EXPECT_EQ(forward_peak(false) - forward_peak(true), batch * width * 4 - batch * 10 * 4);
+}
+
+TEST_F(TrainerTest, OptimizerStateOffloadedToTheHostIsBitwiseTheSameTraining) {
+  for (auto optimizer : {OptimizerKind::kSGD, OptimizerKind::kAdam, OptimizerKind::kAdamW}) {
+    auto run = [&](Offload offload) {
+      torch::manual_seed(4);
+      Trainer t(make_resnet(ModelOptions().width(4).depth(1)),
+                TrainerOptions().batch_size(32).steps(5).optimizer(optimizer).weight_decay(1e-2).offload_optimizer(offload));
+      auto report = t.fit(small_real_data());
+      return std::make_pair(parameters_of(t), report);
+    };
+    const auto [resident, resident_report] = run(Offload::kNone);
+    const auto [host, host_report] = run(Offload::kHost);
+    EXPECT_EQ(max_relative_difference(host, resident), 0.0) << "the same fp32 math on the host";
+    EXPECT_GT(resident_report.step_memory.optimizer_state, 0);
+    EXPECT_EQ(host_report.step_memory.optimizer_state, 0) << "no optimizer state on the device";
+    EXPECT_EQ(host_report.step_memory.parameters, resident_report.step_memory.parameters);
+    EXPECT_EQ(resident_report.steps.back().current_bytes - host_report.steps.back().current_bytes,
+              resident_report.step_memory.optimizer_state)
+        << "between steps the device holds no optimizer state";
+    EXPECT_LT(host_report.peak_bytes, resident_report.peak_bytes);
+  }
+}
+
+TEST_F(TrainerTest, FrozenParametersGetNoGradientsNorOptimizerState) {
+  auto run = [](std::vector<std::string> freeze) {
+    torch::manual_seed(3);
+    auto net = make_mlp(ModelOptions().width(64).depth(2));
+    std::vector<torch::Tensor> before;
+    for (const auto& p : net->parameters()) before.push_back(p.detach().clone());
+    Trainer t(net, TrainerOptions().batch_size(32).steps(3).freeze(freeze));
+    auto report = t.fit(small_real_data());
+    const auto named = t.model()->named_parameters();
+    for (size_t i = 0; i < named.size(); ++i) {
+      const bool frozen = named[i].key().rfind("fc0.", 0) == 0 && !freeze.empty();
+      EXPECT_EQ(named[i].value().equal(before[i]), frozen) << named[i].key();
+    }
+    return report;
+  };
+  const auto all = run({});
+  const auto frozen = run({"fc0.*"});
+  const int64_t fc0 = (784 * 64 + 64) * 4;
+  EXPECT_EQ(all.step_memory.gradients - frozen.step_memory.gradients, fc0);
+  EXPECT_EQ(all.step_memory.optimizer_state - frozen.step_memory.optimizer_state, 2 * fc0)
+      << "Adam keeps two moments per trained parameter";
+  EXPECT_THROW(Trainer(make_mlp(ModelOptions().width(8).depth(1)), TrainerOptions().freeze({"*"})),
+               c10::Error)
+      << "nothing left to train";
+}
+
+TEST_F(TrainerTest, ResumeContinuesBitIdentically) {
+  const std::string dir = ::testing::TempDir() + "memfit_resume_" + std::to_string(::getpid());
+  auto options = [&](int64_t steps) {
+    // 2048 examples in batches of 300: epoch 0 ends at step 7, so the resumed
+    // half crosses an epoch and reshuffles.
+    return TrainerOptions().batch_size(300).steps(steps).optimizer(OptimizerKind::kAdamW).weight_decay(0.01).seed(9);
+  };
+  auto make = [] {
+    torch::manual_seed(6);
+    return make_resnet(ModelOptions().width(4).depth(1));
+  };
+  Trainer straight(make(), options(10));
+  const auto straight_report = straight.fit(small_real_data());
+
+  Trainer first(make(), options(5).save_dir(dir));
+  first.fit(small_real_data());
+  torch::manual_seed(12345);  // the checkpoint must restore the global RNG
+  Trainer second(make_resnet(ModelOptions().width(4).depth(1)), options(10));
+  second.resume(dir);
+  EXPECT_EQ(second.step(), 5);
+  const auto resumed = second.fit(small_real_data());
+  ASSERT_EQ(resumed.steps.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(resumed.steps[i].loss, straight_report.steps[5 + i].loss) << "step " << 6 + i;
+    EXPECT_EQ(resumed.steps[i].epoch, straight_report.steps[5 + i].epoch);
+  }
+  const auto a = parameters_of(straight), b = parameters_of(second);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].equal(b[i])) << "parameter " << i;
+  const auto ba = straight.model()->buffers(), bb = second.model()->buffers();
+  for (size_t i = 0; i < ba.size(); ++i) EXPECT_TRUE(ba[i].equal(bb[i])) << "buffer " << i;
+  ::unlink((dir + "/checkpoint.pt").c_str());
+  ::rmdir(dir.c_str());
+}
+
+TEST_F(TrainerTest, ResumeOfAnFp16OrMasterWeightsRunRestoresScalerAndMasters) {
+  const std::string dir = ::testing::TempDir() + "memfit_resume_bf16_" + std::to_string(::getpid());
+  auto options = [&](int64_t steps) {
+    return TrainerOptions().batch_size(64).steps(steps).precision(Precision::kBF16)
+        .master_weights(MasterWeightsMode::kHost).seed(2);
+  };
+  auto make = [] {
+    torch::manual_seed(8);
+    return make_resnet(ModelOptions().width(4).depth(1));
+  };
+  Trainer straight(make(), options(6));
+  const auto full = straight.fit(small_real_data());
+  Trainer first(make(), options(3).save_dir(dir));
+  first.fit(small_real_data());
+  Trainer second(make(), options(6));
+  second.resume(dir);
+  const auto rest = second.fit(small_real_data());
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(rest.steps[i].loss, full.steps[3 + i].loss);
+  const auto& ma = straight.master_weights()->master_parameters();
+  const auto& mb = second.master_weights()->master_parameters();
+  for (size_t i = 0; i < ma.size(); ++i) EXPECT_TRUE(ma[i].equal(mb[i])) << "master " << i;
+  ::unlink((dir + "/checkpoint.pt").c_str());
+  ::rmdir(dir.c_str());
+}
+
+TEST_F(TrainerTest, ResumeLoadsThroughTheHostWithoutASecondDeviceCopy) {
+  const std::string dir = ::testing::TempDir() + "memfit_resume_host_" + std::to_string(::getpid());
+  {
+    Trainer t(make_mlp(ModelOptions().width(256).depth(2)),
+              TrainerOptions().batch_size(32).steps(2).save_dir(dir));
+    t.fit(small_real_data());
+  }
+  Trainer t(make_mlp(ModelOptions().width(256).depth(2)), TrainerOptions().batch_size(32).steps(4));
+  const int64_t params = memory_allocated();
+  PeakMeter meter;
+  t.resume(dir);
+  const int64_t state = optimizer_state_bytes(t.optimizer());
+  EXPECT_EQ(state, 2 * params) << "Adam's two moments came back to the device";
+  EXPECT_EQ(memory_allocated(), params + state);
+  EXPECT_EQ(meter.peak(), params + state)
+      << "the file is read into host memory; each tensor is copied in place or moved alone";
+  ::unlink((dir + "/checkpoint.pt").c_str());
+  ::rmdir(dir.c_str());
+}
+
+TEST_F(TrainerTest, ResumeIntoAnotherModelNamesTheFirstMismatchAndChangesNothing) {
+  const std::string dir = ::testing::TempDir() + "memfit_resume_bad_" + std::to_string(::getpid());
+  {
+    Trainer t(make_mlp(ModelOptions().width(16).depth(1)), TrainerOptions().batch_size(32).steps(1).save_dir(dir));
+    t.fit(small_real_data());
+  }
+  Trainer other(make_mlp(ModelOptions().width(32).depth(1)), TrainerOptions().batch_size(32).steps(2));
+  const auto before = parameters_of(other);
+  try {
+    other.resume(dir);
+    FAIL() << "a checkpoint of another model must be refused";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.msg()).find("tensor 'fc0.weight' is [16, 784] Float in the checkpoint "
+                                          "but [32, 784] Float in the model"),
+              std::string::npos)
+        << e.msg();
+  }
+  const auto after = parameters_of(other);
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(after[i].equal(before[i]));
+  EXPECT_EQ(other.step(), 0);
+  EXPECT_THROW(other.resume(dir + "/nothing-here"), c10::Error);
+  ::unlink((dir + "/checkpoint.pt").c_str());
+  ::rmdir(dir.c_str());
 }
 
 class CudaTrainer : public testing::OnCuda {

@@ -3,10 +3,12 @@
 
 #include "memfit/compat.h"
 #include "memfit/data.h"
+#include "memfit/freeze.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
 #include "memfit/precision.h"
 #include "memfit/schedule.h"
+#include "memfit/state.h"
 #include "memfit/trainer.h"
 #include "progress.h"
 
@@ -65,6 +67,12 @@ struct TrainArgs {
   std::string device = "cpu";
   double clip_grad_norm = 0;
   bool skip_nonfinite = false;
+  int64_t micro_batch = 0;
+  std::vector<std::string> freeze;
+  std::vector<std::string> offload;
+  std::string save;
+  int64_t save_every = 0;
+  std::string resume;
 };
 
 // Parses --checkpoint's value: none, sqrt, optimal, every:K or uniform:K.
@@ -167,23 +175,31 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   train->add_flag("--skip-nonfinite", a.skip_nonfinite,
                   "Skip steps whose loss is NaN or infinite instead of stopping");
+  train->add_option("--micro-batch", a.micro_batch,
+                    "Examples per forward/backward; gradients accumulate over the --batch "
+                    "(0: the whole batch at once)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  train->add_option("--freeze", a.freeze,
+                    "Freeze the parameters whose names match this glob, e.g. 'fc0.*' or "
+                    "'stem_*' (repeatable)");
+  train->add_option("--offload", a.offload,
+                    "Keep in host memory: optimizer (fp32 masters and optimizer state, stepped "
+                    "there) and/or checkpoints (like --offload-checkpoints); comma-separated")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"optimizer", "checkpoints"}));
+  auto* save = train->add_option("--save", a.save,
+                                 "Save a checkpoint (model, optimizer, scaler, RNG, data position) "
+                                 "to DIR/checkpoint.pt at the end, atomically");
+  train->add_option("--save-every", a.save_every, "Also save every N steps (needs --save)")
+      ->check(CLI::PositiveNumber)
+      ->needs(save);
+  train->add_option("--resume", a.resume,
+                    "Continue the run saved in DIR (same model and options) up to --steps");
   train->add_option("--threads", a.threads,
                     "CPU threads for LibTorch's kernels (0: every hardware thread)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-}
-
-// Writes `text` to `path` through a temporary file and a rename.
-void write_file_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + fmt::format(".tmp{}", ::getpid());
-  {
-    std::ofstream os(tmp, std::ios::trunc);
-    TORCH_CHECK(os.good(), "cannot write report file ", path, ": check that its folder exists");
-    os << text << '\n';
-    os.close();
-    TORCH_CHECK(os.good(), "cannot write report file ", path, " (disk full?)");
-  }
-  std::filesystem::rename(tmp, path);
 }
 
 // Parses --device: cpu, cuda or cuda:N, on a build and machine that has it.
@@ -225,8 +241,13 @@ int run_train(const TrainArgs& a) {
   if (ck_options.kind() == memfit::ScheduleKind::kOptimal) {
     ck_options.budget(memfit::parse_memory_size(a.checkpoint_budget));
   }
+  const auto offloads = [&](const char* what) {
+    return std::find(a.offload.begin(), a.offload.end(), what) != a.offload.end();
+  };
+  for (const auto& pattern : a.freeze) memfit::freeze(*chain, pattern);
   ck_options.checkpoint(memfit::CheckpointOptions().offload(
-      a.offload_checkpoints ? memfit::Offload::kHost : memfit::Offload::kNone));
+      a.offload_checkpoints || offloads("checkpoints") ? memfit::Offload::kHost
+                                                       : memfit::Offload::kNone));
   memfit::CheckpointedSequential checkpointed(chain, ck_options);
   torch::nn::Sequential model(checkpointed);
   memfit::TrainerOptions options;
@@ -243,14 +264,30 @@ int run_train(const TrainArgs& a) {
       .master_weights(memfit::parse_master_weights_mode(a.master_weights))
       .max_grad_norm(a.clip_grad_norm)
       .nonfinite_loss(a.skip_nonfinite ? memfit::NonfiniteLoss::kSkip
-                                       : memfit::NonfiniteLoss::kError);
+                                       : memfit::NonfiniteLoss::kError)
+      .micro_batch_size(a.micro_batch)
+      .offload_optimizer(offloads("optimizer") ? memfit::Offload::kHost : memfit::Offload::kNone)
+      .save_dir(a.save)
+      .save_every(a.save_every);
   memfit::Trainer trainer(model, options);
+  if (!a.resume.empty()) {
+    trainer.resume(a.resume);
+    fmt::print("resumed from {} at step {}\n", a.resume, trainer.step());
+  }
 
-  int64_t params = 0;
-  for (const auto& p : trainer.model()->parameters()) params += p.numel();
-  fmt::print("memfit train: model {} ({} parameters), {} training examples, batch {}, {} steps, "
-             "budget {}\n",
-             a.model, params, train_data.size(), a.batch, trainer.total_steps(train_data),
+  int64_t params = 0, frozen = 0;
+  for (const auto& p : trainer.model()->parameters()) {
+    params += p.numel();
+    frozen += p.requires_grad() ? 0 : p.numel();
+  }
+  fmt::print("memfit train: model {} ({} parameters{}), {} training examples, batch {}{}, {} "
+             "steps, budget {}\n",
+             a.model, params, frozen > 0 ? fmt::format(", {} frozen", frozen) : std::string(),
+             train_data.size(), a.batch,
+             a.micro_batch > 0 && a.micro_batch < a.batch
+                 ? fmt::format(" in micro-batches of {}", a.micro_batch)
+                 : std::string(),
+             trainer.total_steps(train_data),
              budget > 0 ? memfit::format_bytes(budget) : std::string("none"));
   std::fflush(stdout);
 
@@ -265,7 +302,12 @@ int run_train(const TrainArgs& a) {
   };
   memfit::TrainReport report;
   try {
-    report = trainer.fit(train_data, on_step);
+    if (trainer.step() >= trainer.total_steps(train_data)) {
+      fmt::print("the run is complete at step {}: nothing left to train (raise --steps to go "
+                 "on)\n", trainer.step());
+    } else {
+      report = trainer.fit(train_data, on_step);
+    }
   } catch (...) {
     bar.finish();
     throw;
@@ -296,8 +338,9 @@ int run_train(const TrainArgs& a) {
   fmt::print("peak memory {} ({} bytes){}\n", memfit::format_bytes(peak), peak,
              budget > 0 ? fmt::format(" of budget {}", memfit::format_bytes(budget)) : "");
   fmt::print("peak of the largest training step:\n{}", report.step_memory.table());
+  if (!a.save.empty()) fmt::print("checkpoint saved to {}/checkpoint.pt\n", a.save);
   if (!a.report.empty()) {
-    write_file_atomically(a.report, report.to_json());
+    memfit::write_file_atomically(a.report, report.to_json() + "\n");
     fmt::print("report written to {}\n", a.report);
   }
   return 0;

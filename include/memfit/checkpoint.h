@@ -32,7 +32,8 @@
 
 #include "memfit/memory.h"
 
-#include <torch/nn/module.h>
+#include <torch/arg.h>
+#include <torch//nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>

@@ -16,8 +16,13 @@
 #include <ATen/core/Generator.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/Device.h>
+#include <c10/util/Exception.h>
+#include <c10/util/string_utils.h>
+#include <torch/optim/optimizer.h>
 
 #include <mutex>
+#include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -217,6 +222,41 @@ inline void set_rng_state(const RngState& s) {
   }
 #endif
 }
+
+/// The key of parameter `p` in torch::optim::Optimizer::state(): the
+/// TensorImpl's address as a string in LibTorch 1.x, the address itself in 2.x.
+template <typename Optimizer = torch::optim::Optimizer>
+auto optimizer_state_key(const at::Tensor& p) {
+  using Key = typename std::decay_t<decltype(std::declval<Optimizer&>().state())>::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    return c10::guts::to_string(p.unsafeGetTensorImpl());
+  } else {
+    return static_cast<Key>(p.unsafeGetTensorImpl());
+  }
+}
+
+/// Collects the messages of c10 warnings (TORCH_WARN) raised on this thread
+/// while it is installed; the handler's signature changed in LibTorch 2.0.
+class WarningCapture : public c10::WarningHandler {
+ public:
+  WarningCapture() : guard_(this) {}
+#if MEMFIT_TORCH_AT_LEAST(2, 0)
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
+    messages.push_back(msg);
+  }
+#endif
+  /// The messages, oldest first.
+  std::vector<std::string> messages;
+
+ private:
+#if MEMFIT_TORCH_AT_LEAST(2, 0)
+  c10::WarningUtils::WarningHandlerGuard guard_;
+#else
+  c10::Warning::WarningHandlerGuard guard_;
+#endif
+};
 
 } // namespace compat
 } // namespace memfit

@@ -13,6 +13,7 @@
 /// through a temporary file and a rename). Sync points: none. Extra memory:
 /// the whole split in host memory (train: 188 MB of float images).
 
+#include <torch/arg.h>
 #include <torch/types.h>
 
 #include <cstdint>

@@ -7,7 +7,8 @@
 /// Thread safety: construction is thread-safe. Sync points: none. Extra
 /// memory: the parameters and buffers themselves.
 
-#include <torch/nn/modules/container/sequential.h>
+#include <torch/arg.h>
+#include <torch//nn/modules/container/sequential.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -49,6 +50,9 @@ struct ModelOptions {
   TORCH_ARG(int64_t, depth) = 0;  // 0: the family's default (MLP 2, ResNet 2)
   /// ResNet: stages, each halving the resolution after the first.
   TORCH_ARG(int64_t, stages) = 3;
+  /// ReLUs overwrite their input where autograd allows it (the input is not
+  /// saved for backward), so an activation and its ReLU share memory.
+  TORCH_ARG(bool, inplace) = true;
 };
 
 /// A multi-layer perceptron: Flatten, then `depth` × (Linear, ReLU), then Linear.

@@ -231,7 +231,10 @@ class GradScaler {
 
 /// Options of MasterWeights.
 struct MasterWeightsOptions {
-  /// The dtype the model's parameters are held in: kBFloat16 or kHalf.
+  /// The dtype the model's parameters are held in: kBFloat16 or kHalf; or
+  /// kFloat with Offload::kHost, which keeps fp32 parameters and only moves
+  /// the masters, their gradients and the optimizer state to the host
+  /// (ZeRO-Offload of an fp32 model).
   TORCH_ARG(at::ScalarType, dtype) = at::kBFloat16;
   /// Where the fp32 master copies, their gradients and hence the optimizer
   /// state live: with the parameters, or in host memory (the optimizer then

@@ -12,7 +12,8 @@
 /// and repeat (timing). Extra memory: one layer's activations at a time, plus
 /// the chain's inter-layer tensors (computed under no-grad).
 
-#include <torch/nn/modules/container/sequential.h>
+#include <torch/arg.h>
+#include <torch//nn/modules/container/sequential.h>
 #include <torch/types.h>
 
 #include <cstdint>

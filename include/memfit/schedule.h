@@ -32,7 +32,8 @@
 #include "memfit/checkpoint.h"
 #include "memfit/profile.h"
 
-#include <torch/nn/cloneable.h>
+#include <torch/arg.h>
+#include <torch//nn/cloneable.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>

@@ -4,15 +4,18 @@
 /// with per-step timing and peak memory, and evaluation under no-grad.
 ///
 /// Thread safety: a Trainer is used from one thread at a time. Sync points:
-/// one per step (the loss value is read for the report). Extra memory: the
-/// batch being trained on (index_select from the host data set, counted as
-/// device memory), and the optimizer's state.
+/// one per micro-batch (the loss value is read for the report and the
+/// non-finite check). Extra memory: the micro-batch being trained on
+/// (index_select from the host data set, counted as device memory), and the
+/// optimizer's state (none on the device with offload_optimizer kHost).
 
 #include "memfit/data.h"
 #include "memfit/memory.h"
 #include "memfit/precision.h"
 
-#include <torch/nn/modules/container/sequential.h>
+#include <ATen/core/Generator.h>
+#include <torch/arg.h>
+#include <torch//nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
@@ -85,6 +88,20 @@ struct TrainerOptions {
   TORCH_ARG(double, max_grad_norm) = 0.0;
   /// A NaN or infinite loss stops the run or skips the step.
   TORCH_ARG(NonfiniteLoss, nonfinite_loss) = NonfiniteLoss::kError;
+  /// Examples per forward/backward (gradient accumulation); 0: the whole batch.
+  TORCH_ARG(int64_t, micro_batch_size) = 0;
+  /// Release gradients after each step (Python's zero_grad(set_to_none=True));
+  /// false zeroes them in place and keeps their memory between steps.
+  TORCH_ARG(bool, set_to_none) = true;
+  /// Globs of parameter names to freeze before the optimizer is built (see freeze.h).
+  TORCH_ARG(std::vector<std::string>, freeze) = {};
+  /// Where the optimizer state lives: with the parameters, or on the host
+  /// (Offload::kHost: fp32 host masters and state, stepped there, ZeRO-Offload).
+  TORCH_ARG(Offload, offload_optimizer) = Offload::kNone;
+  /// Folder for checkpoints (Trainer::save) during fit; empty: no saving.
+  TORCH_ARG(std::string, save_dir) = "";
+  /// Save every this many steps (and at the end of fit); 0: only at the end.
+  TORCH_ARG(int64_t, save_every) = 0;
 };
 
 /// One optimizer step as measured.
@@ -130,6 +147,22 @@ struct TrainReport {
 /// options.seed), runs forward and backward, steps the optimizer and releases
 /// the gradients (set to none) before the next step.
 ///
+/// Micro-batching: with micro_batch_size m smaller than the batch B, each step
+/// runs forward and backward on micro-batches of m examples (the last one
+/// smaller when m does not divide B), weighting each micro-batch's mean loss by
+/// its share of B, so the accumulated gradient is the full batch's mean-loss
+/// gradient (to rounding); only one micro-batch's activations are live at a
+/// time. BatchNorm normalises each micro-batch with that micro-batch's
+/// statistics, so a model with BatchNorm no longer computes the full batch's
+/// gradient: the constructor warns once (TORCH_WARN) for such a model.
+///
+/// Freezing and offload: parameters matching options.freeze are frozen before
+/// the optimizer is built over the others, which never get gradients or
+/// optimizer state. With offload_optimizer Offload::kHost the optimizer steps
+/// fp32 host masters (MasterWeights in float32 with Offload::kHost): gradients
+/// go to the host, the updated parameters come back; the device holds no
+/// optimizer state.
+///
 /// Precision: forward runs under an AutocastGuard in options.precision (also
 /// during evaluation); the loss is taken in fp32. With fp16 a GradScaler scales
 /// the loss, skips steps with inf or NaN gradients and adapts the scale. With
@@ -164,8 +197,23 @@ class Trainer {
 
   /// Steps a run will take over `data`.
   int64_t total_steps(const ImageDataset& data) const;
-  /// Trains on `data`; calls `on_step` after every step.
+  /// Trains on `data` until step total_steps(data); calls `on_step` after
+  /// every step. A run continues from the Trainer's position (after resume(),
+  /// or after a step that threw); a finished run starts a new one, keeping the
+  /// model and optimizer. Saves to options.save_dir every save_every steps and
+  /// at the end.
   TrainReport fit(const ImageDataset& data, const StepCallback& on_step = nullptr);
+  /// Writes a checkpoint to `dir`/checkpoint.pt atomically: the model, the
+  /// fp32 masters, the optimizer, the GradScaler, the CPU (and CUDA) RNG
+  /// states, the sampler's generator and order, the epoch, data position and step.
+  void save(const std::string& dir) const;
+  /// Restores what save() wrote (`dir` or the file itself), so fit() continues
+  /// bit-identically. The checkpoint is read into host memory and checked
+  /// entirely before anything changes; tensors then move to the device one by
+  /// one. Throws c10::Error naming the first tensor that does not match.
+  void resume(const std::string& path);
+  /// Steps taken in the current run (0 before the first).
+  int64_t step() const { return step_; }
   /// Loss and accuracy on `data` under torch::NoGradGuard, in eval mode.
   EvalResult evaluate(const ImageDataset& data);
 
@@ -182,6 +230,15 @@ class Trainer {
 
  private:
   StepMemory breakdown(int64_t peak, int64_t model_grad_bytes) const;
+  bool state_on_host() const;
+
+  // The position of the run: steps taken, epoch, the epoch's shuffled order
+  // (host) and how much of it is used, and the generator that shuffles.
+  int64_t step_ = 0;
+  int64_t epoch_ = -1;
+  int64_t cursor_ = 0;
+  torch::Tensor order_;
+  at::Generator generator_;
 
   torch::nn::Sequential model_;
   TrainerOptions options_;

@@ -1,0 +1,72 @@
+#pragma once
+/// \file state.h
+/// Saving and loading without losing a user's state: atomic writes, and
+/// loading through host memory one tensor at a time.
+///
+/// A save writes a temporary file beside the target, flushes it to disk
+/// (fsync), renames it over the target and flushes the folder: a process
+/// killed at any moment leaves either the previous file or the new one, never
+/// a torn one. A load reads the whole file into host memory (untracked, like
+/// a host copy on a GPU machine), checks every tensor's name, shape and dtype
+/// against the module before changing anything, then copies the tensors into
+/// the module's own storage one by one, so the device never holds two copies
+/// of the model. The Trainer's checkpoints (Trainer::save, Trainer::resume)
+/// are built from the same pieces.
+///
+/// Thread safety: functions are reentrant; concurrent saves to one path are
+/// not supported. Sync points: each tensor copied to a CUDA device. Extra
+/// memory: the file's bytes in host memory while saving or loading.
+
+#include <torch/nn/module.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <string>
+
+namespace memfit {
+
+/// Writes `bytes` to `path` through a temporary file, fsync and rename.
+///
+/// Throws c10::Error naming the path when the folder is missing or not
+/// writable, or the disk is full; the previous file at `path` is then intact.
+///
+/// Example:
+/// \code
+///   memfit::write_file_atomically("/tmp/memfit_example.json", "{}\n");
+/// \endcode
+void write_file_atomically(const std::string& path, const std::string& bytes);
+
+/// Saves `module`'s parameters and buffers to `path`, atomically.
+///
+/// Example:
+/// \code
+///   auto net = memfit::make_mlp(memfit::ModelOptions().width(8).depth(1));
+///   memfit::save_module(*net, "/tmp/memfit_example_mlp.pt");
+///   memfit::load_module(*net, "/tmp/memfit_example_mlp.pt");
+/// \endcode
+void save_module(const torch::nn::Module& module, const std::string& path);
+
+/// Loads what save_module wrote into `module`, through host memory and one
+/// tensor at a time (each copied into the module's tensor, on its device).
+///
+/// Throws c10::Error, changing nothing, when the file is missing or
+/// unreadable, or when a tensor does not match: the message names the first
+/// tensor whose name, shape or dtype differs.
+void load_module(torch::nn::Module& module, const std::string& path);
+
+namespace detail {
+/// Writes `module`'s parameters and buffers into `archive`.
+void write_module(torch::serialize::OutputArchive& archive, const torch::nn::Module& module);
+/// Checks that `archive` (from write_module) matches `module`; throws naming
+/// the first mismatch, with `what` (the file) in the message.
+void check_module(torch::serialize::InputArchive& archive, const torch::nn::Module& module,
+                  const std::string& what);
+/// Copies the checked `archive`'s tensors into `module`'s, one at a time.
+void copy_into_module(torch::serialize::InputArchive& archive, torch::nn::Module& module);
+/// Reads `path` into host memory; throws naming the path when it cannot.
+torch::serialize::InputArchive read_archive(const std::string& path);
+/// The bytes of `archive` as a file.
+std::string archive_bytes(torch::serialize::OutputArchive& archive);
+} // namespace detail
+
+} // namespace memfit

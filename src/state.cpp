@@ -1,0 +1,176 @@
+#include "memfit/state.h"
+
+#include "memfit/memory.h"
+
+#include <c10/util/Exception.h>
+#include <torch/types.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+namespace memfit {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Parameters, then buffers, by qualified name.
+std::vector<std::pair<std::string, torch::Tensor>> module_tensors(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    out.emplace_back(item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    out.emplace_back(item.key(), item.value());
+  }
+  return out;
+}
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream is(text);
+  for (std::string line; std::getline(is, line);) out.push_back(line);
+  return out;
+}
+
+std::string describe(const torch::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes() << " " << t.scalar_type();
+  return os.str();
+}
+
+void write_all(int fd, const std::string& bytes, const std::string& path) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    TORCH_CHECK(n > 0, "cannot write ", path, ": ", std::strerror(errno),
+                " (is the disk full?); the previous file is intact");
+    done += static_cast<size_t>(n);
+  }
+}
+
+} // namespace
+
+void write_file_atomically(const std::string& path, const std::string& bytes) {
+  const fs::path target(path);
+  const fs::path folder = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "cannot write ", path, ": ", std::strerror(errno),
+              " (does the folder ", folder.string(), " exist and is it writable?)");
+  try {
+    write_all(fd, bytes, path);
+    TORCH_CHECK(::fsync(fd) == 0, "cannot flush ", tmp, " to disk: ", std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "cannot rename ", tmp, " to ", path, ": ", std::strerror(err));
+  }
+  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    ::fsync(dir);  // makes the rename durable; best effort on file systems without it
+    ::close(dir);
+  }
+}
+
+namespace detail {
+
+void write_module(torch::serialize::OutputArchive& archive, const torch::nn::Module& module) {
+  const auto tensors = module_tensors(module);
+  std::string names;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    names += tensors[i].first + "\n";
+    archive.write("t" + std::to_string(i), tensors[i].second.detach());
+  }
+  archive.write("names", c10::IValue(names));
+}
+
+void check_module(torch::serialize::InputArchive& archive, const torch::nn::Module& module,
+                  const std::string& what) {
+  c10::IValue names_value;
+  TORCH_CHECK(archive.try_read("names", names_value) && names_value.isString(), what,
+              " holds no model tensors: it was not written by memfit");
+  const auto names = split_lines(names_value.toStringRef());
+  const auto tensors = module_tensors(module);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& [name, tensor] = tensors[i];
+    TORCH_CHECK(i < names.size(), what, " does not match the model: the model's tensor '", name,
+                "' ", describe(tensor), " is not in the checkpoint (it holds ", names.size(),
+                " tensors, the model ", tensors.size(), "); load it into the model that saved it");
+    torch::Tensor saved;
+    TORCH_CHECK(archive.try_read("t" + std::to_string(i), saved), what, " is damaged: tensor '",
+                names[i], "' is missing");
+    TORCH_CHECK(names[i] == name, what, " does not match the model: tensor ", i, " is '",
+                names[i], "' in the checkpoint but '", name,
+                "' in the model; load it into the model that saved it");
+    TORCH_CHECK(saved.sizes() == tensor.sizes() && saved.scalar_type() == tensor.scalar_type(),
+                what, " does not match the model: tensor '", name, "' is ", describe(saved),
+                " in the checkpoint but ", describe(tensor),
+                " in the model; use the same model options (and precision) as the saved run");
+  }
+  TORCH_CHECK(names.size() == tensors.size(), what,
+              " does not match the model: the checkpoint's tensor '", names[tensors.size()],
+              "' is not in the model; load it into the model that saved it");
+}
+
+void copy_into_module(torch::serialize::InputArchive& archive, torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  const auto tensors = module_tensors(module);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    torch::Tensor saved;
+    archive.try_read("t" + std::to_string(i), saved);
+    auto dst = tensors[i].second;
+    dst.copy_(saved);  // into the tensor's own storage, on its device
+  }
+}
+
+torch::serialize::InputArchive read_archive(const std::string& path) {
+  TORCH_CHECK(fs::is_regular_file(path), "no checkpoint file at ", path,
+              ": give the folder or file that a save wrote");
+  torch::serialize::InputArchive archive;
+  UntrackedGuard host;  // the whole file lands in host memory, not on the device
+  try {
+    archive.load_from(path, torch::Device(torch::kCPU));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "cannot read checkpoint ", path, ": ", e.what_without_backtrace());
+  }
+  return archive;
+}
+
+std::string archive_bytes(torch::serialize::OutputArchive& archive) {
+  std::string bytes;
+  archive.save_to([&bytes](const void* data, size_t n) {
+    bytes.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  return bytes;
+}
+
+} // namespace detail
+
+void save_module(const torch::nn::Module& module, const std::string& path) {
+  torch::serialize::OutputArchive archive;
+  detail::write_module(archive, module);
+  write_file_atomically(path, detail::archive_bytes(archive));
+}
+
+void load_module(torch::nn::Module& module, const std::string& path) {
+  auto archive = detail::read_archive(path);
+  detail::check_module(archive, module, path);
+  detail::copy_into_module(archive, module);
+}
+
+} // namespace memfit
