@@ -3,6 +3,8 @@
 
 #include "memfit/checkpoint.h"
 #include "memfit/data.h"
+#include "memfit/freeze.h"
+#include "memfit/state.h"
 #include "memfit/memory.h"
 #include "memfit/profile.h"
 #include "memfit/schedule.h"
@@ -202,6 +204,27 @@ TEST_F(DocExamples, ProfileAndScheduleHeaders) {
   }
 }
 
+TEST_F(DocExamples, FreezeHeader) {
+  {
+    auto net = memfit::make_mlp(memfit::ModelOptions().width(8).depth(1));
+    auto names = memfit::match_parameters(*net, "fc0.*");  // {"fc0.weight", "fc0.bias"}
+    EXPECT_EQ(names, (std::vector<std::string>{"fc0.weight", "fc0.bias"}));
+  }
+  auto net = memfit::make_mlp(memfit::ModelOptions().width(8).depth(1));
+  torch::optim::Adam adam(net->parameters());
+  EXPECT_EQ(memfit::freeze(*net, "fc0.*", &adam), 2);  // 2 parameters frozen
+  EXPECT_EQ(memfit::unfreeze(*net, "fc0.*", &adam), 2);
+}
+
+TEST_F(DocExamples, StateHeader) {
+  memfit::write_file_atomically("/tmp/memfit_example.json", "{}\n");
+  auto net = memfit::make_mlp(memfit::ModelOptions().width(8).depth(1));
+  memfit::save_module(*net, "/tmp/memfit_example_mlp.pt");
+  memfit::load_module(*net, "/tmp/memfit_example_mlp.pt");
+  std::filesystem::remove("/tmp/memfit_example.json");
+  std::filesystem::remove("/tmp/memfit_example_mlp.pt");
+}
+
 TEST_F(DocExamples, DataAndTrainerHeaders) {
   if (!std::filesystem::exists(memfit::FashionMnistOptions().root())) {
     GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed";
@@ -216,6 +239,16 @@ TEST_F(DocExamples, DataAndTrainerHeaders) {
   auto result = trainer.evaluate(data);
   EXPECT_EQ(report.steps.size(), 5u);
   EXPECT_GT(result.accuracy, 0.0);
+  {  // Trainer::resume
+    const std::string dir = "/tmp/memfit_example_run";
+    memfit::Trainer first(memfit::make_mlp(), memfit::TrainerOptions().batch_size(32).steps(3).save_dir(dir));
+    first.fit(data);  // saves dir/checkpoint.pt at the end
+    memfit::Trainer second(memfit::make_mlp(), memfit::TrainerOptions().batch_size(32).steps(6));
+    second.resume(dir);
+    auto rest = second.fit(data);  // steps 4, 5 and 6
+    EXPECT_EQ(rest.steps.front().step, 4);
+    std::filesystem::remove_all(dir);
+  }
 }
 
 } // namespace

@@ -23,6 +23,8 @@ grep -q "refused as expected" "$work/find-run.log"
 grep -q "gradients identical" "$work/checkpointing-run.log"
 "$work/find/mixed_precision" | tee "$work/mixed-precision-run.log"
 grep -q "mixed precision matches fp32" "$work/mixed-precision-run.log"
+"$work/find/trainer_state" | tee "$work/trainer-state-run.log"
+grep -q "resume bit-identical" "$work/trainer-state-run.log"
 echo "ok   find_package(memfit CONFIG REQUIRED)"
 
 cmake -S "$consumer" -B "$work/subdir" -DCMAKE_BUILD_TYPE=Release \

@@ -211,6 +211,16 @@ class Trainer {
   /// bit-identically. The checkpoint is read into host memory and checked
   /// entirely before anything changes; tensors then move to the device one by
   /// one. Throws c10::Error naming the first tensor that does not match.
+  ///
+  /// Example:
+  /// \code
+  ///   memfit::Trainer first(memfit::make_mlp(),
+  ///                         memfit::TrainerOptions().batch_size(32).steps(3).save_dir(dir));
+  ///   first.fit(data);  // saves dir/checkpoint.pt at the end
+  ///   memfit::Trainer second(memfit::make_mlp(), memfit::TrainerOptions().batch_size(32).steps(6));
+  ///   second.resume(dir);
+  ///   auto rest = second.fit(data);  // steps 4, 5 and 6
+  /// \endcode
   void resume(const std::string& path);
   /// Steps taken in the current run (0 before the first).
   int64_t step() const { return step_; }
