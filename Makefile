@@ -30,6 +30,7 @@ bench: build
 	./$(BUILD_DIR)/bench/memfit_bench
 	./$(BUILD_DIR)/bench/memfit_checkpoint_bench
 	./$(BUILD_DIR)/bench/memfit_precision_bench
+	./$(BUILD_DIR)/bench/memfit_trainer_bench
 
 install: build
 	cmake --install $(BUILD_DIR) $(if $(PREFIX),--prefix $(PREFIX),)
