@@ -36,7 +36,7 @@ expect help 0 'train' out -- --help
 for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --seed --budget \
             --data --report --eval-batch --no-eval --quiet --threads --checkpoint \
             --checkpoint-budget --offload-checkpoints --precision --master-weights --device --clip-grad-norm --skip-nonfinite \
-            --micro-batch --freeze --offload --save --save-every --resume; do
+            --micro-batch --freeze --offload --save --save-every --resume --plan; do
   expect "train-help-documents$flag" 0 "$flag" out -- train --help
 done
 expect version 0 'memfit 0\.' out -- --version
@@ -78,6 +78,8 @@ expect clipped-run 0 'final loss' out -- \
   train --model mlp --width 8 --depth 1 --steps 3 --clip-grad-norm 0.5 --no-eval -q
 expect missing-data 1 'dataset-fashion-mnist' err -- train --data "$tmp/none" --steps 1
 expect over-budget 1 'out of memory.*tried to allocate' err -- \
+  train --model mlp --budget 1MiB --steps 2 --no-eval -q --plan none
+expect over-budget-plan 1 'no combination of micro-batching.*fits 1.00 MiB.*most frugal needs about' err -- \
   train --model mlp --budget 1MiB --steps 2 --no-eval -q
 expect trains-and-evaluates 0 'test accuracy' out -- \
   train --model mlp --width 64 --depth 1 --steps 40 --batch 64 --budget 64MiB -q \
@@ -142,6 +144,21 @@ done
 check killed-during-a-save test "$killed_mid_save" -eq 1
 expect killed-run-resumes 0 'resumed from .* at step [1-9]' out -- \
   train --model resnet --batch 8 --steps 1 --no-eval -q --resume "$tmp/kill"
+
+# The planner.
+expect plan-help 0 'budget' out -- plan --help
+expect plan-needs-budget 2 'budget' err -- plan --model mlp
+expect plan-fits 0 '"fits": true' out -- plan --model resnet --width 4 --depth 1 --batch 64 --budget 3MiB --json
+expect plan-explains 0 'predicted peak .* per batch' out -- plan --model resnet --width 4 --depth 1 --batch 64 --budget 3MiB
+expect plan-nothing-fits 1 'most frugal needs about .* of which parameters, gradients and optimizer state take' err -- \
+  plan --model mlp --batch 64 --budget 64KiB
+expect profile-table 0 'predicted plain training step' out -- profile --model mlp --width 32 --depth 1 --batch 16
+expect profile-json 0 '"predicted_step_peak_bytes"' out -- profile --model mlp --width 32 --depth 1 --batch 16 --json
+expect train-plans 0 'the plan predicted' out -- \
+  train --model resnet --width 4 --depth 1 --batch 128 --steps 2 --budget 4MiB --no-eval -q --report "$tmp/planned.json"
+check train-report-holds-plan grep -q '"predicted_peak_bytes"' "$tmp/planned.json"
+expect train-plan-by-hand 0 'plan: none' out -- \
+  train --model mlp --width 32 --depth 1 --steps 1 --budget 64MiB --micro-batch 16 --no-eval -q
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

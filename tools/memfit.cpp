@@ -6,6 +6,7 @@
 #include "memfit/freeze.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
+#include "memfit/plan.h"
 #include "memfit/precision.h"
 #include "memfit/schedule.h"
 #include "memfit/state.h"
@@ -14,11 +15,13 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <thread>
 #include <unistd.h>
@@ -73,6 +76,22 @@ struct TrainArgs {
   std::string save;
   int64_t save_every = 0;
   std::string resume;
+  std::string plan = "auto";
+};
+
+// memfit plan / memfit profile.
+struct PlanArgs {
+  std::string model = "resnet";
+  int64_t width = 0;
+  int64_t depth = 0;
+  int64_t batch = 64;
+  std::string budget;
+  std::string optimizer = "adam";
+  std::string precision = "fp32";
+  std::string device = "cpu";
+  std::string data = memfit::FashionMnistOptions().root();
+  bool json = false;
+  int threads = 0;
 };
 
 // Parses --checkpoint's value: none, sqrt, optimal, every:K or uniform:K.
@@ -196,10 +215,55 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->needs(save);
   train->add_option("--resume", a.resume,
                     "Continue the run saved in DIR (same model and options) up to --steps");
+  train->add_option("--plan", a.plan,
+                    "With --budget: auto picks micro-batch, checkpoint schedule and optimizer "
+                    "offload to fit (unless set by hand); none runs as configured")
+      ->check(CLI::IsMember({"auto", "none"}))
+      ->capture_default_str();
   train->add_option("--threads", a.threads,
                     "CPU threads for LibTorch's kernels (0: every hardware thread)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+}
+
+void add_model_options(CLI::App* cmd, PlanArgs& a) {
+  cmd->add_option("--model", a.model, "Model: mlp or resnet")
+      ->check(CLI::IsMember({"mlp", "resnet"}))
+      ->capture_default_str();
+  cmd->add_option("--width", a.width, "MLP hidden width or ResNet first-stage channels (0: default)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--depth", a.depth, "MLP hidden layers or ResNet blocks per stage (0: default)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--batch", a.batch, "Examples per optimizer step (positive)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--optimizer", a.optimizer, "Optimizer: sgd (momentum 0.9), adam or adamw")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
+      ->capture_default_str();
+  cmd->add_option("--precision", a.precision,
+                  "Precision: fp32, bf16, auto (bf16 where supported), or any (the planner "
+                  "may choose fp32 or bf16)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16", "auto", "any"}))
+      ->capture_default_str();
+  cmd->add_option("--device", a.device, "Device: cpu, cuda or cuda:N")->capture_default_str();
+  cmd->add_option("--data", a.data, "Folder with Fashion-MNIST (for the example's shape)")
+      ->capture_default_str();
+  cmd->add_flag("--json", a.json, "Print JSON instead of a table");
+  cmd->add_option("--threads", a.threads, "CPU threads (0: every hardware thread)")
+      ->check(CLI::NonNegativeNumber);
+}
+
+void add_plan_commands(CLI::App& app, PlanArgs& a) {
+  auto* plan = app.add_subcommand(
+      "plan", "Choose the fastest micro-batch, checkpoint schedule, precision and offload that "
+              "fit a memory budget, with the predicted peak and why");
+  add_model_options(plan, a);
+  plan->add_option("--budget", a.budget, "Memory budget, e.g. 32MiB")
+      ->required()
+      ->check(memory_size_validator());
+  auto* profile = app.add_subcommand(
+      "profile", "Measure each layer's activation bytes and time, and predict the step's peak");
+  add_model_options(profile, a);
 }
 
 // Parses --device: cpu, cuda or cuda:N, on a build and machine that has it.
@@ -218,12 +282,91 @@ torch::Device parse_device(const std::string& text) {
   return device;
 }
 
+// The precisions a plan may use for --precision TEXT.
+std::vector<memfit::Precision> plan_precisions(const std::string& text, const torch::Device& device) {
+  if (text == "any") {
+    std::vector<memfit::Precision> out = {memfit::Precision::kFP32};
+    const auto low = memfit::auto_precision(device);
+    try {
+      memfit::check_precision_supported(low, device);
+      out.push_back(low);
+    } catch (const c10::Error&) {
+    }
+    return out;
+  }
+  return {text == "auto" ? memfit::auto_precision(device) : memfit::parse_precision(text)};
+}
+
+// One example of the data set, on `device`, for profiling.
+torch::Tensor one_example(const std::string& data_root, const torch::Device& device) {
+  memfit::FashionMnistOptions o;
+  o.root(data_root);
+  const auto test = memfit::load_fashion_mnist(memfit::Split::kTest, o);
+  return test.images.narrow(0, 0, 1).to(device);
+}
+
+void set_threads(int threads) {
+  const unsigned hw = std::thread::hardware_concurrency();
+  at::set_num_threads(threads > 0 ? threads : static_cast<int>(hw > 0 ? hw : 1));
+}
+
+int run_plan_or_profile(const PlanArgs& a, bool is_plan) {
+  const torch::Device device = parse_device(a.device);
+  memfit::memory_allocated(device);
+  set_threads(a.threads);
+  torch::manual_seed(0);
+  auto chain = memfit::make_model(memfit::parse_model_kind(a.model),
+                                  memfit::ModelOptions().width(a.width).depth(a.depth));
+  chain->to(device);
+  const auto example = one_example(a.data, device);
+  memfit::PlanOptions options;
+  options.optimizer(memfit::parse_optimizer_kind(a.optimizer))
+      .precisions(plan_precisions(a.precision, device));
+  if (!is_plan) options.offload(false);
+  memfit::StepModel model(chain, example, options, device);
+  if (!is_plan) {
+    const auto precision = options.precisions().front();
+    const auto costs = model.costs(precision, a.batch);
+    auto profile = model.profile(precision);
+    for (size_t i = 0; i < profile.layers.size(); ++i) {  // scaled to --batch
+      profile.layers[i].input_bytes = costs.x[i];
+      profile.layers[i].kept_bytes = costs.kept[i];
+      profile.layers[i].forward_seconds = costs.forward[i];
+      profile.layers[i].backward_seconds = costs.backward[i];
+    }
+    const auto step = model.predict(a.batch, memfit::StepSettings().precision(precision));
+    if (a.json) {
+      nlohmann::json j = {{"batch", a.batch},
+                          {"precision", memfit::to_string(precision)},
+                          {"layers", nlohmann::json::parse(profile.to_json())},
+                          {"predicted_step_peak_bytes", step.peak_bytes},
+                          {"predicted_step_seconds", step.seconds},
+                          {"predicted_memory", nlohmann::json::parse(step.memory.to_json())}};
+      fmt::print("{}\n", j.dump(2));
+      return 0;
+    }
+    fmt::print("profile of {} at batch {} ({}; measured at batches {} and {}, scaled linearly):\n{}",
+               a.model, a.batch, memfit::to_string(precision), options.profile_batch() / 2,
+               options.profile_batch(), profile.table());
+    fmt::print("predicted plain training step ({}): peak {} in the {} phase, {:.1f} ms\n{}",
+               a.optimizer, memfit::format_bytes(step.peak_bytes), step.phase, 1e3 * step.seconds,
+               step.memory.table());
+    return 0;
+  }
+  const auto plan = memfit::plan(model, a.batch, memfit::parse_memory_size(a.budget));
+  if (a.json) {
+    fmt::print("{}\n", plan.to_json());
+  } else {
+    fmt::print("{}", plan.explain());
+  }
+  return 0;
+}
+
 int run_train(const TrainArgs& a) {
   const torch::Device device = parse_device(a.device);
   memfit::memory_allocated(device);  // begins tracking before anything is allocated
   torch::manual_seed(a.seed);
-  const unsigned hw = std::thread::hardware_concurrency();
-  at::set_num_threads(a.threads > 0 ? a.threads : static_cast<int>(hw > 0 ? hw : 1));
+  set_threads(a.threads);
 
   memfit::FashionMnistOptions data_options;
   data_options.root(a.data);
@@ -232,8 +375,6 @@ int run_train(const TrainArgs& a) {
                                    : memfit::load_fashion_mnist(memfit::Split::kTest, data_options);
 
   const int64_t budget = a.budget.empty() ? 0 : memfit::parse_memory_size(a.budget);
-  memfit::set_memory_budget(device, budget);
-  memfit::reset_peak_memory_stats(device);
 
   auto chain = memfit::make_model(memfit::parse_model_kind(a.model),
                                   memfit::ModelOptions().width(a.width).depth(a.depth));
@@ -248,7 +389,29 @@ int run_train(const TrainArgs& a) {
   ck_options.checkpoint(memfit::CheckpointOptions().offload(
       a.offload_checkpoints || offloads("checkpoints") ? memfit::Offload::kHost
                                                        : memfit::Offload::kNone));
+  const auto precision = a.precision == "auto" ? memfit::auto_precision(device)
+                                               : memfit::parse_precision(a.precision);
+  // With a budget, plan the knobs unless they were set by hand.
+  const bool by_hand = a.micro_batch > 0 || a.checkpoint != "none" || !a.offload.empty() ||
+                       a.offload_checkpoints || a.master_weights != "none";
+  std::optional<memfit::Plan> plan;
+  if (budget > 0 && a.plan == "auto" && !by_hand) {
+    chain->to(device);
+    memfit::StepModel step_model(
+        chain, train_data.images.narrow(0, 0, 1).to(device),
+        memfit::PlanOptions().optimizer(memfit::parse_optimizer_kind(a.optimizer)).precisions({precision}),
+        device);
+    plan = memfit::plan(step_model, a.batch, budget);
+    fmt::print("{}", plan->explain());
+  } else if (budget > 0 && a.plan == "auto") {
+    fmt::print("plan: none (micro-batch, checkpointing, offload or master weights set by hand)\n");
+  }
+  memfit::set_memory_budget(device, budget);
+  memfit::reset_peak_memory_stats(device);
   memfit::CheckpointedSequential checkpointed(chain, ck_options);
+  if (plan && !plan->settings.schedule().segments.empty()) {
+    checkpointed->set_schedule(plan->settings.schedule());
+  }
   torch::nn::Sequential model(checkpointed);
   memfit::TrainerOptions options;
   options.batch_size(a.batch)
@@ -259,14 +422,16 @@ int run_train(const TrainArgs& a) {
       .seed(a.seed)
       .eval_batch_size(a.eval_batch)
       .device(device)
-      .precision(a.precision == "auto" ? memfit::auto_precision(device)
-                                       : memfit::parse_precision(a.precision))
+      .precision(precision)
       .master_weights(memfit::parse_master_weights_mode(a.master_weights))
       .max_grad_norm(a.clip_grad_norm)
       .nonfinite_loss(a.skip_nonfinite ? memfit::NonfiniteLoss::kSkip
                                        : memfit::NonfiniteLoss::kError)
-      .micro_batch_size(a.micro_batch)
-      .offload_optimizer(offloads("optimizer") ? memfit::Offload::kHost : memfit::Offload::kNone)
+      .micro_batch_size(plan ? plan->settings.micro_batch() : a.micro_batch)
+      .offload_optimizer(offloads("optimizer") || (plan && plan->settings.offload_optimizer() ==
+                                                               memfit::Offload::kHost)
+                             ? memfit::Offload::kHost
+                             : memfit::Offload::kNone)
       .save_dir(a.save)
       .save_every(a.save_every);
   memfit::Trainer trainer(model, options);
@@ -335,12 +500,20 @@ int run_train(const TrainArgs& a) {
                                     : std::string());
   fmt::print("checkpoint schedule: {} (layers [begin,end), * recomputed)\n",
              checkpointed->schedule().to_string());
-  fmt::print("peak memory {} ({} bytes){}\n", memfit::format_bytes(peak), peak,
-             budget > 0 ? fmt::format(" of budget {}", memfit::format_bytes(budget)) : "");
+  fmt::print("peak memory {} ({} bytes){}{}\n", memfit::format_bytes(peak), peak,
+             budget > 0 ? fmt::format(" of budget {}", memfit::format_bytes(budget)) : "",
+             plan ? fmt::format("; the plan predicted {} for a step",
+                                memfit::format_bytes(plan->predicted.peak_bytes))
+                  : std::string());
   fmt::print("peak of the largest training step:\n{}", report.step_memory.table());
   if (!a.save.empty()) fmt::print("checkpoint saved to {}/checkpoint.pt\n", a.save);
   if (!a.report.empty()) {
-    memfit::write_file_atomically(a.report, report.to_json() + "\n");
+    auto json = nlohmann::json::parse(report.to_json());
+    if (plan) {
+      json["plan"] = nlohmann::json::parse(plan->to_json());
+      json["summary"]["predicted_peak_bytes"] = plan->predicted.peak_bytes;
+    }
+    memfit::write_file_atomically(a.report, json.dump(2) + "\n");
     fmt::print("report written to {}\n", a.report);
   }
   return 0;
@@ -358,6 +531,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   TrainArgs train_args;
   add_train_command(app, train_args);
+  PlanArgs plan_args;
+  add_plan_commands(app, plan_args);
 
   try {
     app.parse(argc, argv);
@@ -393,6 +568,8 @@ int main(int argc, char** argv) {
 
   try {
     if (app.got_subcommand("train")) return run_train(train_args);
+    if (app.got_subcommand("plan")) return run_plan_or_profile(plan_args, true);
+    if (app.got_subcommand("profile")) return run_plan_or_profile(plan_args, false);
   } catch (const c10::Error& e) {
     fmt::print(stderr, "memfit: error: {}\n", e.msg());
     return kExitFailure;

@@ -1,0 +1,166 @@
+#pragma once
+/// \file plan.h
+/// The planner: a cost model of a training step's peak memory and time, and
+/// the search for the fastest combination of techniques that fits a budget.
+///
+/// StepModel profiles the model's chain (profile.h) at two batch sizes in each
+/// precision it may use, and fits every layer's bytes and times as linear
+/// functions of the batch. A step's peak is then predicted as the larger of
+/// two phases:
+///   - forward and backward of one micro-batch: parameters and buffers, the
+///     optimizer state (unless offloaded), the micro-batch itself, the
+///     activation peak that schedule.h's simulator gives for the checkpoint
+///     schedule on the scaled costs, and the parameter gradients (with
+///     accumulation, the accumulated ones and one more being added);
+///   - the optimizer step: parameters, gradients, state and the step's
+///     temporaries (Adam: two tensors of the largest parameter's size); with
+///     the state offloaded, parameters and gradients only.
+/// Time per logical batch is the simulated forward, recomputation and
+/// backward time of each micro-batch plus a measured optimizer step (with the
+/// host copies when offloaded).
+///
+/// plan() searches precision (among those allowed), optimizer-state offload
+/// and micro-batch size (the batch, halved down to 1), and for each the
+/// schedule: none when it fits, else the optimal checkpoint schedule for the
+/// memory left; it keeps the fitting plan with the least predicted time.
+///
+/// Thread safety: a StepModel is a value after construction. Sync points: the
+/// profiling runs. Extra memory: profiling runs one layer at a time at the
+/// profile batch; the model's buffers and the RNG are restored afterwards.
+
+#include "memfit/memory.h"
+#include "memfit/precision.h"
+#include "memfit/profile.h"
+#include "memfit/schedule.h"
+#include "memfit/trainer.h"
+
+#include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace memfit {
+
+/// What the planner may choose and what the step it plans for looks like.
+struct PlanOptions {
+  /// The optimizer the step uses (its state and temporaries).
+  TORCH_ARG(OptimizerKind, optimizer) = OptimizerKind::kAdam;
+  /// SGD momentum (0: no state).
+  TORCH_ARG(double, momentum) = 0.9;
+  /// Weight decay (one more temporary per parameter in Adam and SGD).
+  TORCH_ARG(double, weight_decay) = 0.0;
+  /// Precisions the plan may use (each is profiled).
+  TORCH_ARG(std::vector<Precision>, precisions) = {Precision::kFP32};
+  /// Whether the plan may checkpoint activations.
+  TORCH_ARG(bool, checkpointing) = true;
+  /// Whether the plan may keep the optimizer state on the host.
+  TORCH_ARG(bool, offload) = true;
+  /// The larger of the two batch sizes profiled (the other is half of it).
+  TORCH_ARG(int64_t, profile_batch) = 32;
+  /// Plans must fit in this fraction of the budget (room for what the model
+  /// does not see: allocator rounding, the data loader's indices).
+  TORCH_ARG(double, margin) = 0.97;
+};
+
+/// The knobs of one training step.
+struct StepSettings {
+  /// Examples per forward/backward; 0: the whole batch.
+  TORCH_ARG(int64_t, micro_batch) = 0;
+  /// Compute precision (autocast).
+  TORCH_ARG(Precision, precision) = Precision::kFP32;
+  /// The checkpoint schedule; empty: none.
+  TORCH_ARG(Schedule, schedule) = Schedule();
+  /// Where the optimizer state lives.
+  TORCH_ARG(Offload, offload_optimizer) = Offload::kNone;
+};
+
+/// What the model predicts for a step.
+struct StepPrediction {
+  int64_t peak_bytes = 0;          ///< The larger phase's bytes.
+  StepMemory memory;               ///< The peak split by category.
+  double seconds = 0;              ///< Time per logical batch.
+  int64_t accumulation_steps = 1;  ///< Micro-batches per logical batch.
+  std::string phase;               ///< "forward/backward" or "optimizer step".
+  int64_t forward_backward_bytes = 0;  ///< Peak of a micro-batch's forward and backward.
+  int64_t activation_bytes = 0;        ///< Its part from the schedule's activations.
+  int64_t optimizer_step_bytes = 0;    ///< Peak of the optimizer step.
+};
+
+/// The cost model of a training step for one model (see the file comment).
+class StepModel {
+ public:
+  /// Profiles `chain` on batches of `example` (one example, batch dimension 1)
+  /// on `device`, in each of options.precisions(), and times an optimizer step.
+  StepModel(const torch::nn::Sequential& chain, const torch::Tensor& example,
+            PlanOptions options = PlanOptions(), torch::Device device = torch::kCPU);
+
+  /// Predicts a step over a logical batch of `batch` examples.
+  StepPrediction predict(int64_t batch, const StepSettings& settings) const;
+  /// The chain's costs at `micro_batch` examples in `precision`.
+  ChainCosts costs(Precision precision, int64_t micro_batch) const;
+  /// The profile at options.profile_batch() in `precision`.
+  const ChainProfile& profile(Precision precision) const;
+  /// The options, as checked.
+  const PlanOptions& options() const { return options_; }
+  /// Parameter and buffer bytes.
+  int64_t parameter_bytes() const { return parameter_bytes_; }
+  /// Optimizer state bytes with the state resident.
+  int64_t optimizer_state_bytes() const { return state_bytes_; }
+
+ private:
+  struct Profiled {
+    ChainProfile large, small;
+  };
+  PlanOptions options_;
+  torch::Device device_;
+  std::map<Precision, Profiled> profiles_;
+  int64_t example_bytes_ = 0;
+  int64_t parameter_bytes_ = 0;
+  int64_t trainable_bytes_ = 0;
+  int64_t largest_trainable_ = 0;
+  int64_t state_bytes_ = 0;
+  int64_t step_temporary_bytes_ = 0;
+  double step_seconds_ = 0;
+  double offloaded_step_seconds_ = 0;
+};
+
+/// A plan: the knobs, what they are predicted to cost, and why.
+struct Plan {
+  bool fits = false;                 ///< Whether a combination fits the budget.
+  int64_t budget = 0;                ///< The budget planned for.
+  int64_t batch = 0;                 ///< The logical batch.
+  StepSettings settings;             ///< The chosen knobs.
+  StepPrediction predicted;          ///< Its predicted peak and time.
+  double plain_seconds = 0;          ///< The plain step's predicted time.
+  int64_t plain_peak_bytes = 0;      ///< The plain step's predicted peak.
+  int64_t candidates = 0;            ///< Combinations considered.
+  std::vector<std::string> why;      ///< One line per choice.
+
+  /// {"fits", "budget_bytes", "predicted_peak_bytes", "predicted_seconds",
+  /// "plain_peak_bytes", "plain_seconds", "batch", "micro_batch",
+  /// "accumulation_steps", "precision", "checkpoint", "offload", "why"}.
+  std::string to_json() const;
+  /// The plan and its reasons as text.
+  std::string explain() const;
+};
+
+/// The plan with the least predicted time per logical batch of `batch` whose
+/// predicted peak fits options.margin() × `budget`.
+///
+/// Throws c10::Error when nothing fits, giving the smallest budget that the
+/// most frugal combination needs and the part that dominates it.
+///
+/// Example:
+/// \code
+///   auto net = memfit::make_mlp(memfit::ModelOptions().width(64).depth(2));
+///   memfit::StepModel model(net, torch::zeros({1, 1, 28, 28}));
+///   auto p = memfit::plan(model, 256, 4 << 20);
+///   assert(p.fits && p.predicted.peak_bytes <= 4 << 20);
+/// \endcode
+Plan plan(const StepModel& model, int64_t batch, int64_t budget);
+
+} // namespace memfit

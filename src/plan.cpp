@@ -1,0 +1,426 @@
+#include "memfit/plan.h"
+
+#include "memfit/compat.h"
+
+#include <torch/optim.h>
+#include <torch/torch.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <optional>
+
+namespace memfit {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const PlanOptions& o,
+                                                        std::vector<torch::Tensor> params) {
+  switch (o.optimizer()) {
+    case OptimizerKind::kSGD:
+      return std::make_unique<torch::optim::SGD>(
+          std::move(params),
+          torch::optim::SGDOptions(1e-3).momentum(o.momentum()).weight_decay(o.weight_decay()));
+    case OptimizerKind::kAdam:
+      return std::make_unique<torch::optim::Adam>(
+          std::move(params), torch::optim::AdamOptions(1e-3).weight_decay(o.weight_decay()));
+    case OptimizerKind::kAdamW:
+      return std::make_unique<torch::optim::AdamW>(
+          std::move(params), torch::optim::AdamWOptions(1e-3).weight_decay(o.weight_decay()));
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled optimizer kind");
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// Times an optimizer step over copies of `params` with random gradients,
+// with the state resident or (offload) in host memory behind fp32 masters.
+double time_optimizer_step(const PlanOptions& o, const std::vector<torch::Tensor>& params,
+                           bool offload) {
+  if (params.empty()) return 0.0;
+  std::vector<torch::Tensor> copies;
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : params) copies.push_back(p.detach().clone().requires_grad_(true));
+  }
+  std::unique_ptr<MasterWeights> master;
+  std::vector<torch::Tensor> stepped = copies;
+  std::optional<UntrackedGuard> host;
+  if (offload) {
+    master = std::make_unique<MasterWeights>(
+        copies, MasterWeightsOptions().dtype(at::kFloat).offload(Offload::kHost));
+    stepped = master->master_parameters();
+    host.emplace();
+  }
+  auto optimizer = make_optimizer(o, stepped);
+  host.reset();
+  std::vector<double> times;
+  for (int r = 0; r < 4; ++r) {  // the first creates the state
+    for (auto& c : copies) c.mutable_grad() = torch::randn_like(c);
+    const auto t0 = Clock::now();
+    if (master) master->grads_to_master();
+    {
+      std::optional<UntrackedGuard> on_host;
+      if (offload) on_host.emplace();
+      optimizer->step();
+    }
+    if (master) master->master_to_model();
+    if (copies.front().is_cuda()) torch::cuda::synchronize();
+    if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return median(times);
+}
+
+// v(m) on the line through (b_small, small) and (b_large, large); when that
+// line would cross zero above m = 0 or fall (timing noise), the line through
+// 0 and (b_large, large) instead, so small batches never look free.
+double line(double small, double large, int64_t b_small, int64_t b_large, int64_t m) {
+  const double slope = (large - small) / double(b_large - b_small);
+  const double intercept = small - slope * double(b_small);
+  if (intercept < 0 || slope < 0) return std::max(0.0, large) * double(m) / double(b_large);
+  return intercept + slope * double(m);
+}
+int64_t line_bytes(int64_t small, int64_t large, int64_t b_small, int64_t b_large, int64_t m) {
+  return static_cast<int64_t>(std::llround(line(double(small), double(large), b_small, b_large, m)));
+}
+
+// The two phases of a step, before they are combined.
+struct Phases {
+  int64_t fixed_fb = 0;     // forward/backward without the activations
+  int64_t activations = 0;  // the schedule's simulated peak
+  int64_t step = 0;         // the optimizer step
+  int64_t gradients_fb = 0;
+  int64_t state_device = 0;
+  double seconds = 0;
+  int64_t accumulation = 1;
+};
+
+} // namespace
+
+StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& example,
+                     PlanOptions options, torch::Device device)
+    : options_(std::move(options)), device_(device) {
+  TORCH_CHECK(!chain.is_empty() && chain->size() > 0, "StepModel needs a non-empty Sequential");
+  TORCH_CHECK(example.defined() && example.dim() >= 1 && example.size(0) == 1,
+              "StepModel needs one example with a batch dimension of 1, got ",
+              example.defined() ? example.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(options_.profile_batch() >= 2, "profile_batch must be at least 2, got ",
+              options_.profile_batch());
+  TORCH_CHECK(options_.margin() > 0 && options_.margin() <= 1,
+              "margin must be in (0, 1], got ", options_.margin());
+  TORCH_CHECK(!options_.precisions().empty(), "PlanOptions needs at least one precision");
+  for (auto p : options_.precisions()) check_precision_supported(p, device_);
+  memory_allocated(device_);  // starts tracking
+
+  example_bytes_ = static_cast<int64_t>(example.numel() * example.element_size()) +
+                   static_cast<int64_t>(sizeof(int64_t));  // the label
+  std::vector<torch::Tensor> persistent = chain->parameters();
+  const auto buffers = chain->buffers();
+  persistent.insert(persistent.end(), buffers.begin(), buffers.end());
+  parameter_bytes_ = storage_bytes(persistent);
+  std::vector<torch::Tensor> trainable;
+  for (const auto& p : chain->parameters()) {
+    if (!p.requires_grad()) continue;
+    trainable.push_back(p);
+    largest_trainable_ = std::max<int64_t>(largest_trainable_, p.numel() * p.element_size());
+  }
+  trainable_bytes_ = storage_bytes(trainable);
+  switch (options_.optimizer()) {
+    case OptimizerKind::kAdam:
+      state_bytes_ = 2 * trainable_bytes_;
+      step_temporary_bytes_ = (options_.weight_decay() > 0 ? 3 : 2) * largest_trainable_;
+      break;
+    case OptimizerKind::kAdamW:
+      state_bytes_ = 2 * trainable_bytes_;
+      step_temporary_bytes_ = 2 * largest_trainable_;
+      break;
+    case OptimizerKind::kSGD:
+      state_bytes_ = options_.momentum() > 0 ? trainable_bytes_ : 0;
+      step_temporary_bytes_ = options_.weight_decay() > 0 ? largest_trainable_ : 0;
+      break;
+  }
+
+  const int64_t large = options_.profile_batch(), small = large / 2;
+  auto batch_of = [&](int64_t n) {
+    std::vector<int64_t> sizes(example.sizes().begin(), example.sizes().end());
+    sizes[0] = n;
+    return example.to(device_).expand(sizes).contiguous();
+  };
+  for (auto precision : options_.precisions()) {
+    Profiled p;
+    for (auto* out : {&p.large, &p.small}) {
+      const auto x = batch_of(out == &p.large ? large : small);
+      AutocastGuard autocast(device_, precision);  // one cast cache per profile
+      *out = profile_chain(chain, x, ProfileOptions().repeats(2));
+    }
+    profiles_.emplace(precision, std::move(p));
+  }
+  step_seconds_ = time_optimizer_step(options_, trainable, false);
+  offloaded_step_seconds_ = options_.offload() ? time_optimizer_step(options_, trainable, true) : 0;
+}
+
+const ChainProfile& StepModel::profile(Precision precision) const {
+  auto it = profiles_.find(precision);
+  TORCH_CHECK(it != profiles_.end(), "the StepModel was not profiled in ", to_string(precision),
+              ": add it to PlanOptions::precisions");
+  return it->second.large;
+}
+
+ChainCosts StepModel::costs(Precision precision, int64_t micro_batch) const {
+  TORCH_CHECK(micro_batch > 0, "micro_batch must be positive, got ", micro_batch);
+  auto it = profiles_.find(precision);
+  TORCH_CHECK(it != profiles_.end(), "the StepModel was not profiled in ", to_string(precision),
+              ": add it to PlanOptions::precisions");
+  const auto& big = it->second.large;
+  const auto& little = it->second.small;
+  const int64_t bl = options_.profile_batch(), bs = bl / 2;
+  ChainProfile scaled = big;
+  for (size_t i = 0; i < scaled.layers.size(); ++i) {
+    auto& l = scaled.layers[i];
+    const auto& a = little.layers[i];
+    const auto& b = big.layers[i];
+    l.input_bytes = line_bytes(a.input_bytes, b.input_bytes, bs, bl, micro_batch);
+    l.output_bytes = line_bytes(a.output_bytes, b.output_bytes, bs, bl, micro_batch);
+    l.kept_bytes = line_bytes(a.kept_bytes, b.kept_bytes, bs, bl, micro_batch);
+    l.forward_peak_bytes = line_bytes(a.forward_peak_bytes, b.forward_peak_bytes, bs, bl, micro_batch);
+    l.backward_overhead_bytes =
+        line_bytes(a.backward_overhead_bytes, b.backward_overhead_bytes, bs, bl, micro_batch);
+    l.forward_seconds = line(a.forward_seconds, b.forward_seconds, bs, bl, micro_batch);
+    l.backward_seconds = line(a.backward_seconds, b.backward_seconds, bs, bl, micro_batch);
+  }
+  // The chain's input needs no gradient: layers before the first with
+  // parameters run no backward, and that layer computes no input gradient
+  // (the profile measured one, its input being a leaf that required grad).
+  for (auto& l : scaled.layers) {
+    if (l.parameter_bytes == 0) {
+      l.backward_overhead_bytes = 0;
+      continue;
+    }
+    l.backward_overhead_bytes = std::max<int64_t>(0, l.backward_overhead_bytes - l.input_bytes);
+    break;
+  }
+  return costs_from_profile(scaled);
+}
+
+namespace {
+Phases phases(const StepModel& model, int64_t parameter_bytes, int64_t trainable, int64_t largest,
+              int64_t state, int64_t temporaries, int64_t example_bytes, double step_seconds,
+              double offloaded_seconds, int64_t batch, const StepSettings& s) {
+  const int64_t m = s.micro_batch() > 0 ? std::min(s.micro_batch(), batch) : batch;
+  const auto costs = model.costs(s.precision(), m);
+  const Schedule schedule = s.schedule().segments.empty() ? schedule_none(costs.size()) : s.schedule();
+  const auto sim = simulate(schedule, costs);
+  const bool offload = s.offload_optimizer() == Offload::kHost;
+  Phases p;
+  p.accumulation = (batch + m - 1) / m;
+  p.state_device = offload ? 0 : state;
+  p.activations = sim.peak_bytes;
+  if (p.accumulation > 1) {
+    // Every gradient exists from the first micro-batch on, and one more is
+    // being added (AccumulateGrad holds the new gradient before adding it).
+    p.gradients_fb = trainable + largest;
+  } else {
+    // Gradients appear as backward reaches each layer, while the activations
+    // of the layers before it are still held: at layer i (backward order),
+    // at most min(activation peak, what layers 0..i keep plus layer i's
+    // backward) plus the gradients of layers i..n-1.
+    const auto& layers = model.profile(s.precision()).layers;
+    int64_t kept_before = 0, worst_extra = 0;
+    std::vector<int64_t> grads_from(layers.size() + 1, 0);
+    for (size_t i = layers.size(); i-- > 0;) grads_from[i] = grads_from[i + 1] + layers[i].parameter_bytes;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      kept_before += costs.kept[i];
+      const int64_t held = std::min<int64_t>(
+          sim.peak_bytes, kept_before + costs.x[i + 1] + costs.backward_extra(static_cast<int64_t>(i)));
+      worst_extra = std::max(worst_extra, held + std::min(grads_from[i], trainable) - sim.peak_bytes);
+    }
+    p.gradients_fb = worst_extra;
+  }
+  p.fixed_fb = parameter_bytes + p.state_device + m * example_bytes + p.gradients_fb;
+  p.step = offload ? parameter_bytes + trainable : parameter_bytes + state + trainable + temporaries;
+  p.seconds = double(p.accumulation) * sim.time + (offload ? offloaded_seconds : step_seconds);
+  return p;
+}
+} // namespace
+
+StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
+  TORCH_CHECK(batch > 0, "batch must be positive, got ", batch);
+  TORCH_CHECK(s.micro_batch() >= 0, "micro_batch must be >= 0 (0: the whole batch), got ",
+              s.micro_batch());
+  const auto p = phases(*this, parameter_bytes_, trainable_bytes_, largest_trainable_, state_bytes_,
+                        step_temporary_bytes_, example_bytes_, step_seconds_,
+                        offloaded_step_seconds_, batch, s);
+  StepPrediction r;
+  const int64_t fb = p.fixed_fb + p.activations;
+  r.peak_bytes = std::max(fb, p.step);
+  r.phase = fb >= p.step ? "forward/backward" : "optimizer step";
+  r.forward_backward_bytes = fb;
+  r.activation_bytes = p.activations;
+  r.optimizer_step_bytes = p.step;
+  r.seconds = p.seconds;
+  r.accumulation_steps = p.accumulation;
+  r.memory.peak = r.peak_bytes;
+  r.memory.parameters = parameter_bytes_;
+  r.memory.gradients = fb >= p.step ? p.gradients_fb : trainable_bytes_;
+  r.memory.optimizer_state = p.state_device;
+  r.memory.activations =
+      std::max<int64_t>(0, r.peak_bytes - r.memory.parameters - r.memory.gradients - r.memory.optimizer_state);
+  return r;
+}
+
+namespace {
+
+std::string schedule_text(const StepSettings& s) {
+  return s.schedule().segments.empty() ? "none" : s.schedule().to_string();
+}
+
+bool better(const StepPrediction& a, const StepPrediction& b) {
+  if (a.seconds != b.seconds) return a.seconds < b.seconds;
+  return a.peak_bytes < b.peak_bytes;
+}
+
+} // namespace
+
+Plan plan(const StepModel& model, int64_t batch, int64_t budget) {
+  TORCH_CHECK(batch > 0, "plan: batch must be positive, got ", batch);
+  TORCH_CHECK(budget > 0, "plan: budget must be positive, got ", budget);
+  const auto& o = model.options();
+  const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
+  Plan best;
+  best.budget = budget;
+  best.batch = batch;
+  const auto plain = StepSettings().precision(o.precisions().front());
+  const auto plain_prediction = model.predict(batch, plain);
+  best.plain_peak_bytes = plain_prediction.peak_bytes;
+  best.plain_seconds = plain_prediction.seconds;
+
+  std::vector<int64_t> micro;
+  for (int64_t m = batch;; m = (m + 1) / 2) {
+    micro.push_back(m);
+    if (m == 1) break;
+  }
+  std::vector<Offload> offloads = {Offload::kNone};
+  if (o.offload()) offloads.push_back(Offload::kHost);
+
+  int64_t frugal_need = std::numeric_limits<int64_t>::max();
+  StepPrediction frugal;
+  for (auto precision : o.precisions()) {
+    for (auto offload : offloads) {
+      for (int64_t m : micro) {
+        auto s = StepSettings().micro_batch(m == batch ? 0 : m).precision(precision).offload_optimizer(offload);
+        auto p = model.predict(batch, s);
+        ++best.candidates;
+        const auto costs = model.costs(precision, m);
+        // Without checkpointing this combination needs p.peak_bytes; with the
+        // most frugal schedule, its fixed part plus min_budget.
+        const int64_t fixed = p.forward_backward_bytes - p.activation_bytes;
+        const int64_t need = o.checkpointing()
+                                 ? std::max(fixed + min_budget(costs), p.optimizer_step_bytes)
+                                 : p.peak_bytes;
+        if (need < frugal_need) {
+          frugal_need = need;
+          frugal = p;
+        }
+        if (p.peak_bytes > limit && o.checkpointing()) {
+          const int64_t room = limit - fixed;
+          if (p.optimizer_step_bytes > limit || room <= 0) continue;
+          try {
+            s.schedule(solve_optimal(costs, room));
+          } catch (const c10::Error&) {
+            continue;  // even the most frugal schedule needs more than the room left
+          }
+          p = model.predict(batch, s);
+          ++best.candidates;
+        }
+        if (p.peak_bytes > limit) continue;
+        if (!best.fits || better(p, best.predicted)) {
+          best.fits = true;
+          best.settings = s;
+          best.predicted = p;
+        }
+      }
+    }
+  }
+  TORCH_CHECK(best.fits, "no combination of micro-batching",
+              o.checkpointing() ? ", checkpointing" : "", o.offload() ? ", optimizer offload" : "",
+              " and precision (", o.precisions().size(), " allowed) fits ", format_bytes(budget),
+              " for a batch of ", batch, ": the most frugal needs about ",
+              format_bytes(static_cast<int64_t>(std::ceil(double(frugal_need) / o.margin()))),
+              ", of which parameters, gradients and optimizer state take ",
+              format_bytes(frugal.memory.parameters + frugal.memory.gradients +
+                           frugal.memory.optimizer_state),
+              "; raise the budget, or shrink the model");
+
+  const auto& s = best.settings;
+  const auto& p = best.predicted;
+  best.why.push_back(fmt::format(
+      "free savings, always on: gradients released between steps, in-place ReLUs, evaluation "
+      "under no-grad"));
+  best.why.push_back(fmt::format("plain step ({}, whole batch of {}, no checkpointing): predicted "
+                                 "peak {} {} the limit {} ({:.0f}% of the budget {})",
+                                 to_string(o.precisions().front()), batch,
+                                 format_bytes(best.plain_peak_bytes),
+                                 best.plain_peak_bytes <= limit ? "fits" : "exceeds",
+                                 format_bytes(limit), 100 * o.margin(), format_bytes(budget)));
+  best.why.push_back(s.precision() == Precision::kFP32
+                         ? std::string("precision fp32: the math is unchanged")
+                         : fmt::format("precision {}: autocast lowers activation bytes and time "
+                                       "(numerics change within autocast's tolerance)",
+                                       to_string(s.precision())));
+  best.why.push_back(p.accumulation_steps > 1
+                         ? fmt::format("micro-batches of {} ({} per batch of {}): one micro-batch "
+                                       "of activations at a time, the same gradient",
+                                       s.micro_batch(), p.accumulation_steps, batch)
+                         : std::string("no micro-batching: the whole batch at once"));
+  best.why.push_back(s.schedule().segments.empty()
+                         ? std::string("no checkpointing: every activation is kept")
+                         : fmt::format("checkpoint schedule {} (optimal for the memory left): "
+                                       "recomputation instead of storage",
+                                       s.schedule().to_string()));
+  best.why.push_back(s.offload_optimizer() == Offload::kHost
+                         ? fmt::format("optimizer state ({}) in host memory, stepped there",
+                                       format_bytes(model.optimizer_state_bytes()))
+                         : std::string("optimizer state on the device"));
+  best.why.push_back(fmt::format("predicted peak {} ({} phase), {:.1f} ms per batch, {:.2f}x the "
+                                 "plain step's time",
+                                 format_bytes(p.peak_bytes), p.phase, 1e3 * p.seconds,
+                                 best.plain_seconds > 0 ? p.seconds / best.plain_seconds : 0.0));
+  return best;
+}
+
+std::string Plan::to_json() const {
+  nlohmann::json j = {{"fits", fits},
+                      {"budget_bytes", budget},
+                      {"batch", batch},
+                      {"micro_batch", settings.micro_batch() > 0 ? settings.micro_batch() : batch},
+                      {"accumulation_steps", predicted.accumulation_steps},
+                      {"precision", to_string(settings.precision())},
+                      {"checkpoint", schedule_text(settings)},
+                      {"offload", settings.offload_optimizer() == Offload::kHost ? "optimizer" : "none"},
+                      {"predicted_peak_bytes", predicted.peak_bytes},
+                      {"predicted_seconds", predicted.seconds},
+                      {"predicted_phase", predicted.phase},
+                      {"plain_peak_bytes", plain_peak_bytes},
+                      {"plain_seconds", plain_seconds},
+                      {"candidates", candidates},
+                      {"predicted_memory", nlohmann::json::parse(predicted.memory.to_json())},
+                      {"why", why}};
+  return j.dump(2);
+}
+
+std::string Plan::explain() const {
+  std::string out = fmt::format("plan for a batch of {} under {}: {}\n", batch, format_bytes(budget),
+                                fits ? "fits" : "does not fit");
+  for (const auto& line : why) out += "  - " + line + "\n";
+  return out;
+}
+
+} // namespace memfit

@@ -1,0 +1,156 @@
+#include "memfit/plan.h"
+
+#include "memfit/models.h"
+#include "test_util.h"
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+
+namespace memfit {
+namespace {
+
+const ImageDataset& small_data() {
+  static const ImageDataset ds = [] {
+    auto full = load_fashion_mnist(Split::kTest);
+    UntrackedGuard host;
+    ImageDataset d;
+    d.images = full.images.narrow(0, 0, 512).clone();
+    d.labels = full.labels.narrow(0, 0, 512).clone();
+    return d;
+  }();
+  return ds;
+}
+
+class Planner : public testing::Seeded {
+ protected:
+  void SetUp() override {
+    Seeded::SetUp();
+    if (!std::filesystem::exists(FashionMnistOptions().root())) {
+      GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed";
+    }
+  }
+};
+
+torch::nn::Sequential make(const std::string& kind) {
+  torch::manual_seed(0);
+  return kind == "mlp" ? make_mlp(ModelOptions().width(256).depth(2))
+                       : make_resnet(ModelOptions().width(8).depth(1));
+}
+
+// The peak of a real step with `s` (steps 2 and 3 hold the optimizer state),
+// counted from what was allocated before the trainer.
+int64_t measured_peak(const std::string& kind, int64_t batch, const StepSettings& s,
+                      int64_t budget = 0) {
+  const int64_t base = memory_allocated();
+  auto chain = make(kind);
+  CheckpointedSequential model(chain);
+  if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
+  Trainer t(torch::nn::Sequential(model), TrainerOptions()
+                                              .batch_size(batch)
+                                              .steps(3)
+                                              .micro_batch_size(s.micro_batch())
+                                              .precision(s.precision())
+                                              .offload_optimizer(s.offload_optimizer()));
+  if (budget > 0) set_memory_budget(torch::kCPU, base + budget);
+  const auto report = t.fit(small_data());
+  set_memory_budget(torch::kCPU, 0);
+  int64_t peak = 0;
+  for (const auto& r : report.steps) peak = std::max(peak, r.peak_bytes - base);
+  return peak;
+}
+
+TEST_F(Planner, PredictedPeakIsWithinTenPercentOnAGridOfSettings) {
+  std::vector<double> errors;
+  for (const std::string kind : {"mlp", "resnet"}) {
+    auto chain = make(kind);
+    StepModel model(chain, small_data().images.narrow(0, 0, 1),
+                    PlanOptions().precisions({Precision::kFP32, Precision::kBF16}));
+    for (auto precision : {Precision::kFP32, Precision::kBF16}) {
+      for (int64_t micro : {int64_t(0), int64_t(16)}) {
+        for (auto offload : {Offload::kNone, Offload::kHost}) {
+          for (bool checkpointed : {false, true}) {
+            auto s = StepSettings().micro_batch(micro).precision(precision).offload_optimizer(offload);
+            if (checkpointed) s.schedule(schedule_sqrt(chain->size()));
+            const auto predicted = model.predict(64, s).peak_bytes;
+            const auto measured = measured_peak(kind, 64, s);
+            const double error = double(predicted - measured) / double(measured);
+            errors.push_back(error);
+            EXPECT_LE(std::abs(error), 0.10)
+                << kind << " " << to_string(precision) << " micro " << micro << " offload "
+                << int(offload) << " checkpointed " << checkpointed << ": predicted " << predicted
+                << " measured " << measured;
+          }
+        }
+      }
+    }
+  }
+  std::sort(errors.begin(), errors.end());
+  std::cout << "prediction error over " << errors.size() << " settings: min " << errors.front()
+            << " median " << errors[errors.size() / 2] << " max " << errors.back() << "\n";
+}
+
+TEST_F(Planner, PlansFitTheirBudgetWhenRun) {
+  for (const std::string kind : {"mlp", "resnet"}) {
+    auto chain = make(kind);
+    StepModel model(chain, small_data().images.narrow(0, 0, 1));
+    const int64_t plain = model.predict(128, StepSettings()).peak_bytes;
+    for (int divisor : {2, 4, 8}) {
+      const int64_t budget = plain / divisor;
+      Plan p;
+      try {
+        p = plan(model, 128, budget);
+      } catch (const c10::Error& e) {
+        // Parameters, gradients and state alone may exceed 1/8 of the plain peak.
+        EXPECT_NE(std::string(e.msg()).find("the most frugal needs about"), std::string::npos) << e.msg();
+        continue;
+      }
+      ASSERT_TRUE(p.fits);
+      EXPECT_LE(p.predicted.peak_bytes, budget);
+      int64_t measured = 0;
+      EXPECT_NO_THROW(measured = measured_peak(kind, 128, p.settings, budget))
+          << kind << " at 1/" << divisor << ": " << p.explain();
+      EXPECT_LE(measured, budget) << kind << " at 1/" << divisor;
+      std::cout << kind << " budget 1/" << divisor << " (" << format_bytes(budget) << "): measured "
+                << format_bytes(measured) << ", " << p.why.back() << "\n";
+    }
+  }
+}
+
+TEST_F(Planner, NothingFitsNamesTheSmallestBudgetAndWhatDominates) {
+  auto chain = make("mlp");
+  StepModel model(chain, small_data().images.narrow(0, 0, 1));
+  try {
+    plan(model, 64, 64 * 1024);
+    FAIL() << "64 KiB cannot hold the parameters";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.msg();
+    EXPECT_NE(msg.find("fits 64.00 KiB for a batch of 64: the most frugal needs about"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("of which parameters, gradients and optimizer state take"), std::string::npos) << msg;
+  }
+}
+
+TEST_F(Planner, PlanJsonHoldsTheKnobsAndPrediction) {
+  auto chain = make("resnet");
+  StepModel model(chain, small_data().images.narrow(0, 0, 1));
+  const auto p = plan(model, 64, model.predict(64, StepSettings()).peak_bytes / 3);
+  const auto j = nlohmann::json::parse(p.to_json());
+  for (const char* key : {"fits", "predicted_peak_bytes", "micro_batch", "accumulation_steps",
+                          "precision", "checkpoint", "offload", "why"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  EXPECT_TRUE(j["fits"].get<bool>());
+  EXPECT_EQ(j["predicted_peak_bytes"].get<int64_t>(), p.predicted.peak_bytes);
+}
+
+TEST_F(Planner, BadArgumentsAreRefused) {
+  auto chain = make("mlp");
+  EXPECT_THROW(StepModel(chain, torch::zeros({2, 1, 28, 28})), c10::Error) << "one example";
+  EXPECT_THROW(StepModel(chain, torch::zeros({1, 1, 28, 28}), PlanOptions().profile_batch(1)), c10::Error);
+  StepModel model(chain, torch::zeros({1, 1, 28, 28}));
+  EXPECT_THROW(plan(model, 0, 1 << 20), c10::Error);
+  EXPECT_THROW(model.costs(Precision::kBF16, 8), c10::Error) << "bf16 was not profiled";
+}
+
+} // namespace
+} // namespace memfit
