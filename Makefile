@@ -31,6 +31,7 @@ bench: build
 	./$(BUILD_DIR)/bench/memfit_checkpoint_bench
 	./$(BUILD_DIR)/bench/memfit_precision_bench
 	./$(BUILD_DIR)/bench/memfit_trainer_bench
+	./$(BUILD_DIR)/bench/memfit_plan_bench
 
 install: build
 	cmake --install $(BUILD_DIR) $(if $(PREFIX),--prefix $(PREFIX),)

@@ -1,0 +1,237 @@
+// The planner against exhaustive search: for the built-in models at budgets of
+// 1/2, 1/4 and 1/8 of the plain step's measured peak, the plan is run under
+// the budget (does it fit?), and every combination of the planner's grid
+// (micro-batch: the batch halved down to 1; optimizer state on the device or
+// the host; no checkpointing, else the optimal schedule for the memory left)
+// is run under the budget too. Reported: the budget, the plan's measured peak
+// and step time, the best measured time over the grid, their ratio, and the
+// plan's time against the plain step (run without a budget).
+//
+//   build/bench/memfit_plan_bench
+//
+// Times: the faster of a combination's steps 2 and 3 (step 1 creates the
+// optimizer state); CPU, byte-exact allocator, fp32 (the math unchanged).
+//
+// accuracy/{mlp,resnet}: the cost model's predicted step peak against the
+// measured one over a grid: batch 64 and 256, fp32 and bf16, the whole batch
+// and micro-batches of a quarter, optimizer state resident and on the host, no
+// checkpointing and sqrt(n) segments (32 settings per model); each line goes to
+// stderr, the error distribution to the counters.
+//
+//   build/bench/memfit_plan_bench --benchmark_filter=accuracy
+
+#include "memfit/data.h"
+#include "memfit/memory.h"
+#include "memfit/models.h"
+#include "memfit/plan.h"
+#include "memfit/schedule.h"
+#include "memfit/trainer.h"
+
+#include <benchmark/benchmark.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+const memfit::ImageDataset& data() {
+  static const auto d = [] {
+    auto full = memfit::load_fashion_mnist(memfit::Split::kTrain);
+    memfit::UntrackedGuard host;
+    memfit::ImageDataset h;
+    h.images = full.images.narrow(0, 0, 2048).clone();
+    h.labels = full.labels.narrow(0, 0, 2048).clone();
+    return h;
+  }();
+  return d;
+}
+
+torch::nn::Sequential make(const std::string& kind) {
+  torch::manual_seed(0);
+  return memfit::make_model(memfit::parse_model_kind(kind), memfit::ModelOptions());
+}
+
+struct Run {
+  bool fits = false;
+  int64_t peak = 0;
+  double seconds = 0;
+};
+
+// Three steps of `s` under `budget` (0: none); fits is false on out-of-memory.
+Run run(const std::string& kind, int64_t batch, const memfit::StepSettings& s, int64_t budget) {
+  const int64_t base = memfit::memory_allocated();
+  auto chain = make(kind);
+  memfit::CheckpointedSequential model(chain);
+  if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
+  memfit::Trainer t(torch::nn::Sequential(model), memfit::TrainerOptions()
+                                                      .batch_size(batch)
+                                                      .steps(3)
+                                                      .micro_batch_size(s.micro_batch())
+                                                      .offload_optimizer(s.offload_optimizer()));
+  memfit::set_memory_budget(torch::kCPU, budget > 0 ? base + budget : 0);
+  Run r;
+  try {
+    const auto report = t.fit(data());
+    r.fits = true;
+    for (const auto& st : report.steps) r.peak = std::max(r.peak, st.peak_bytes - base);
+    r.seconds = std::min(report.steps[1].seconds, report.steps[2].seconds);
+  } catch (const c10::OutOfMemoryError&) {
+  }
+  memfit::set_memory_budget(torch::kCPU, 0);
+  return r;
+}
+
+bool same(const memfit::StepSettings& a, const memfit::StepSettings& b) {
+  return a.micro_batch() == b.micro_batch() && a.offload_optimizer() == b.offload_optimizer() &&
+         a.schedule().to_string() == b.schedule().to_string();
+}
+
+void BM_Plan(benchmark::State& state, std::string kind, int64_t batch) {
+  for (auto _ : state) {
+    auto chain = make(kind);
+    memfit::StepModel model(chain, data().images.narrow(0, 0, 1));
+    const Run plain = run(kind, batch, memfit::StepSettings(), 0);
+    state.counters["plain_peak_MiB"] = double(plain.peak) / (1 << 20);
+    state.counters["plain_ms"] = 1e3 * plain.seconds;
+    for (int divisor : {2, 4, 8}) {
+      const int64_t budget = plain.peak / divisor;
+      const std::string key = fmt::format("1/{}_", divisor);
+      state.counters[key + "budget_MiB"] = double(budget) / (1 << 20);
+      std::optional<memfit::Plan> p;
+      try {
+        p = memfit::plan(model, batch, budget);
+      } catch (const c10::Error& e) {
+        state.counters[key + "fits"] = 0;
+        fmt::print(stderr, "{} at 1/{}: {}\n", kind, divisor, e.msg());
+        continue;
+      }
+      // The grid, each combination measured under the budget.
+      double best = std::numeric_limits<double>::infinity();
+      double planned = 0;
+      int64_t planned_peak = 0;
+      bool plan_fit = false;
+      std::vector<int64_t> micro;
+      for (int64_t m = batch;; m = (m + 1) / 2) {
+        micro.push_back(m);
+        if (m == 1) break;
+      }
+      for (auto offload : {memfit::Offload::kNone, memfit::Offload::kHost}) {
+        for (int64_t m : micro) {
+          auto s = memfit::StepSettings().micro_batch(m == batch ? 0 : m).offload_optimizer(offload);
+          Run r = run(kind, batch, s, budget);
+          if (!r.fits) {
+            const auto pred = model.predict(batch, s);
+            const int64_t room = static_cast<int64_t>(0.97 * double(budget)) -
+                                 (pred.forward_backward_bytes - pred.activation_bytes);
+            if (room <= 0) continue;
+            try {
+              s.schedule(memfit::solve_optimal(model.costs(memfit::Precision::kFP32, m), room));
+            } catch (const c10::Error&) {
+              continue;
+            }
+            r = run(kind, batch, s, budget);
+          }
+          if (!r.fits) continue;
+          best = std::min(best, r.seconds);
+          if (same(s, p->settings)) {
+            planned = r.seconds;
+            planned_peak = r.peak;
+            plan_fit = true;
+          }
+        }
+      }
+      if (!plan_fit) {  // the plan's settings were not among the grid's fitting runs
+        const Run r = run(kind, batch, p->settings, budget);
+        plan_fit = r.fits;
+        planned = r.seconds;
+        planned_peak = r.peak;
+      }
+      state.counters[key + "fits"] = plan_fit ? 1 : 0;
+      state.counters[key + "plan_peak_MiB"] = double(planned_peak) / (1 << 20);
+      state.counters[key + "predicted_MiB"] = double(p->predicted.peak_bytes) / (1 << 20);
+      state.counters[key + "plan_ms"] = 1e3 * planned;
+      state.counters[key + "best_ms"] = 1e3 * best;
+      state.counters[key + "plan_vs_best"] = planned / best;
+      state.counters[key + "plan_vs_plain"] = planned / plain.seconds;
+      fmt::print(stderr, "{} at 1/{} ({:.2f} MiB): micro {} offload {} checkpoint {}\n", kind,
+                 divisor, double(budget) / (1 << 20), p->predicted.accumulation_steps > 1 ? p->settings.micro_batch() : batch,
+                 p->settings.offload_optimizer() == memfit::Offload::kHost ? "host" : "none",
+                 p->settings.schedule().segments.empty() ? "none" : p->settings.schedule().to_string());
+    }
+  }
+}
+
+void BM_Accuracy(benchmark::State& state, std::string kind) {
+  for (auto _ : state) {
+    auto chain = make(kind);
+    memfit::StepModel model(chain, data().images.narrow(0, 0, 1),
+                            memfit::PlanOptions().precisions({memfit::Precision::kFP32, memfit::Precision::kBF16}));
+    std::vector<double> errors;
+    for (int64_t batch : {64, 256}) {
+      for (auto precision : {memfit::Precision::kFP32, memfit::Precision::kBF16}) {
+        for (int64_t micro : {int64_t(0), batch / 4}) {
+          for (auto offload : {memfit::Offload::kNone, memfit::Offload::kHost}) {
+            for (bool checkpointed : {false, true}) {
+              auto s = memfit::StepSettings().micro_batch(micro).precision(precision).offload_optimizer(offload);
+              if (checkpointed) s.schedule(memfit::schedule_sqrt(chain->size()));
+              const auto predicted = model.predict(batch, s);
+              const int64_t base = memfit::memory_allocated();
+              auto c = make(kind);
+              memfit::CheckpointedSequential cs(c);
+              if (checkpointed) cs->set_schedule(s.schedule());
+              memfit::Trainer t(torch::nn::Sequential(cs), memfit::TrainerOptions()
+                                                               .batch_size(batch)
+                                                               .steps(3)
+                                                               .micro_batch_size(micro)
+                                                               .precision(precision)
+                                                               .offload_optimizer(offload));
+              int64_t measured = 0;
+              for (const auto& r : t.fit(data()).steps) measured = std::max(measured, r.peak_bytes - base);
+              const double error = double(predicted.peak_bytes - measured) / double(measured);
+              errors.push_back(error);
+              fmt::print(stderr, "{} batch {} {} micro {} offload {} checkpoint {}: predicted {:.2f} MiB ({}), measured {:.2f} MiB, {:+.1f}%\n",
+                         kind, batch, memfit::to_string(precision), micro > 0 ? micro : batch,
+                         offload == memfit::Offload::kHost ? "host" : "none", checkpointed ? "sqrt" : "none",
+                         double(predicted.peak_bytes) / (1 << 20), predicted.phase,
+                         double(measured) / (1 << 20), 100 * error);
+            }
+          }
+        }
+      }
+    }
+    std::sort(errors.begin(), errors.end());
+    state.counters["settings"] = double(errors.size());
+    state.counters["error_min_pct"] = 100 * errors.front();
+    state.counters["error_median_pct"] = 100 * errors[errors.size() / 2];
+    state.counters["error_max_pct"] = 100 * errors.back();
+    state.counters["within_10pct"] = double(std::count_if(errors.begin(), errors.end(),
+                                                          [](double e) { return std::abs(e) <= 0.10; }));
+  }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  memfit::memory_allocated();
+  const unsigned hw = std::thread::hardware_concurrency();
+  at::set_num_threads(hw > 0 ? static_cast<int>(hw) : 1);
+  benchmark::RegisterBenchmark("plan/resnet/batch256", BM_Plan, std::string("resnet"), int64_t(256))
+      ->Unit(benchmark::kSecond)->Iterations(1);
+  benchmark::RegisterBenchmark("plan/mlp/batch256", BM_Plan, std::string("mlp"), int64_t(256))
+      ->Unit(benchmark::kSecond)->Iterations(1);
+  for (const std::string kind : {"mlp", "resnet"}) {
+    benchmark::RegisterBenchmark(("accuracy/" + kind).c_str(), BM_Accuracy, kind)
+        ->Unit(benchmark::kSecond)->Iterations(1);
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
