@@ -163,6 +163,7 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
     }
     profiles_.emplace(precision, std::move(p));
   }
+  recompute_factor_ = calibrate_recomputation(chain, batch_of(large), options_.precisions().front());
   step_seconds_ = time_optimizer_step(options_, trainable, false);
   offloaded_step_seconds_ = options_.offload() ? time_optimizer_step(options_, trainable, true) : 0;
 }
@@ -210,10 +211,59 @@ ChainCosts StepModel::costs(Precision precision, int64_t micro_batch) const {
   return costs_from_profile(scaled);
 }
 
+double StepModel::calibrate_recomputation(const torch::nn::Sequential& chain,
+                                          const torch::Tensor& x, Precision precision) const {
+  // Times forward and backward of the chain plainly and with sqrt(n)
+  // checkpoints, and compares the extra time with what the simulator gives
+  // for it (which prices a no-grad forward like a forward with grad).
+  const int64_t n = static_cast<int64_t>(chain->size());
+  if (n < 4) return 1.0;
+  std::vector<torch::Tensor> saved;
+  {
+    UntrackedGuard host;
+    for (const auto& b : chain->buffers()) saved.push_back(b.detach().clone());
+  }
+  compat::RngState rng;
+  {
+    UntrackedGuard host;
+    rng = compat::get_rng_state({});
+  }
+  CheckpointedSequential plain(chain), checkpointed(chain);
+  checkpointed->set_schedule(schedule_sqrt(n));
+  auto time_of = [&](CheckpointedSequential& m) {
+    std::vector<double> t;
+    for (int r = 0; r < 4; ++r) {  // the first warms up
+      const auto t0 = Clock::now();
+      {
+        AutocastGuard autocast(device_, precision);
+        auto y = m->forward(x);
+        y.to(torch::kFloat).sum().backward();
+      }
+      if (x.is_cuda()) torch::cuda::synchronize();
+      if (r > 0) t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      for (const auto& p : chain->parameters()) const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
+    }
+    return median(t);
+  };
+  const double measured = time_of(checkpointed) - time_of(plain);
+  {
+    torch::NoGradGuard no_grad;
+    auto buffers = chain->buffers();
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+  }
+  compat::set_rng_state(rng);
+  const auto costs = this->costs(precision, x.size(0));
+  const double simulated =
+      simulate(schedule_sqrt(n), costs).time - simulate(schedule_none(n), costs).time;
+  if (simulated <= 0) return 1.0;
+  return std::clamp(measured / simulated, 0.1, 2.0);
+}
+
 namespace {
 Phases phases(const StepModel& model, int64_t parameter_bytes, int64_t trainable, int64_t largest,
               int64_t state, int64_t temporaries, int64_t example_bytes, double step_seconds,
-              double offloaded_seconds, int64_t batch, const StepSettings& s) {
+              double offloaded_seconds, double recompute_factor, int64_t batch,
+              const StepSettings& s) {
   const int64_t m = s.micro_batch() > 0 ? std::min(s.micro_batch(), batch) : batch;
   const auto costs = model.costs(s.precision(), m);
   const Schedule schedule = s.schedule().segments.empty() ? schedule_none(costs.size()) : s.schedule();
@@ -246,7 +296,10 @@ Phases phases(const StepModel& model, int64_t parameter_bytes, int64_t trainable
   }
   p.fixed_fb = parameter_bytes + p.state_device + m * example_bytes + p.gradients_fb;
   p.step = offload ? parameter_bytes + trainable : parameter_bytes + state + trainable + temporaries;
-  p.seconds = double(p.accumulation) * sim.time + (offload ? offloaded_seconds : step_seconds);
+  // Recomputation at the calibrated price (see StepModel::calibrate_recomputation).
+  const double plain_time = simulate(schedule_none(costs.size()), costs).time;
+  const double chain_time = plain_time + recompute_factor * std::max(0.0, sim.time - plain_time);
+  p.seconds = double(p.accumulation) * chain_time + (offload ? offloaded_seconds : step_seconds);
   return p;
 }
 } // namespace
@@ -257,7 +310,7 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
               s.micro_batch());
   const auto p = phases(*this, parameter_bytes_, trainable_bytes_, largest_trainable_, state_bytes_,
                         step_temporary_bytes_, example_bytes_, step_seconds_,
-                        offloaded_step_seconds_, batch, s);
+                        offloaded_step_seconds_, recompute_factor_, batch, s);
   StepPrediction r;
   const int64_t fb = p.fixed_fb + p.activations;
   r.peak_bytes = std::max(fb, p.step);

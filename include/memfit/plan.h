@@ -17,7 +17,8 @@
 ///     the state offloaded, parameters and gradients only.
 /// Time per logical batch is the simulated forward, recomputation and
 /// backward time of each micro-batch plus a measured optimizer step (with the
-/// host copies when offloaded).
+/// host copies when offloaded); recomputation is priced by one measurement of
+/// the chain with sqrt(n) checkpoints against the plain chain.
 ///
 /// plan() searches precision (among those allowed), optimizer-state offload
 /// and micro-batch size (the batch, halved down to 1), and for each the
@@ -110,8 +111,14 @@ class StepModel {
   int64_t parameter_bytes() const { return parameter_bytes_; }
   /// Optimizer state bytes with the state resident.
   int64_t optimizer_state_bytes() const { return state_bytes_; }
+  /// Measured recomputation time over the simulator's (which prices a no-grad
+  /// forward like one with grad); scales predicted recomputation.
+  double recompute_factor() const { return recompute_factor_; }
 
  private:
+  double calibrate_recomputation(const torch::nn::Sequential& chain, const torch::Tensor& x,
+                                 Precision precision) const;
+
   struct Profiled {
     ChainProfile large, small;
   };
@@ -126,6 +133,7 @@ class StepModel {
   int64_t step_temporary_bytes_ = 0;
   double step_seconds_ = 0;
   double offloaded_step_seconds_ = 0;
+  double recompute_factor_ = 1.0;
 };
 
 /// A plan: the knobs, what they are predicted to cost, and why.
