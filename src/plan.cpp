@@ -342,10 +342,18 @@ bool better(const StepPrediction& a, const StepPrediction& b) {
 
 } // namespace
 
+namespace {
+Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int64_t budget);
+} // namespace
+
 Plan plan(const StepModel& model, int64_t batch, int64_t budget) {
+  return plan_with(model, model.options(), batch, budget);
+}
+
+namespace {
+Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int64_t budget) {
   TORCH_CHECK(batch > 0, "plan: batch must be positive, got ", batch);
   TORCH_CHECK(budget > 0, "plan: budget must be positive, got ", budget);
-  const auto& o = model.options();
   const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
   Plan best;
   best.budget = budget;
@@ -358,7 +366,7 @@ Plan plan(const StepModel& model, int64_t batch, int64_t budget) {
   std::vector<int64_t> micro;
   for (int64_t m = batch;; m = (m + 1) / 2) {
     micro.push_back(m);
-    if (m == 1) break;
+    if (m == 1 || !o.micro_batching()) break;
   }
   std::vector<Offload> offloads = {Offload::kNone};
   if (o.offload()) offloads.push_back(Offload::kHost);
@@ -447,6 +455,112 @@ Plan plan(const StepModel& model, int64_t batch, int64_t budget) {
                                  format_bytes(p.peak_bytes), p.phase, 1e3 * p.seconds,
                                  best.plain_seconds > 0 ? p.seconds / best.plain_seconds : 0.0));
   return best;
+}
+} // namespace
+
+namespace {
+
+// Two real steps with `s` under `budget` bytes beyond what is allocated now.
+bool verify_step(const std::function<torch::nn::Sequential()>& make_model, const ImageDataset& data,
+                 int64_t batch, const StepSettings& s, int64_t budget, const PlanOptions& o,
+                 const torch::Device& device, int64_t* peak) {
+  const int64_t base = memory_allocated(device);
+  const int64_t old_budget = memory_budget(device);
+  bool ok = false;
+  try {
+    CheckpointedSequential model(make_model());
+    if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
+    Trainer trainer(torch::nn::Sequential(model), TrainerOptions()
+                                                      .batch_size(batch)
+                                                      .steps(2)
+                                                      .optimizer(o.optimizer())
+                                                      .momentum(o.momentum())
+                                                      .weight_decay(o.weight_decay())
+                                                      .device(device)
+                                                      .precision(s.precision())
+                                                      .offload_optimizer(s.offload_optimizer()));
+    set_memory_budget(device, base + budget);
+    const auto report = trainer.fit(data);
+    *peak = 0;
+    for (const auto& r : report.steps) *peak = std::max(*peak, r.peak_bytes - base);
+    ok = true;
+  } catch (const c10::OutOfMemoryError&) {
+    ok = false;
+  } catch (...) {
+    set_memory_budget(device, old_budget);
+    throw;
+  }
+  set_memory_budget(device, old_budget);
+  return ok;
+}
+
+// The plan for one pass of `batch` examples, or nothing when none fits.
+std::optional<Plan> one_pass_plan(const StepModel& model, const PlanOptions& o, int64_t batch,
+                                  int64_t budget) {
+  try {
+    return plan_with(model, o, batch, budget);
+  } catch (const c10::Error&) {
+    return std::nullopt;
+  }
+}
+
+} // namespace
+
+BatchSearch find_batch(const StepModel& model,
+                       const std::function<torch::nn::Sequential()>& make_model,
+                       const ImageDataset& data, int64_t budget, const FindBatchOptions& options) {
+  TORCH_CHECK(budget > 0, "find_batch: budget must be positive, got ", budget);
+  TORCH_CHECK(options.max_batch() > 0, "find_batch: max_batch must be positive, got ",
+              options.max_batch());
+  TORCH_CHECK(!options.verify() || data.size() > 0, "find_batch needs data to verify with");
+  const auto& o = model.options();
+  const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
+  const int64_t top = options.verify() ? std::min(options.max_batch(), data.size()) : options.max_batch();
+  // Largest b in [1, top] with fits(b), fits being monotone; 0 when even 1 fails.
+  auto bisect = [&](const std::function<bool(int64_t)>& fits) {
+    if (!fits(1)) return int64_t(0);
+    int64_t lo = 1, hi = top;
+    if (fits(hi)) return hi;
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      (fits(mid) ? lo : hi) = mid;
+    }
+    return lo;
+  };
+  BatchSearch out;
+  const auto plain_settings = StepSettings().precision(o.precisions().front());
+  // Each search with its verification; `settings_for` gives the knobs for a batch.
+  auto search = [&](BatchFound& found, const std::function<std::optional<StepSettings>(int64_t)>& settings_for) {
+    found.batch = bisect([&](int64_t b) { return settings_for(b).has_value(); });
+    while (found.batch > 0) {
+      found.settings = *settings_for(found.batch);
+      found.predicted_peak_bytes = model.predict(found.batch, found.settings).peak_bytes;
+      if (!options.verify() || found.attempts >= options.attempts()) return;
+      ++found.attempts;
+      int64_t peak = 0;
+      if (verify_step(make_model, data, found.batch, found.settings, budget, o,
+                      model.device(), &peak)) {
+        found.verified = true;
+        found.measured_peak_bytes = peak;
+        return;
+      }
+      found.batch = std::max<int64_t>(0, static_cast<int64_t>(double(found.batch) * 0.9));
+      while (found.batch > 0 && !settings_for(found.batch)) --found.batch;
+    }
+  };
+  search(out.plain, [&](int64_t b) -> std::optional<StepSettings> {
+    if (model.predict(b, plain_settings).peak_bytes > limit) return std::nullopt;
+    return plain_settings;
+  });
+  auto one_pass = o;
+  one_pass.micro_batching(false);
+  search(out.techniques, [&](int64_t b) -> std::optional<StepSettings> {
+    // plan() with micro-batching off: checkpointing, offload, precision only.
+    const auto p = one_pass_plan(model, one_pass, b, budget);
+    if (!p) return std::nullopt;
+    return p->settings;
+  });
+  return out;
 }
 
 std::string Plan::to_json() const {

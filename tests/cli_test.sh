@@ -154,6 +154,11 @@ expect plan-nothing-fits 1 'most frugal needs about .* of which parameters, grad
   plan --model mlp --batch 64 --budget 64KiB
 expect profile-table 0 'predicted plain training step' out -- profile --model mlp --width 32 --depth 1 --batch 16
 expect profile-json 0 '"predicted_step_peak_bytes"' out -- profile --model mlp --width 32 --depth 1 --batch 16 --json
+expect find-batch 0 'plainly: batch [0-9]+ .*measured.*verification run' out -- \
+  find-batch --model resnet --width 4 --depth 1 --budget 4MiB --batch 512
+expect find-batch-json 0 '"with_techniques"' out -- \
+  find-batch --model resnet --width 4 --depth 1 --budget 4MiB --no-verify --json
+expect find-batch-needs-budget 2 'budget' err -- find-batch --model mlp
 expect train-plans 0 'the plan predicted' out -- \
   train --model resnet --width 4 --depth 1 --batch 128 --steps 2 --budget 4MiB --no-eval -q --report "$tmp/planned.json"
 check train-report-holds-plan grep -q '"predicted_peak_bytes"' "$tmp/planned.json"

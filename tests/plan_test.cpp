@@ -143,6 +143,49 @@ TEST_F(Planner, PlanJsonHoldsTheKnobsAndPrediction) {
   EXPECT_EQ(j["predicted_peak_bytes"].get<int64_t>(), p.predicted.peak_bytes);
 }
 
+TEST_F(Planner, FindBatchPredictsThenVerifiesUnderTheBudget) {
+  auto chain = make("resnet");
+  StepModel model(chain, small_data().images.narrow(0, 0, 1));
+  const int64_t budget = 8 << 20;
+  const auto found = find_batch(model, [] { return make("resnet"); }, small_data(), budget,
+                                FindBatchOptions().max_batch(512));
+  ASSERT_GT(found.plain.batch, 0);
+  EXPECT_TRUE(found.plain.verified);
+  EXPECT_LE(found.plain.measured_peak_bytes, budget);
+  EXPECT_LE(model.predict(found.plain.batch, StepSettings()).peak_bytes, budget);
+  EXPECT_GT(model.predict(found.plain.batch + 1, StepSettings()).peak_bytes, 0.97 * budget)
+      << "the largest batch the model says fits";
+  EXPECT_GE(found.techniques.batch, found.plain.batch) << "checkpointing and offload fit more";
+  EXPECT_TRUE(found.techniques.verified);
+  EXPECT_LE(found.techniques.measured_peak_bytes, budget);
+  std::cout << "8 MiB: plain batch " << found.plain.batch << " (measured "
+            << format_bytes(found.plain.measured_peak_bytes) << "), with techniques "
+            << found.techniques.batch << " (measured " << format_bytes(found.techniques.measured_peak_bytes)
+            << ", checkpoint " << found.techniques.settings.schedule().to_string() << ")\n";
+}
+
+TEST_F(Planner, FindBatchRecoversFromAnOutOfMemoryVerification) {
+  // The cost model is of a ResNet of width 8, the model verified one of
+  // width 12: the predictions are too small, the first verifications run out
+  // of memory, and the search must recover and answer a batch that ran.
+  auto chain = make("resnet");
+  StepModel model(chain, small_data().images.narrow(0, 0, 1));
+  const int64_t budget = 8 << 20;
+  const auto wider = [] {
+    torch::manual_seed(0);
+    return make_resnet(ModelOptions().width(12).depth(1));
+  };
+  const int64_t before = memory_allocated();
+  const auto found = find_batch(model, wider, small_data(), budget,
+                                FindBatchOptions().max_batch(512).attempts(10));
+  EXPECT_GT(found.plain.attempts, 1) << "at least one verification ran out of memory";
+  ASSERT_GT(found.plain.batch, 0);
+  EXPECT_TRUE(found.plain.verified);
+  EXPECT_LE(found.plain.measured_peak_bytes, budget);
+  EXPECT_EQ(memory_budget(torch::kCPU), 0) << "the caller's budget is restored";
+  EXPECT_EQ(memory_allocated(), before) << "nothing is left behind by the failed runs";
+}
+
 TEST_F(Planner, BadArgumentsAreRefused) {
   auto chain = make("mlp");
   EXPECT_THROW(StepModel(chain, torch::zeros({2, 1, 28, 28})), c10::Error) << "one example";

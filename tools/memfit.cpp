@@ -92,6 +92,7 @@ struct PlanArgs {
   std::string data = memfit::FashionMnistOptions().root();
   bool json = false;
   int threads = 0;
+  bool no_verify = false;
 };
 
 // Parses --checkpoint's value: none, sqrt, optimal, every:K or uniform:K.
@@ -264,6 +265,14 @@ void add_plan_commands(CLI::App& app, PlanArgs& a) {
   auto* profile = app.add_subcommand(
       "profile", "Measure each layer's activation bytes and time, and predict the step's peak");
   add_model_options(profile, a);
+  auto* find = app.add_subcommand(
+      "find-batch", "The largest batch that fits a budget in one pass, plainly and with memfit's "
+                    "techniques, predicted then verified by real steps; and the plan for --batch");
+  add_model_options(find, a);
+  find->add_option("--budget", a.budget, "Memory budget, e.g. 32MiB")
+      ->required()
+      ->check(memory_size_validator());
+  find->add_flag("--no-verify", a.no_verify, "Predict only; skip the verifying steps");
 }
 
 // Parses --device: cpu, cuda or cuda:N, on a build and machine that has it.
@@ -310,7 +319,7 @@ void set_threads(int threads) {
   at::set_num_threads(threads > 0 ? threads : static_cast<int>(hw > 0 ? hw : 1));
 }
 
-int run_plan_or_profile(const PlanArgs& a, bool is_plan) {
+int run_plan_or_profile(const PlanArgs& a, bool is_plan, bool is_find = false) {
   const torch::Device device = parse_device(a.device);
   memfit::memory_allocated(device);
   set_threads(a.threads);
@@ -322,9 +331,9 @@ int run_plan_or_profile(const PlanArgs& a, bool is_plan) {
   memfit::PlanOptions options;
   options.optimizer(memfit::parse_optimizer_kind(a.optimizer))
       .precisions(plan_precisions(a.precision, device));
-  if (!is_plan) options.offload(false);
+  if (!is_plan && !is_find) options.offload(false);
   memfit::StepModel model(chain, example, options, device);
-  if (!is_plan) {
+  if (!is_plan && !is_find) {
     const auto precision = options.precisions().front();
     const auto costs = model.costs(precision, a.batch);
     auto profile = model.profile(precision);
@@ -352,6 +361,75 @@ int run_plan_or_profile(const PlanArgs& a, bool is_plan) {
                a.optimizer, memfit::format_bytes(step.peak_bytes), step.phase, 1e3 * step.seconds,
                step.memory.table());
     return 0;
+  }
+  if (is_find) {
+    const int64_t budget = memfit::parse_memory_size(a.budget);
+    memfit::FashionMnistOptions o;
+    o.root(a.data);
+    const auto train = memfit::load_fashion_mnist(memfit::Split::kTrain, o);
+    chain = nullptr;  // only fresh models run from here on
+    const auto make = [&] {
+      torch::manual_seed(0);
+      return memfit::make_model(memfit::parse_model_kind(a.model),
+                                memfit::ModelOptions().width(a.width).depth(a.depth));
+    };
+    const auto found = memfit::find_batch(model, make, train, budget,
+                                          memfit::FindBatchOptions().verify(!a.no_verify));
+    std::optional<memfit::Plan> logical;
+    try {
+      logical = memfit::plan(model, a.batch, budget);
+    } catch (const c10::Error& e) {
+      fmt::print(stderr, "memfit find-batch: {}\n", e.msg());
+    }
+    auto describe = [&](const memfit::BatchFound& f) {
+      nlohmann::json j = {{"batch", f.batch},
+                          {"precision", memfit::to_string(f.settings.precision())},
+                          {"checkpoint", f.settings.schedule().segments.empty()
+                                             ? std::string("none")
+                                             : f.settings.schedule().to_string()},
+                          {"offload", f.settings.offload_optimizer() == memfit::Offload::kHost
+                                          ? "optimizer"
+                                          : "none"},
+                          {"predicted_peak_bytes", f.predicted_peak_bytes},
+                          {"measured_peak_bytes", f.measured_peak_bytes},
+                          {"verified", f.verified},
+                          {"verification_runs", f.attempts}};
+      return j;
+    };
+    if (a.json) {
+      nlohmann::json j = {{"budget_bytes", budget},
+                          {"plain", describe(found.plain)},
+                          {"with_techniques", describe(found.techniques)}};
+      if (logical) j["plan_for_batch"] = nlohmann::json::parse(logical->to_json());
+      fmt::print("{}\n", j.dump(2));
+      return found.plain.batch > 0 || found.techniques.batch > 0 ? 0 : 1;
+    }
+    auto line = [&](const char* what, const memfit::BatchFound& f) {
+      if (f.batch == 0) {
+        fmt::print("{}: not even a batch of 1 fits {}\n", what, memfit::format_bytes(budget));
+        return;
+      }
+      fmt::print("{}: batch {} (predicted peak {}{}){}\n", what, f.batch,
+                 memfit::format_bytes(f.predicted_peak_bytes),
+                 f.verified ? fmt::format(", measured {} in {} verification run{}",
+                                          memfit::format_bytes(f.measured_peak_bytes), f.attempts,
+                                          f.attempts == 1 ? "" : "s")
+                            : std::string(", not verified"),
+                 fmt::format(" with precision {}, checkpoint {}, optimizer state {}",
+                             memfit::to_string(f.settings.precision()),
+                             f.settings.schedule().segments.empty() ? std::string("none")
+                                                                    : f.settings.schedule().to_string(),
+                             f.settings.offload_optimizer() == memfit::Offload::kHost ? "on the host"
+                                                                                      : "on the device"));
+    };
+    fmt::print("largest batch in one pass under {} ({}):\n", memfit::format_bytes(budget), a.model);
+    line("  plainly", found.plain);
+    line("  with checkpointing, offload and precision", found.techniques);
+    if (logical) {
+      fmt::print("any logical batch fits with micro-batching; for --batch {}:\n{}", a.batch,
+                 logical->explain());
+    }
+    return found.plain.batch > 0 || found.techniques.batch > 0 ? 0 : 1;
   }
   const auto plan = memfit::plan(model, a.batch, memfit::parse_memory_size(a.budget));
   if (a.json) {
@@ -570,6 +648,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("train")) return run_train(train_args);
     if (app.got_subcommand("plan")) return run_plan_or_profile(plan_args, true);
     if (app.got_subcommand("profile")) return run_plan_or_profile(plan_args, false);
+    if (app.got_subcommand("find-batch")) return run_plan_or_profile(plan_args, false, true);
   } catch (const c10::Error& e) {
     fmt::print(stderr, "memfit: error: {}\n", e.msg());
     return kExitFailure;

@@ -40,6 +40,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -65,6 +66,8 @@ struct PlanOptions {
   /// Plans must fit in this fraction of the budget (room for what the model
   /// does not see: allocator rounding, the data loader's indices).
   TORCH_ARG(double, margin) = 0.97;
+  /// Whether the plan may split the batch into micro-batches.
+  TORCH_ARG(bool, micro_batching) = true;
 };
 
 /// The knobs of one training step.
@@ -107,6 +110,8 @@ class StepModel {
   const ChainProfile& profile(Precision precision) const;
   /// The options, as checked.
   const PlanOptions& options() const { return options_; }
+  /// The device profiled on.
+  const torch::Device& device() const { return device_; }
   /// Parameter and buffer bytes.
   int64_t parameter_bytes() const { return parameter_bytes_; }
   /// Optimizer state bytes with the state resident.
@@ -170,5 +175,43 @@ struct Plan {
 ///   assert(p.fits && p.predicted.peak_bytes <= 4 << 20);
 /// \endcode
 Plan plan(const StepModel& model, int64_t batch, int64_t budget);
+
+/// How find_batch searches.
+struct FindBatchOptions {
+  /// The largest batch considered.
+  TORCH_ARG(int64_t, max_batch) = 65536;
+  /// Verify each answer with real training steps under the budget.
+  TORCH_ARG(bool, verify) = true;
+  /// Verification attempts: after an out-of-memory error the batch shrinks by 10%.
+  TORCH_ARG(int64_t, attempts) = 6;
+};
+
+/// A batch size found, how it runs, and how it was checked.
+struct BatchFound {
+  int64_t batch = 0;                  ///< Examples per pass (0: not even 1 fits).
+  StepSettings settings;              ///< The knobs it runs with (no micro-batching).
+  int64_t predicted_peak_bytes = 0;   ///< The model's prediction.
+  int64_t measured_peak_bytes = 0;    ///< The verification's peak (0 unverified).
+  bool verified = false;              ///< Two real steps ran under the budget.
+  int64_t attempts = 0;               ///< Verification runs (out-of-memory ones included).
+};
+
+/// The largest batches that fit a budget in one pass: plainly, and with
+/// memfit's techniques (checkpointing, offload, the allowed precisions).
+struct BatchSearch {
+  BatchFound plain;       ///< fp32 (the first allowed precision), nothing else.
+  BatchFound techniques;  ///< With checkpointing, offload and precision.
+};
+
+/// Finds the largest batch whose predicted step fits `budget`, plainly and
+/// with the planner's techniques, by bisection on the cost model; then (with
+/// options.verify) trains two real steps of a fresh `make_model()` on `data`
+/// under the budget, shrinking the batch by 10% after an out-of-memory error,
+/// which is caught and recovered from. Not a blind trial of batch sizes: each
+/// verification runs the predicted answer.
+BatchSearch find_batch(const StepModel& model,
+                       const std::function<torch::nn::Sequential()>& make_model,
+                       const ImageDataset& data, int64_t budget,
+                       const FindBatchOptions& options = FindBatchOptions());
 
 } // namespace memfit
