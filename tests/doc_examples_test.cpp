@@ -9,6 +9,7 @@
 #include "memfit/profile.h"
 #include "memfit/schedule.h"
 #include "memfit/models.h"
+#include "memfit/plan.h"
 #include "memfit/precision.h"
 #include "memfit/trainer.h"
 
@@ -223,6 +224,23 @@ TEST_F(DocExamples, StateHeader) {
   memfit::load_module(*net, "/tmp/memfit_example_mlp.pt");
   std::filesystem::remove("/tmp/memfit_example.json");
   std::filesystem::remove("/tmp/memfit_example_mlp.pt");
+}
+
+TEST_F(DocExamples, PlanHeader) {
+  {
+    auto net = memfit::make_mlp(memfit::ModelOptions().width(64).depth(2));
+    memfit::StepModel model(net, torch::zeros({1, 1, 28, 28}));
+    auto p = memfit::plan(model, 256, 4 << 20);
+    EXPECT_TRUE(p.fits && p.predicted.peak_bytes <= 4 << 20);
+  }
+  if (!std::filesystem::exists(memfit::FashionMnistOptions().root())) {
+    GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed";
+  }
+  auto data = memfit::load_fashion_mnist(memfit::Split::kTest);
+  auto make = [] { return memfit::make_mlp(memfit::ModelOptions().width(64).depth(1)); };
+  memfit::StepModel model(make(), data.images.narrow(0, 0, 1));
+  auto found = memfit::find_batch(model, make, data, 4 << 20);
+  EXPECT_TRUE(found.plain.verified && found.plain.measured_peak_bytes <= 4 << 20);
 }
 
 TEST_F(DocExamples, DataAndTrainerHeaders) {

@@ -208,7 +208,16 @@ struct BatchSearch {
 /// options.verify) trains two real steps of a fresh `make_model()` on `data`
 /// under the budget, shrinking the batch by 10% after an out-of-memory error,
 /// which is caught and recovered from. Not a blind trial of batch sizes: each
-/// verification runs the predicted answer.
+/// verification runs the predicted answer. The caller's budget is restored.
+///
+/// Example:
+/// \code
+///   auto data = memfit::load_fashion_mnist(memfit::Split::kTest);
+///   auto make = [] { return memfit::make_mlp(memfit::ModelOptions().width(64).depth(1)); };
+///   memfit::StepModel model(make(), data.images.narrow(0, 0, 1));
+///   auto found = memfit::find_batch(model, make, data, 4 << 20);
+///   assert(found.plain.verified && found.plain.measured_peak_bytes <= 4 << 20);
+/// \endcode
 BatchSearch find_batch(const StepModel& model,
                        const std::function<torch::nn::Sequential()>& make_model,
                        const ImageDataset& data, int64_t budget,
