@@ -216,6 +216,27 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
     }
     const auto step_start = Clock::now();
     PeakMeter meter(device);
+    // The step's memory phase by phase. On CUDA a new meter resets the
+    // device's peak statistic, so the step's peak is also the largest phase peak.
+    std::vector<PhaseMemory> timeline;
+    std::optional<PeakMeter> phase_meter;
+    phase_meter.emplace(device);
+    auto mark = [&](std::string phase) {
+      PhaseMemory m;
+      m.phase = std::move(phase);
+      m.peak_bytes = phase_meter->peak();
+      m.current_bytes = memory_allocated(device);
+      phase_meter.reset();
+      std::vector<torch::Tensor> grads;
+      for (const auto& p : params) grads.push_back(p.grad());
+      if (master_ && !state_on_host()) {
+        for (const auto& p : master_->master_parameters()) grads.push_back(p.grad());
+      }
+      m.gradients = storage_bytes(grads);
+      m.optimizer_state = state_on_host() ? 0 : optimizer_state_bytes(*optimizer_);
+      timeline.push_back(std::move(m));
+      phase_meter.emplace(device);
+    };
     // The last batch of an epoch holds what is left (like drop_last=false).
     const int64_t batch = std::min(options_.batch_size(), n - cursor_);
     const int64_t micro = options_.micro_batch_size() > 0
@@ -247,7 +268,12 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
                   std::isnan(value) ? "NaN" : (value > 0 ? "inf" : "-inf"),
                   "; lower the learning rate, clip gradients (max_grad_norm, --clip-grad-norm), "
                   "or skip such steps (NonfiniteLoss::kSkip, --skip-nonfinite)");
-      if (!skip) scaler_->scale(loss).backward();
+      const std::string k = std::to_string(start / micro + 1);
+      mark("forward " + k);
+      if (!skip) {
+        scaler_->scale(loss).backward();
+        mark("backward " + k);
+      }
     }
     bool stepped = false;
     int64_t model_grad_bytes = 0;
@@ -268,6 +294,7 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
         stepped = scaler_->step(*optimizer_);
       }
       scaler_->update();
+      mark("optimizer step");
     }
 
     StepRecord rec;
@@ -276,13 +303,17 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
     rec.loss = loss_value;
     rec.skipped = !stepped;
     report.skipped_steps += stepped ? 0 : 1;
-    rec.peak_bytes = meter.peak();
-    if (!skip && rec.peak_bytes > report.step_memory.peak) {
-      report.step_memory = breakdown(rec.peak_bytes, model_grad_bytes);
-    }
     if (master_ && !skip) master_->master_to_model();
     release_gradients(params, options_.set_to_none());
     if (master_) release_gradients(master_->master_parameters(), options_.set_to_none());
+    mark("released");
+    rec.peak_bytes = meter.peak();
+    for (const auto& m : timeline) rec.peak_bytes = std::max(rec.peak_bytes, m.peak_bytes);
+    if (!skip && rec.peak_bytes > report.step_memory.peak) {
+      report.step_memory = breakdown(rec.peak_bytes, model_grad_bytes);
+      report.step_timeline = timeline;
+      for (auto& m : report.step_timeline) m.parameters = report.step_memory.parameters;
+    }
     rec.current_bytes = memory_allocated(device);
     rec.seconds = seconds_since(step_start);
     // The step is done: the position moves on.
@@ -513,6 +544,19 @@ std::string TrainReport::to_json() const {
                           {"peak_bytes", s.peak_bytes},
                           {"current_bytes", s.current_bytes},
                           {"skipped", s.skipped}});
+  }
+  j["step_timeline"] = nlohmann::json::array();
+  for (const auto& m : step_timeline) {
+    const int64_t persistent = m.parameters;
+    j["step_timeline"].push_back(
+        {{"phase", m.phase},
+         {"peak_bytes", m.peak_bytes},
+         {"current_bytes", m.current_bytes},
+         {"parameters", persistent},
+         {"gradients", m.gradients},
+         {"optimizer_state", m.optimizer_state},
+         {"activations",
+          std::max<int64_t>(0, m.peak_bytes - persistent - m.gradients - m.optimizer_state)}});
   }
   nlohmann::json summary = {{"steps", steps.size()},
                             {"final_loss", final_loss},

@@ -159,6 +159,8 @@ expect find-batch 0 'plainly: batch [0-9]+ .*measured.*verification run' out -- 
 expect find-batch-json 0 '"with_techniques"' out -- \
   find-batch --model resnet --width 4 --depth 1 --budget 4MiB --no-verify --json
 expect find-batch-needs-budget 2 'budget' err -- find-batch --model mlp
+expect report-needs-run 2 'run' err -- report -o "$tmp/x.html"
+expect report-missing-run 2 'does not exist|not exist' err -- report "$tmp/none.json" -o "$tmp/x.html"
 expect train-plans 0 'the plan predicted' out -- \
   train --model resnet --width 4 --depth 1 --batch 128 --steps 2 --budget 4MiB --no-eval -q --report "$tmp/planned.json"
 check train-report-holds-plan grep -q '"predicted_peak_bytes"' "$tmp/planned.json"

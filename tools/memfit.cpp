@@ -12,6 +12,7 @@
 #include "memfit/state.h"
 #include "memfit/trainer.h"
 #include "progress.h"
+#include "report.h"
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -22,6 +23,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <sstream>
 #include <regex>
 #include <thread>
 #include <unistd.h>
@@ -498,7 +500,12 @@ int run_train(const TrainArgs& a) {
       .lr(a.lr)
       .optimizer(memfit::parse_optimizer_kind(a.optimizer))
       .seed(a.seed)
-      .eval_batch_size(a.eval_batch)
+      // Under a plan, evaluation forwards no more examples at once than a
+      // training micro-batch, which the plan fitted with grad.
+      .eval_batch_size(plan ? std::min<int64_t>(a.eval_batch, plan->settings.micro_batch() > 0
+                                                                  ? plan->settings.micro_batch()
+                                                                  : a.batch)
+                            : a.eval_batch)
       .device(device)
       .precision(precision)
       .master_weights(memfit::parse_master_weights_mode(a.master_weights))
@@ -611,6 +618,13 @@ int main(int argc, char** argv) {
   add_train_command(app, train_args);
   PlanArgs plan_args;
   add_plan_commands(app, plan_args);
+  std::string report_in, report_out;
+  auto* report = app.add_subcommand(
+      "report", "Write one self-contained HTML page from a `memfit train --report` JSON: the "
+                "memory timeline of the largest step by category, each step's peak against the "
+                "plan and the budget, the loss curve and the plan");
+  report->add_option("run", report_in, "The run's JSON report")->required()->check(CLI::ExistingFile);
+  report->add_option("-o,--output", report_out, "The HTML file to write")->required();
 
   try {
     app.parse(argc, argv);
@@ -649,6 +663,15 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("plan")) return run_plan_or_profile(plan_args, true);
     if (app.got_subcommand("profile")) return run_plan_or_profile(plan_args, false);
     if (app.got_subcommand("find-batch")) return run_plan_or_profile(plan_args, false, true);
+    if (app.got_subcommand("report")) {
+      std::ifstream is(report_in);
+      std::stringstream text;
+      text << is.rdbuf();
+      const std::string title = "memfit run " + std::filesystem::path(report_in).filename().string();
+      memfit::write_file_atomically(report_out, memfit::tools::report_html(text.str(), title));
+      fmt::print("report written to {}\n", report_out);
+      return 0;
+    }
   } catch (const c10::Error& e) {
     fmt::print(stderr, "memfit: error: {}\n", e.msg());
     return kExitFailure;

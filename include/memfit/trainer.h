@@ -115,6 +115,17 @@ struct StepRecord {
   bool skipped = false;    ///< The GradScaler skipped the step (inf or NaN gradients).
 };
 
+/// Memory at the end of one phase of a step (a micro-batch's forward or
+/// backward, the optimizer step, the release of gradients), by category.
+struct PhaseMemory {
+  std::string phase;            ///< "forward 1", "backward 1", ..., "optimizer step", "released".
+  int64_t peak_bytes = 0;       ///< Peak memory_allocated(device) during the phase.
+  int64_t current_bytes = 0;    ///< memory_allocated(device) at its end.
+  int64_t parameters = 0;       ///< Parameter and buffer bytes (fp32 masters on the device included).
+  int64_t gradients = 0;        ///< Gradient bytes at its end.
+  int64_t optimizer_state = 0;  ///< Optimizer state bytes on the device at its end.
+};
+
 /// Accuracy and loss on a data set.
 struct EvalResult {
   double loss = 0;      ///< Mean cross-entropy.
@@ -130,6 +141,7 @@ struct TrainReport {
   double samples_per_second = 0;   ///< Training examples per second.
   int64_t peak_bytes = 0;          ///< Peak memory_allocated(device) during fit.
   StepMemory step_memory;          ///< Breakdown of the step with the highest peak.
+  std::vector<PhaseMemory> step_timeline;  ///< That step's memory, phase by phase.
   std::string precision = "fp32";  ///< Compute precision of the run.
   int64_t skipped_steps = 0;       ///< Steps the GradScaler skipped.
   double final_scale = 0;          ///< The GradScaler's scale at the end (0 without one).
