@@ -296,6 +296,32 @@ TEST_F(TrainerTest, MicroBatchingHoldsOneMicroBatchOfActivationsAtATime) {
   EXPECT_LT(micro.peak, full.peak - (1024 - 128) * 784 * 4) << "at least the images not in flight";
 }
 
+TEST_F(TrainerTest, TheLargestStepIsRecordedPhaseByPhase) {
+  Trainer t(make_mlp(ModelOptions().width(64).depth(1)),
+            TrainerOptions().batch_size(100).steps(2).micro_batch_size(40));
+  const auto report = t.fit(small_real_data());
+  std::vector<std::string> phases;
+  int64_t peak = 0;
+  for (const auto& m : report.step_timeline) {
+    phases.push_back(m.phase);
+    peak = std::max(peak, m.peak_bytes);
+    EXPECT_EQ(m.parameters, report.step_memory.parameters);
+  }
+  EXPECT_EQ(phases, (std::vector<std::string>{"forward 1", "backward 1", "forward 2", "backward 2",
+                                              "forward 3", "backward 3", "optimizer step",
+                                              "released"}))
+      << "40 + 40 + 20 examples";
+  EXPECT_EQ(peak, report.step_memory.peak) << "the phases cover the step";
+  const auto& released = report.step_timeline.back();
+  EXPECT_EQ(released.gradients, 0) << "set to none";
+  EXPECT_EQ(released.optimizer_state, 2 * (784 * 64 + 64 + 64 * 10 + 10) * 4);
+  EXPECT_EQ(report.step_timeline[1].gradients, (784 * 64 + 64 + 64 * 10 + 10) * 4)
+      << "gradients exist after the first backward";
+  const auto j = nlohmann::json::parse(report.to_json());
+  ASSERT_EQ(j["step_timeline"].size(), 8u);
+  EXPECT_TRUE(j["step_timeline"][0].contains("activations"));
+}
+
 TEST_F(TrainerTest, MicroBatchingABatchNormModelWarnsOnce) {
   compat::WarningCapture warnings;
   Trainer t(make_resnet(ModelOptions().width(4).depth(1)),
