@@ -563,6 +563,56 @@ BatchSearch find_batch(const StepModel& model,
   return out;
 }
 
+ModelProfile profile(const torch::nn::Sequential& model, const torch::Tensor& sample_batch,
+                     OptimizerKind optimizer) {
+  TORCH_CHECK(!model.is_empty() && model->size() > 0, "profile needs a non-empty Sequential");
+  TORCH_CHECK(sample_batch.defined() && sample_batch.dim() >= 1 && sample_batch.size(0) > 0,
+              "profile needs a sample batch with at least one example");
+  ModelProfile out;
+  out.chain = profile_chain(model, sample_batch);
+  // The steps train the model itself; its parameters, buffers and the RNG are
+  // put back afterwards (modules need not be Cloneable).
+  std::vector<torch::Tensor> tensors = model->parameters();
+  const auto buffers = model->buffers();
+  tensors.insert(tensors.end(), buffers.begin(), buffers.end());
+  std::vector<torch::Tensor> saved;
+  compat::RngState rng;
+  {
+    UntrackedGuard host;
+    for (const auto& t : tensors) saved.push_back(t.detach().clone());
+    rng = compat::get_rng_state({});
+  }
+  ImageDataset batch;
+  {
+    UntrackedGuard host;  // the sample is host data, as a data set is
+    batch.images = sample_batch.detach().to(torch::kCPU).clone();
+    batch.labels = torch::zeros({sample_batch.size(0)}, torch::kInt64);
+  }
+  auto restore = [&] {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      tensors[i].copy_(saved[i]);
+      tensors[i].mutable_grad() = torch::Tensor();
+    }
+    compat::set_rng_state(rng);
+  };
+  try {
+    Trainer trainer(model, TrainerOptions()
+                               .batch_size(sample_batch.size(0))
+                               .steps(2)
+                               .optimizer(optimizer)
+                               .device(sample_batch.device()));
+    const auto report = trainer.fit(batch);
+    out.step = report.step_memory;
+    out.step_seconds = report.steps.back().seconds;
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+  return out;
+}
+
 std::string Plan::to_json() const {
   nlohmann::json j = {{"fits", fits},
                       {"budget_bytes", budget},

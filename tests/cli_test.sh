@@ -152,7 +152,7 @@ expect plan-fits 0 '"fits": true' out -- plan --model resnet --width 4 --depth 1
 expect plan-explains 0 'predicted peak .* per batch' out -- plan --model resnet --width 4 --depth 1 --batch 64 --budget 3MiB
 expect plan-nothing-fits 1 'most frugal needs about .* of which parameters, gradients and optimizer state take' err -- \
   plan --model mlp --batch 64 --budget 64KiB
-expect profile-table 0 'predicted plain training step' out -- profile --model mlp --width 32 --depth 1 --batch 16
+expect profile-table 0 'measured plain training step: peak' out -- profile --model mlp --width 32 --depth 1 --batch 16
 expect profile-json 0 '"predicted_step_peak_bytes"' out -- profile --model mlp --width 32 --depth 1 --batch 16 --json
 expect find-batch 0 'plainly: batch [0-9]+ .*measured.*verification run' out -- \
   find-batch --model resnet --width 4 --depth 1 --budget 4MiB --batch 512

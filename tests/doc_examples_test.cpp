@@ -228,6 +228,11 @@ TEST_F(DocExamples, StateHeader) {
 
 TEST_F(DocExamples, PlanHeader) {
   {
+    auto net = memfit::make_mlp(memfit::ModelOptions().width(32).depth(1));
+    auto p = memfit::profile(net, torch::zeros({16, 1, 28, 28}));
+    EXPECT_TRUE(p.chain.layers.size() == net->size() && p.step.peak > 0);
+  }
+  {
     auto net = memfit::make_mlp(memfit::ModelOptions().width(64).depth(2));
     memfit::StepModel model(net, torch::zeros({1, 1, 28, 28}));
     auto p = memfit::plan(model, 256, 4 << 20);

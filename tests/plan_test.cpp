@@ -186,6 +186,30 @@ TEST_F(Planner, FindBatchRecoversFromAnOutOfMemoryVerification) {
   EXPECT_EQ(memory_allocated(), before) << "nothing is left behind by the failed runs";
 }
 
+TEST_F(Planner, ProfileMeasuresLayersAndTheWholeStepAndLeavesTheModelAlone) {
+  auto net = make("resnet");
+  std::vector<torch::Tensor> before;
+  {
+    UntrackedGuard host;
+    for (const auto& t : net->parameters()) before.push_back(t.detach().clone());
+    for (const auto& t : net->buffers()) before.push_back(t.detach().clone());
+  }
+  const auto x = small_data().images.narrow(0, 0, 32).clone();
+  const auto p = profile(net, x);
+  ASSERT_EQ(p.chain.layers.size(), net->size());
+  const int64_t params = storage_bytes(net->parameters()) + storage_bytes(net->buffers());
+  EXPECT_EQ(p.step.parameters, params);
+  EXPECT_EQ(p.step.optimizer_state, 2 * storage_bytes(net->parameters())) << "Adam";
+  EXPECT_GT(p.step.activations, p.chain.plain_activation_bytes() / 2);
+  StepModel model(net, x.narrow(0, 0, 1));
+  const auto predicted = model.predict(32, StepSettings()).peak_bytes;
+  EXPECT_NEAR(double(predicted), double(p.step.peak), 0.10 * double(p.step.peak))
+      << "the cost model agrees with the measured step";
+  std::vector<torch::Tensor> after = net->parameters();
+  for (const auto& b : net->buffers()) after.push_back(b);
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(after[i].equal(before[i])) << i;
+}
+
 TEST_F(Planner, BadArgumentsAreRefused) {
   auto chain = make("mlp");
   EXPECT_THROW(StepModel(chain, torch::zeros({2, 1, 28, 28})), c10::Error) << "one example";

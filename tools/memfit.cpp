@@ -346,6 +346,12 @@ int run_plan_or_profile(const PlanArgs& a, bool is_plan, bool is_find = false) {
       profile.layers[i].backward_seconds = costs.backward[i];
     }
     const auto step = model.predict(a.batch, memfit::StepSettings().precision(precision));
+    // The whole step, measured: two real steps at --batch on a clone.
+    const auto measured = precision == memfit::Precision::kFP32
+                              ? std::optional<memfit::ModelProfile>(memfit::profile(
+                                    chain, example.expand({a.batch, -1, -1, -1}).contiguous(),
+                                    memfit::parse_optimizer_kind(a.optimizer)))
+                              : std::nullopt;
     if (a.json) {
       nlohmann::json j = {{"batch", a.batch},
                           {"precision", memfit::to_string(precision)},
@@ -353,6 +359,11 @@ int run_plan_or_profile(const PlanArgs& a, bool is_plan, bool is_find = false) {
                           {"predicted_step_peak_bytes", step.peak_bytes},
                           {"predicted_step_seconds", step.seconds},
                           {"predicted_memory", nlohmann::json::parse(step.memory.to_json())}};
+      if (measured) {
+        j["measured_step_peak_bytes"] = measured->step.peak;
+        j["measured_memory"] = nlohmann::json::parse(measured->step.to_json());
+        j["measured_step_seconds"] = measured->step_seconds;
+      }
       fmt::print("{}\n", j.dump(2));
       return 0;
     }
@@ -362,6 +373,11 @@ int run_plan_or_profile(const PlanArgs& a, bool is_plan, bool is_find = false) {
     fmt::print("predicted plain training step ({}): peak {} in the {} phase, {:.1f} ms\n{}",
                a.optimizer, memfit::format_bytes(step.peak_bytes), step.phase, 1e3 * step.seconds,
                step.memory.table());
+    if (measured) {
+      fmt::print("measured plain training step: peak {}, {:.1f} ms\n{}",
+                 memfit::format_bytes(measured->step.peak), 1e3 * measured->step_seconds,
+                 measured->step.table());
+    }
     return 0;
   }
   if (is_find) {

@@ -47,6 +47,27 @@
 
 namespace memfit {
 
+/// What profile() measured on a model.
+struct ModelProfile {
+  ChainProfile chain;        ///< Per layer at the sample batch: bytes kept, times.
+  StepMemory step;           ///< A real training step's peak, by category.
+  double step_seconds = 0;   ///< That step's time.
+};
+
+/// Profiles a classifier chain on `sample_batch`: each layer (profile_chain),
+/// and the whole training step, measured by two real steps (cross-entropy
+/// against class 0, `optimizer` with its defaults); the model's parameters,
+/// buffers and the CPU RNG are put back afterwards, so `model` is left as it was.
+///
+/// Example:
+/// \code
+///   auto net = memfit::make_mlp(memfit::ModelOptions().width(32).depth(1));
+///   auto p = memfit::profile(net, torch::zeros({16, 1, 28, 28}));
+///   assert(p.chain.layers.size() == net->size() && p.step.peak > 0);
+/// \endcode
+ModelProfile profile(const torch::nn::Sequential& model, const torch::Tensor& sample_batch,
+                     OptimizerKind optimizer = OptimizerKind::kAdam);
+
 /// What the planner may choose and what the step it plans for looks like.
 struct PlanOptions {
   /// The optimizer the step uses (its state and temporaries).
