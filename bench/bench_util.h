@@ -3,6 +3,9 @@
 // rotating which goes first, so machine noise hits all alike; ratios are the
 // median over iterations of each iteration's time ratio.
 
+#include "memfit/data.h"
+#include "memfit/memory.h"
+
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -13,6 +16,21 @@
 
 namespace memfit {
 namespace bench {
+
+/// Fashion-MNIST's training split (read once; host memory).
+inline const ImageDataset& fashion_train() {
+  static const auto d = load_fashion_mnist(Split::kTrain);
+  return d;
+}
+
+/// The first `n` training examples, copied (host memory).
+inline ImageDataset fashion_train_head(int64_t n) {
+  UntrackedGuard host;
+  ImageDataset d;
+  d.images = fashion_train().images.narrow(0, 0, n).clone();
+  d.labels = fashion_train().labels.narrow(0, 0, n).clone();
+  return d;
+}
 
 struct Variant {
   std::string name;            ///< Counter prefix: NAME_ms.

@@ -30,6 +30,8 @@
 #include "memfit/schedule.h"
 #include "memfit/trainer.h"
 
+#include "bench_util.h"
+
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -45,14 +47,7 @@
 namespace {
 
 const memfit::ImageDataset& data() {
-  static const auto d = [] {
-    auto full = memfit::load_fashion_mnist(memfit::Split::kTrain);
-    memfit::UntrackedGuard host;
-    memfit::ImageDataset h;
-    h.images = full.images.narrow(0, 0, 2048).clone();
-    h.labels = full.labels.narrow(0, 0, 2048).clone();
-    return h;
-  }();
+  static const auto d = memfit::bench::fashion_train_head(2048);
   return d;
 }
 

@@ -61,21 +61,9 @@ std::vector<Config> configs(const torch::Device& device) {
   return c;
 }
 
-const memfit::ImageDataset& train_data() {
-  static const auto d = memfit::load_fashion_mnist(memfit::Split::kTrain);
-  return d;
-}
+const memfit::ImageDataset& train_data() { return memfit::bench::fashion_train(); }
 const memfit::ImageDataset& test_data() {
   static const auto d = memfit::load_fashion_mnist(memfit::Split::kTest);
-  return d;
-}
-
-// The first `n` training examples (host memory).
-memfit::ImageDataset head(int64_t n) {
-  memfit::UntrackedGuard host;
-  memfit::ImageDataset d;
-  d.images = train_data().images.narrow(0, 0, n).clone();
-  d.labels = train_data().labels.narrow(0, 0, n).clone();
   return d;
 }
 
@@ -97,7 +85,7 @@ memfit::TrainerOptions options(const Config& c, const torch::Device& device, int
 // Memory of one training step per variant, and step times side by side.
 void BM_Step(benchmark::State& state, std::string model, torch::Device device) {
   const auto cs = configs(device);
-  const auto batch = head(64 * 4);
+  const auto batch = memfit::bench::fashion_train_head(64 * 4);
   std::vector<std::unique_ptr<memfit::Trainer>> trainers;
   std::vector<memfit::bench::Variant> variants;
   for (const auto& c : cs) {

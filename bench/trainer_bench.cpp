@@ -35,19 +35,6 @@
 
 namespace {
 
-const memfit::ImageDataset& train_data() {
-  static const auto d = memfit::load_fashion_mnist(memfit::Split::kTrain);
-  return d;
-}
-
-memfit::ImageDataset head(int64_t n) {
-  memfit::UntrackedGuard host;
-  memfit::ImageDataset d;
-  d.images = train_data().images.narrow(0, 0, n).clone();
-  d.labels = train_data().labels.narrow(0, 0, n).clone();
-  return d;
-}
-
 torch::nn::Sequential make(const std::string& model, bool inplace = true) {
   torch::manual_seed(0);
   return memfit::make_model(memfit::parse_model_kind(model),
@@ -62,7 +49,7 @@ double mib(int64_t bytes) { return double(bytes) / (1 << 20); }
 
 void BM_MicroBatch(benchmark::State& state, std::string model) {
   const int64_t batch = 256;
-  const auto data = head(batch * 2);
+  const auto data = memfit::bench::fashion_train_head(batch * 2);
   std::vector<std::pair<std::string, memfit::TrainerOptions>> configs;
   for (int64_t micro : {batch, int64_t(128), int64_t(64), int64_t(32), int64_t(16)}) {
     configs.emplace_back(micro == batch ? "whole" : "micro" + std::to_string(micro),
@@ -86,7 +73,7 @@ void BM_MicroBatch(benchmark::State& state, std::string model) {
 }
 
 void BM_Techniques(benchmark::State& state, std::string model) {
-  const auto data = head(64 * 4);
+  const auto data = memfit::bench::fashion_train_head(64 * 4);
   const std::vector<std::string> freeze =
       model == "mlp" ? std::vector<std::string>{"fc0.*"} : std::vector<std::string>{"stem_*", "stage0_*"};
   struct Config {

@@ -19,23 +19,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const PlanOptions& o,
-                                                        std::vector<torch::Tensor> params) {
-  switch (o.optimizer()) {
-    case OptimizerKind::kSGD:
-      return std::make_unique<torch::optim::SGD>(
-          std::move(params),
-          torch::optim::SGDOptions(1e-3).momentum(o.momentum()).weight_decay(o.weight_decay()));
-    case OptimizerKind::kAdam:
-      return std::make_unique<torch::optim::Adam>(
-          std::move(params), torch::optim::AdamOptions(1e-3).weight_decay(o.weight_decay()));
-    case OptimizerKind::kAdamW:
-      return std::make_unique<torch::optim::AdamW>(
-          std::move(params), torch::optim::AdamWOptions(1e-3).weight_decay(o.weight_decay()));
-  }
-  TORCH_INTERNAL_ASSERT(false, "unhandled optimizer kind");
-}
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -60,7 +43,11 @@ double time_optimizer_step(const PlanOptions& o, const std::vector<torch::Tensor
     stepped = master->master_parameters();
     host.emplace();
   }
-  auto optimizer = make_optimizer(o, stepped);
+  auto optimizer = make_optimizer(TrainerOptions()
+                                      .optimizer(o.optimizer())
+                                      .momentum(o.momentum())
+                                      .weight_decay(o.weight_decay()),
+                                  stepped);
   host.reset();
   std::vector<double> times;
   for (int r = 0; r < 4; ++r) {  // the first creates the state

@@ -27,6 +27,20 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+
+void release_gradients(const std::vector<torch::Tensor>& params, bool set_to_none) {
+  for (const auto& p : params) {
+    if (!p.grad().defined()) continue;
+    if (set_to_none) {
+      const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
+    } else {
+      const_cast<torch::Tensor&>(p).mutable_grad().detach_().zero_();
+    }
+  }
+}
+
+} // namespace
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainerOptions& o,
                                                         std::vector<torch::Tensor> params) {
   switch (o.optimizer()) {
@@ -43,19 +57,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainerOptions& o,
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled optimizer kind");
 }
-
-void release_gradients(const std::vector<torch::Tensor>& params, bool set_to_none) {
-  for (const auto& p : params) {
-    if (!p.grad().defined()) continue;
-    if (set_to_none) {
-      const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
-    } else {
-      const_cast<torch::Tensor&>(p).mutable_grad().detach_().zero_();
-    }
-  }
-}
-
-} // namespace
 
 MasterWeightsMode parse_master_weights_mode(const std::string& name) {
   if (name == "none") return MasterWeightsMode::kNone;

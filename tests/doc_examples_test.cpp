@@ -253,6 +253,12 @@ TEST_F(DocExamples, DataAndTrainerHeaders) {
     GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed";
   }
   EXPECT_EQ(memfit::parse_optimizer_kind("adamw"), memfit::OptimizerKind::kAdamW);
+  {
+    auto net = memfit::make_mlp(memfit::ModelOptions().width(8).depth(1));
+    auto sgd = memfit::make_optimizer(
+        memfit::TrainerOptions().optimizer(memfit::OptimizerKind::kSGD).lr(0.1), net->parameters());
+    EXPECT_NE(dynamic_cast<torch::optim::SGD*>(sgd.get()), nullptr);
+  }
   auto test = memfit::load_fashion_mnist(memfit::Split::kTest);
   EXPECT_EQ(test.size(), 10000);
   auto data = memfit::load_fashion_mnist(memfit::Split::kTest);

@@ -10,27 +10,9 @@
 namespace memfit {
 namespace {
 
-const ImageDataset& small_data() {
-  static const ImageDataset ds = [] {
-    auto full = load_fashion_mnist(Split::kTest);
-    UntrackedGuard host;
-    ImageDataset d;
-    d.images = full.images.narrow(0, 0, 512).clone();
-    d.labels = full.labels.narrow(0, 0, 512).clone();
-    return d;
-  }();
-  return ds;
-}
+const ImageDataset& small_data() { return testing::fashion_test_head(512); }
 
-class Planner : public testing::Seeded {
- protected:
-  void SetUp() override {
-    Seeded::SetUp();
-    if (!std::filesystem::exists(FashionMnistOptions().root())) {
-      GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed";
-    }
-  }
-};
+class Planner : public testing::WithFashionMnist {};
 
 torch::nn::Sequential make(const std::string& kind) {
   torch::manual_seed(0);

@@ -2,10 +2,14 @@
 // Shared test helpers: a fixture that seeds every RNG the tests use and
 // checks that no budget leaks between tests.
 
+#include "memfit/data.h"
 #include "memfit/memory.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <filesystem>
+#include <map>
 
 namespace memfit {
 namespace testing {
@@ -20,6 +24,32 @@ class Seeded : public ::testing::Test {
   }
   void TearDown() override { set_memory_budget(torch::kCPU, 0); }
 };
+
+/// Seeded, with Debian's Fashion-MNIST; skips the test where it is not installed.
+class WithFashionMnist : public Seeded {
+ protected:
+  void SetUp() override {
+    Seeded::SetUp();
+    if (!std::filesystem::exists(FashionMnistOptions().root())) {
+      GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed";
+    }
+  }
+};
+
+/// The first `n` examples of Fashion-MNIST's test split, read once (host memory).
+inline const ImageDataset& fashion_test_head(int64_t n) {
+  static std::map<int64_t, ImageDataset> heads;
+  auto it = heads.find(n);
+  if (it == heads.end()) {
+    const auto full = load_fashion_mnist(Split::kTest);
+    UntrackedGuard host;
+    ImageDataset d;
+    d.images = full.images.narrow(0, 0, n).clone();
+    d.labels = full.labels.narrow(0, 0, n).clone();
+    it = heads.emplace(n, std::move(d)).first;
+  }
+  return it->second;
+}
 
 /// Seeded, on CUDA device 0; skips the test where this build or machine has no CUDA.
 class OnCuda : public Seeded {

@@ -18,27 +18,9 @@ namespace memfit {
 namespace {
 
 // A small slice of the real test split keeps these tests quick.
-const ImageDataset& small_real_data() {
-  static const ImageDataset ds = [] {
-    auto full = load_fashion_mnist(Split::kTest);
-    UntrackedGuard host;
-    ImageDataset d;
-    d.images = full.images.narrow(0, 0, 2048).clone();
-    d.labels = full.labels.narrow(0, 0, 2048).clone();
-    return d;
-  }();
-  return ds;
-}
+const ImageDataset& small_real_data() { return testing::fashion_test_head(2048); }
 
-class TrainerTest : public testing::Seeded {
- protected:
-  void SetUp() override {
-    Seeded::SetUp();
-    if (!std::filesystem::exists(FashionMnistOptions().root())) {
-      GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed";
-    }
-  }
-};
+class TrainerTest : public testing::WithFashionMnist {};
 
 double mean_loss(const TrainReport& r, size_t from, size_t to) {
   double s = 0;

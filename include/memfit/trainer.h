@@ -38,6 +38,20 @@ enum class OptimizerKind { kSGD, kAdam, kAdamW };
 /// \endcode
 OptimizerKind parse_optimizer_kind(const std::string& name);
 
+struct TrainerOptions;
+
+/// Builds the optimizer that `options` names (optimizer, lr, momentum,
+/// weight_decay) over `params`, as the Trainer does.
+///
+/// Example:
+/// \code
+///   auto net = memfit::make_mlp(memfit::ModelOptions().width(8).depth(1));
+///   auto sgd = memfit::make_optimizer(
+///       memfit::TrainerOptions().optimizer(memfit::OptimizerKind::kSGD).lr(0.1), net->parameters());
+/// \endcode
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainerOptions& options,
+                                                        std::vector<torch::Tensor> params);
+
 /// How a Trainer holds parameters when its precision is bf16 or fp16.
 enum class MasterWeightsMode {
   kNone,    ///< fp32 parameters; autocast alone lowers the compute precision.
