@@ -226,6 +226,19 @@ TEST_F(TrainerTest, PrecisionOptionsAreChecked) {
   EXPECT_THROW(Trainer(model, TrainerOptions().max_grad_norm(-1)), c10::Error);
 }
 
+// A checkpoint folder in the test's temporary folder, removed when the test
+// ends, failed or not (unlink and rmdir: std::filesystem::remove_all crashed
+// against LibTorch 2.11's build).
+struct CheckpointDir {
+  explicit CheckpointDir(const std::string& name)
+      : path(::testing::TempDir() + "memfit_" + name + "_" + std::to_string(::getpid())) {}
+  ~CheckpointDir() {
+    ::unlink((path + "/checkpoint.pt").c_str());
+    ::rmdir(path.c_str());
+  }
+  std::string path;
+};
+
 // Largest relative difference ||a - b|| / ||b|| over the tensors.
 double max_relative_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   double worst = 0;
@@ -397,7 +410,8 @@ TEST_F(TrainerTest, FrozenParametersGetNoGradientsNorOptimizerState) {
 }
 
 TEST_F(TrainerTest, ResumeContinuesBitIdentically) {
-  const std::string dir = ::testing::TempDir() + "memfit_resume_" + std::to_string(::getpid());
+  const CheckpointDir checkpoint("resume");
+  const std::string& dir = checkpoint.path;
   auto options = [&](int64_t steps) {
     // 2048 examples in batches of 300: epoch 0 ends at step 7, so the resumed
     // half crosses an epoch and reshuffles.
@@ -426,12 +440,11 @@ TEST_F(TrainerTest, ResumeContinuesBitIdentically) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].equal(b[i])) << "parameter " << i;
   const auto ba = straight.model()->buffers(), bb = second.model()->buffers();
   for (size_t i = 0; i < ba.size(); ++i) EXPECT_TRUE(ba[i].equal(bb[i])) << "buffer " << i;
-  ::unlink((dir + "/checkpoint.pt").c_str());
-  ::rmdir(dir.c_str());
 }
 
 TEST_F(TrainerTest, ResumeOfAnFp16OrMasterWeightsRunRestoresScalerAndMasters) {
-  const std::string dir = ::testing::TempDir() + "memfit_resume_bf16_" + std::to_string(::getpid());
+  const CheckpointDir checkpoint("resume_bf16");
+  const std::string& dir = checkpoint.path;
   auto options = [&](int64_t steps) {
     return TrainerOptions().batch_size(64).steps(steps).precision(Precision::kBF16)
         .master_weights(MasterWeightsMode::kHost).seed(2);
@@ -451,12 +464,11 @@ TEST_F(TrainerTest, ResumeOfAnFp16OrMasterWeightsRunRestoresScalerAndMasters) {
   const auto& ma = straight.master_weights()->master_parameters();
   const auto& mb = second.master_weights()->master_parameters();
   for (size_t i = 0; i < ma.size(); ++i) EXPECT_TRUE(ma[i].equal(mb[i])) << "master " << i;
-  ::unlink((dir + "/checkpoint.pt").c_str());
-  ::rmdir(dir.c_str());
 }
 
 TEST_F(TrainerTest, ResumeLoadsThroughTheHostWithoutASecondDeviceCopy) {
-  const std::string dir = ::testing::TempDir() + "memfit_resume_host_" + std::to_string(::getpid());
+  const CheckpointDir checkpoint("resume_host");
+  const std::string& dir = checkpoint.path;
   {
     Trainer t(make_mlp(ModelOptions().width(256).depth(2)),
               TrainerOptions().batch_size(32).steps(2).save_dir(dir));
@@ -471,12 +483,11 @@ TEST_F(TrainerTest, ResumeLoadsThroughTheHostWithoutASecondDeviceCopy) {
   EXPECT_EQ(memory_allocated(), params + state);
   EXPECT_EQ(meter.peak(), params + state)
       << "the file is read into host memory; each tensor is copied in place or moved alone";
-  ::unlink((dir + "/checkpoint.pt").c_str());
-  ::rmdir(dir.c_str());
 }
 
 TEST_F(TrainerTest, ResumeIntoAnotherModelNamesTheFirstMismatchAndChangesNothing) {
-  const std::string dir = ::testing::TempDir() + "memfit_resume_bad_" + std::to_string(::getpid());
+  const CheckpointDir checkpoint("resume_bad");
+  const std::string& dir = checkpoint.path;
   {
     Trainer t(make_mlp(ModelOptions().width(16).depth(1)), TrainerOptions().batch_size(32).steps(1).save_dir(dir));
     t.fit(small_real_data());
@@ -496,8 +507,6 @@ TEST_F(TrainerTest, ResumeIntoAnotherModelNamesTheFirstMismatchAndChangesNothing
   for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(after[i].equal(before[i]));
   EXPECT_EQ(other.step(), 0);
   EXPECT_THROW(other.resume(dir + "/nothing-here"), c10::Error);
-  ::unlink((dir + "/checkpoint.pt").c_str());
-  ::rmdir(dir.c_str());
 }
 
 class CudaTrainer : public testing::OnCuda {
