@@ -79,16 +79,6 @@ int64_t line_bytes(int64_t small, int64_t large, int64_t b_small, int64_t b_larg
   return static_cast<int64_t>(std::llround(line(double(small), double(large), b_small, b_large, m)));
 }
 
-// The two phases of a step, before they are combined.
-struct Phases {
-  int64_t fixed_fb = 0;     // forward/backward without the activations
-  int64_t activations = 0;  // the schedule's simulated peak
-  int64_t step = 0;         // the optimizer step
-  int64_t gradients_fb = 0;
-  int64_t state_device = 0;
-  double seconds = 0;
-  int64_t accumulation = 1;
-};
 
 } // namespace
 
@@ -246,71 +236,58 @@ double StepModel::calibrate_recomputation(const torch::nn::Sequential& chain,
   return std::clamp(measured / simulated, 0.1, 2.0);
 }
 
-namespace {
-Phases phases(const StepModel& model, int64_t parameter_bytes, int64_t trainable, int64_t largest,
-              int64_t state, int64_t temporaries, int64_t example_bytes, double step_seconds,
-              double offloaded_seconds, double recompute_factor, int64_t batch,
-              const StepSettings& s) {
+StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
+  TORCH_CHECK(batch > 0, "batch must be positive, got ", batch);
+  TORCH_CHECK(s.micro_batch() >= 0, "micro_batch must be >= 0 (0: the whole batch), got ",
+              s.micro_batch());
   const int64_t m = s.micro_batch() > 0 ? std::min(s.micro_batch(), batch) : batch;
-  const auto costs = model.costs(s.precision(), m);
+  const auto costs = this->costs(s.precision(), m);
   const Schedule schedule = s.schedule().segments.empty() ? schedule_none(costs.size()) : s.schedule();
   const auto sim = simulate(schedule, costs);
   const bool offload = s.offload_optimizer() == Offload::kHost;
-  Phases p;
-  p.accumulation = (batch + m - 1) / m;
-  p.state_device = offload ? 0 : state;
-  p.activations = sim.peak_bytes;
-  if (p.accumulation > 1) {
+  const int64_t accumulation = (batch + m - 1) / m;
+  const int64_t state_device = offload ? 0 : state_bytes_;
+  int64_t gradients_fb = 0;
+  if (accumulation > 1) {
     // Every gradient exists from the first micro-batch on, and one more is
     // being added (AccumulateGrad holds the new gradient before adding it).
-    p.gradients_fb = trainable + largest;
+    gradients_fb = trainable_bytes_ + largest_trainable_;
   } else {
     // Gradients appear as backward reaches each layer, while the activations
     // of the layers before it are still held: at layer i (backward order),
     // at most min(activation peak, what layers 0..i keep plus layer i's
     // backward) plus the gradients of layers i..n-1.
-    const auto& layers = model.profile(s.precision()).layers;
-    int64_t kept_before = 0, worst_extra = 0;
+    const auto& layers = profile(s.precision()).layers;
+    int64_t kept_before = 0;
     std::vector<int64_t> grads_from(layers.size() + 1, 0);
     for (size_t i = layers.size(); i-- > 0;) grads_from[i] = grads_from[i + 1] + layers[i].parameter_bytes;
     for (size_t i = 0; i < layers.size(); ++i) {
       kept_before += costs.kept[i];
       const int64_t held = std::min<int64_t>(
           sim.peak_bytes, kept_before + costs.x[i + 1] + costs.backward_extra(static_cast<int64_t>(i)));
-      worst_extra = std::max(worst_extra, held + std::min(grads_from[i], trainable) - sim.peak_bytes);
+      gradients_fb = std::max(gradients_fb, held + std::min(grads_from[i], trainable_bytes_) - sim.peak_bytes);
     }
-    p.gradients_fb = worst_extra;
   }
-  p.fixed_fb = parameter_bytes + p.state_device + m * example_bytes + p.gradients_fb;
-  p.step = offload ? parameter_bytes + trainable : parameter_bytes + state + trainable + temporaries;
+  const int64_t fb =
+      parameter_bytes_ + state_device + m * example_bytes_ + gradients_fb + sim.peak_bytes;
+  const int64_t step = offload ? parameter_bytes_ + trainable_bytes_
+                               : parameter_bytes_ + state_bytes_ + trainable_bytes_ + step_temporary_bytes_;
   // Recomputation at the calibrated price (see StepModel::calibrate_recomputation).
   const double plain_time = simulate(schedule_none(costs.size()), costs).time;
-  const double chain_time = plain_time + recompute_factor * std::max(0.0, sim.time - plain_time);
-  p.seconds = double(p.accumulation) * chain_time + (offload ? offloaded_seconds : step_seconds);
-  return p;
-}
-} // namespace
+  const double chain_time = plain_time + recompute_factor_ * std::max(0.0, sim.time - plain_time);
 
-StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
-  TORCH_CHECK(batch > 0, "batch must be positive, got ", batch);
-  TORCH_CHECK(s.micro_batch() >= 0, "micro_batch must be >= 0 (0: the whole batch), got ",
-              s.micro_batch());
-  const auto p = phases(*this, parameter_bytes_, trainable_bytes_, largest_trainable_, state_bytes_,
-                        step_temporary_bytes_, example_bytes_, step_seconds_,
-                        offloaded_step_seconds_, recompute_factor_, batch, s);
   StepPrediction r;
-  const int64_t fb = p.fixed_fb + p.activations;
-  r.peak_bytes = std::max(fb, p.step);
-  r.phase = fb >= p.step ? "forward/backward" : "optimizer step";
+  r.peak_bytes = std::max(fb, step);
+  r.phase = fb >= step ? "forward/backward" : "optimizer step";
   r.forward_backward_bytes = fb;
-  r.activation_bytes = p.activations;
-  r.optimizer_step_bytes = p.step;
-  r.seconds = p.seconds;
-  r.accumulation_steps = p.accumulation;
+  r.activation_bytes = sim.peak_bytes;
+  r.optimizer_step_bytes = step;
+  r.seconds = double(accumulation) * chain_time + (offload ? offloaded_step_seconds_ : step_seconds_);
+  r.accumulation_steps = accumulation;
   r.memory.peak = r.peak_bytes;
   r.memory.parameters = parameter_bytes_;
-  r.memory.gradients = fb >= p.step ? p.gradients_fb : trainable_bytes_;
-  r.memory.optimizer_state = p.state_device;
+  r.memory.gradients = fb >= step ? gradients_fb : trainable_bytes_;
+  r.memory.optimizer_state = state_device;
   r.memory.activations =
       std::max<int64_t>(0, r.peak_bytes - r.memory.parameters - r.memory.gradients - r.memory.optimizer_state);
   return r;
