@@ -321,7 +321,10 @@ void set_threads(int threads) {
   at::set_num_threads(threads > 0 ? threads : static_cast<int>(hw > 0 ? hw : 1));
 }
 
-int run_plan_or_profile(const PlanArgs& a, bool is_plan, bool is_find = false) {
+// The three commands built on a StepModel.
+enum class ModelCommand { kPlan, kProfile, kFindBatch };
+
+int run_model_command(const PlanArgs& a, ModelCommand command) {
   const torch::Device device = parse_device(a.device);
   memfit::memory_allocated(device);
   set_threads(a.threads);
@@ -333,9 +336,9 @@ int run_plan_or_profile(const PlanArgs& a, bool is_plan, bool is_find = false) {
   memfit::PlanOptions options;
   options.optimizer(memfit::parse_optimizer_kind(a.optimizer))
       .precisions(plan_precisions(a.precision, device));
-  if (!is_plan && !is_find) options.offload(false);
+  if (command == ModelCommand::kProfile) options.offload(false);
   memfit::StepModel model(chain, example, options, device);
-  if (!is_plan && !is_find) {
+  if (command == ModelCommand::kProfile) {
     const auto precision = options.precisions().front();
     const auto costs = model.costs(precision, a.batch);
     auto profile = model.profile(precision);
@@ -380,7 +383,7 @@ int run_plan_or_profile(const PlanArgs& a, bool is_plan, bool is_find = false) {
     }
     return 0;
   }
-  if (is_find) {
+  if (command == ModelCommand::kFindBatch) {
     const int64_t budget = memfit::parse_memory_size(a.budget);
     memfit::FashionMnistOptions o;
     o.root(a.data);
@@ -676,9 +679,11 @@ int main(int argc, char** argv) {
 
   try {
     if (app.got_subcommand("train")) return run_train(train_args);
-    if (app.got_subcommand("plan")) return run_plan_or_profile(plan_args, true);
-    if (app.got_subcommand("profile")) return run_plan_or_profile(plan_args, false);
-    if (app.got_subcommand("find-batch")) return run_plan_or_profile(plan_args, false, true);
+    if (app.got_subcommand("plan")) return run_model_command(plan_args, ModelCommand::kPlan);
+    if (app.got_subcommand("profile")) return run_model_command(plan_args, ModelCommand::kProfile);
+    if (app.got_subcommand("find-batch")) {
+      return run_model_command(plan_args, ModelCommand::kFindBatch);
+    }
     if (app.got_subcommand("report")) {
       std::ifstream is(report_in);
       std::stringstream text;
