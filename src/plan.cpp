@@ -137,6 +137,7 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
       const auto x = batch_of(out == &p.large ? large : small);
       AutocastGuard autocast(device_, precision);  // one cast cache per profile
       *out = profile_chain(chain, x, ProfileOptions().repeats(2));
+      workspace_bytes_ = std::max(workspace_bytes_, out->workspace_bytes);
     }
     profiles_.emplace(precision, std::move(p));
   }
@@ -268,10 +269,12 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
       gradients_fb = std::max(gradients_fb, held + std::min(grads_from[i], trainable_bytes_) - sim.peak_bytes);
     }
   }
-  const int64_t fb =
-      parameter_bytes_ + state_device + m * example_bytes_ + gradients_fb + sim.peak_bytes;
-  const int64_t step = offload ? parameter_bytes_ + trainable_bytes_
-                               : parameter_bytes_ + state_bytes_ + trainable_bytes_ + step_temporary_bytes_;
+  // Workspaces (CUDA's cuBLAS ones) are held through every phase.
+  const int64_t fb = workspace_bytes_ + parameter_bytes_ + state_device + m * example_bytes_ +
+                     gradients_fb + sim.peak_bytes;
+  const int64_t step = workspace_bytes_ +
+                       (offload ? parameter_bytes_ + trainable_bytes_
+                                : parameter_bytes_ + state_bytes_ + trainable_bytes_ + step_temporary_bytes_);
   // Recomputation at the calibrated price (see StepModel::calibrate_recomputation).
   const double plain_time = simulate(schedule_none(costs.size()), costs).time;
   const double chain_time = plain_time + recompute_factor_ * std::max(0.0, sim.time - plain_time);
@@ -395,6 +398,10 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
                                  format_bytes(best.plain_peak_bytes),
                                  best.plain_peak_bytes <= limit ? "fits" : "exceeds",
                                  format_bytes(limit), 100 * o.margin(), format_bytes(budget)));
+  if (model.workspace_bytes() > 0) {
+    best.why.push_back(fmt::format("device workspaces (cuBLAS, held by every step): {}",
+                                   format_bytes(model.workspace_bytes())));
+  }
   best.why.push_back(s.precision() == Precision::kFP32
                          ? std::string("precision fp32: the math is unchanged")
                          : fmt::format("precision {}: autocast lowers activation bytes and time "

@@ -4,6 +4,7 @@
 #include "memfit/memory.h"
 
 #include <torch/autograd.h>
+#include <torch/cuda.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/nn/modules/container/any.h>
 
@@ -83,6 +84,46 @@ std::string ChainProfile::to_json() const {
   return j.dump(2);
 }
 
+namespace {
+
+// Runs the chain forward and backward once (gradients computed, not
+// accumulated; buffers restored; autocast's cast cache dropped) and returns
+// the device bytes the run left allocated: workspaces allocated on first use
+// (cuBLAS's are freed first, so they are counted even if they existed).
+int64_t warm_up(const torch::nn::Sequential& chain, std::vector<torch::nn::AnyModule>& modules,
+                const torch::Tensor& sample_input) {
+  const auto device = sample_input.device();
+  std::vector<std::vector<torch::Tensor>> buffers;
+  for (auto& m : modules) buffers.push_back(snapshot_buffers(m.ptr()));
+#if defined(MEMFIT_WITH_CUDA)
+  // Workspaces that exist already (an earlier run made them) are freed, so
+  // that this run allocates and measures them whatever ran before.
+  compat::cuda_clear_blas_workspaces();
+#endif
+  const int64_t before = memory_allocated(device);
+  {
+    const bool floating = sample_input.is_floating_point();
+    auto leaf = floating ? sample_input.detach().requires_grad_(true) : sample_input.detach();
+    torch::Tensor y = floating ? leaf.clone() : leaf;
+    for (auto& m : modules) y = m.forward(y);
+    std::vector<torch::Tensor> wrt;
+    if (floating) wrt.push_back(leaf);
+    for (const auto& p : chain->parameters()) {
+      if (p.requires_grad()) wrt.push_back(p);
+    }
+    if (y.requires_grad() && !wrt.empty()) {
+      torch::autograd::grad({y.to(torch::kFloat).sum()}, wrt, {}, /*retain_graph=*/false,
+                            /*create_graph=*/false, /*allow_unused=*/true);
+    }
+  }
+  compat::clear_autocast_cache();
+  for (size_t i = 0; i < modules.size(); ++i) restore_buffers(modules[i].ptr(), buffers[i]);
+  torch::cuda::synchronize();
+  return std::max<int64_t>(0, memory_allocated(device) - before);
+}
+
+} // namespace
+
 ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tensor& sample_input,
                            const ProfileOptions& options) {
   TORCH_CHECK(!chain.is_empty() && chain->size() > 0, "profile_chain needs a non-empty Sequential");
@@ -100,6 +141,7 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
     rng = compat::get_rng_state({});
   }
   ChainProfile profile;
+  if (device.is_cuda()) profile.workspace_bytes = warm_up(chain, modules, sample_input);
   torch::Tensor x = sample_input.detach();
   for (size_t i = 0; i < modules.size(); ++i) {
     auto& module = modules[i];

@@ -361,6 +361,7 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
                           {"layers", nlohmann::json::parse(profile.to_json())},
                           {"predicted_step_peak_bytes", step.peak_bytes},
                           {"predicted_step_seconds", step.seconds},
+                          {"workspace_bytes", model.workspace_bytes()},
                           {"predicted_memory", nlohmann::json::parse(step.memory.to_json())}};
       if (measured) {
         j["measured_step_peak_bytes"] = measured->step.peak;
@@ -373,6 +374,10 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
     fmt::print("profile of {} at batch {} ({}; measured at batches {} and {}, scaled linearly):\n{}",
                a.model, a.batch, memfit::to_string(precision), options.profile_batch() / 2,
                options.profile_batch(), profile.table());
+    if (model.workspace_bytes() > 0) {
+      fmt::print("device workspaces held by every step (cuBLAS, allocated on first use): {}\n",
+                 memfit::format_bytes(model.workspace_bytes()));
+    }
     fmt::print("predicted plain training step ({}): peak {} in the {} phase, {:.1f} ms\n{}",
                a.optimizer, memfit::format_bytes(step.peak_bytes), step.phase, 1e3 * step.seconds,
                step.memory.table());
@@ -587,7 +592,10 @@ int run_train(const TrainArgs& a) {
     report.test = trainer.evaluate(test_data);
     report.evaluated = true;
   }
-  const int64_t peak = memfit::max_memory_allocated(device);
+  // The run's peak: fit and evaluate each reset the peak counter (on CUDA
+  // the caching allocator has only one), so take the largest they saw.
+  int64_t peak = std::max(memfit::max_memory_allocated(device), report.peak_bytes);
+  if (report.evaluated) peak = std::max(peak, report.test.peak_bytes);
   fmt::print("final loss {:.4f} | {:.0f} samples/s | {:.1f} s\n", report.final_loss,
              report.samples_per_second, report.seconds);
   if (report.evaluated) {

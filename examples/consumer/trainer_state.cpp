@@ -68,7 +68,14 @@ int main() {
             << "; offloaded to the host: " << offload_report.step_memory.optimizer_state << "\n";
 
   const auto dir = (std::filesystem::temp_directory_path() / "memfit_trainer_state_example").string();
-  std::filesystem::remove_all(dir);
+  // One file and its folder. (Not std::filesystem::remove_all: against pip's
+  // LibTorch 2.x it binds to libtorch.so's own incompatible copy and crashes.)
+  auto remove_checkpoint = [&dir] {
+    std::error_code ignored;
+    std::filesystem::remove(dir + "/checkpoint.pt", ignored);
+    std::filesystem::remove(dir, ignored);
+  };
+  remove_checkpoint();
   torch::manual_seed(1);
   memfit::Trainer first(memfit::make_mlp(memfit::ModelOptions().width(64).depth(2)),
                         memfit::TrainerOptions(base).steps(10).save_dir(dir));
@@ -79,7 +86,7 @@ int main() {
   bool identical = true;
   const auto resumed = second.model()->parameters();
   for (size_t i = 0; i < full.size(); ++i) identical = identical && resumed[i].equal(full[i]);
-  std::filesystem::remove_all(dir);
+  remove_checkpoint();
   std::cout << (identical ? "resume bit-identical" : "resume DIFFERS") << " after 10 + 10 steps\n";
   const bool ok = identical && max_relative_difference(micro, full) < 1e-6 &&
                   offload_report.step_memory.optimizer_state == 0 &&

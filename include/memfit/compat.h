@@ -17,10 +17,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
-#include <c10/util/string_utils.h>
 #include <torch/optim/optimizer.h>
 
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -33,6 +33,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #endif
 
 /// True when the LibTorch being compiled against is at least major.minor.
@@ -86,6 +87,13 @@ inline void cuda_reset_peak(c10::DeviceIndex device) {
 }
 inline void cuda_empty_cache() {
   c10::cuda::CUDACachingAllocator::emptyCache();
+}
+/// Frees the cuBLAS workspaces (ATen keeps one per handle and stream, from
+/// the first cuBLAS call on); the next call allocates them again. Waits for
+/// the device first, so no kernel is still using them.
+inline void cuda_clear_blas_workspaces() {
+  c10::cuda::device_synchronize();
+  at::cuda::clearCublasWorkspaces();
 }
 inline int64_t cuda_total_memory(c10::DeviceIndex device) {
   return static_cast<int64_t>(
@@ -223,13 +231,20 @@ inline void set_rng_state(const RngState& s) {
 #endif
 }
 
+/// Drops autocast's cache of casted weights (as leaving the outermost
+/// autocast region does).
+inline void clear_autocast_cache() { at::autocast::clear_cache(); }
+
 /// The key of parameter `p` in torch::optim::Optimizer::state(): the
 /// TensorImpl's address as a string in LibTorch 1.x, the address itself in 2.x.
 template <typename Optimizer = torch::optim::Optimizer>
 auto optimizer_state_key(const at::Tensor& p) {
   using Key = typename std::decay_t<decltype(std::declval<Optimizer&>().state())>::key_type;
   if constexpr (std::is_same_v<Key, std::string>) {
-    return c10::guts::to_string(p.unsafeGetTensorImpl());
+    // What c10::guts::to_string (gone from LibTorch 2.x) wrote: operator<<.
+    std::ostringstream key;
+    key << p.unsafeGetTensorImpl();
+    return key.str();
   } else {
     return static_cast<Key>(p.unsafeGetTensorImpl());
   }

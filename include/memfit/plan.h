@@ -137,6 +137,10 @@ class StepModel {
   int64_t parameter_bytes() const { return parameter_bytes_; }
   /// Optimizer state bytes with the state resident.
   int64_t optimizer_state_bytes() const { return state_bytes_; }
+  /// Device workspaces held through every step (ChainProfile::workspace_bytes;
+  /// CUDA's cuBLAS workspaces, 0 on the CPU); part of every predicted peak,
+  /// counted with the activations and temporaries as a measured step counts them.
+  int64_t workspace_bytes() const { return workspace_bytes_; }
   /// Measured recomputation time over the simulator's (which prices a no-grad
   /// forward like one with grad); scales predicted recomputation.
   double recompute_factor() const { return recompute_factor_; }
@@ -157,6 +161,7 @@ class StepModel {
   int64_t largest_trainable_ = 0;
   int64_t state_bytes_ = 0;
   int64_t step_temporary_bytes_ = 0;
+  int64_t workspace_bytes_ = 0;
   double step_seconds_ = 0;
   double offloaded_step_seconds_ = 0;
   double recompute_factor_ = 1.0;

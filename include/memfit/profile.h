@@ -8,6 +8,10 @@
 /// the module's buffers (BatchNorm's running statistics) and the CPU RNG state
 /// afterwards, so a profile leaves the model as it found it.
 ///
+/// On CUDA the whole chain first runs forward and backward once, untimed, so
+/// that workspaces allocated on first use (ChainProfile::workspace_bytes) are
+/// not counted as some layer's activations.
+///
 /// Thread safety: one profile at a time per model. Sync points: one per layer
 /// and repeat (timing). Extra memory: one layer's activations at a time, plus
 /// the chain's inter-layer tensors (computed under no-grad).
@@ -42,6 +46,13 @@ struct LayerProfile {
 /// The costs of every layer of a chain, in order.
 struct ChainProfile {
   std::vector<LayerProfile> layers;  ///< One per layer.
+  /// Device bytes the chain's first forward and backward allocated and kept:
+  /// on CUDA the cuBLAS workspaces (one per thread, so one for forward and
+  /// one for autograd's device thread), allocated on first use and held from
+  /// then on. Measured by a warm-up run before the layers are measured
+  /// (cuBLAS's workspaces are freed first, so they count even if an earlier
+  /// run made them), so they are in no layer's bytes; 0 on the CPU.
+  int64_t workspace_bytes = 0;
 
   /// Bytes a plain run keeps for backward: the sum of kept_bytes.
   int64_t plain_activation_bytes() const;
