@@ -1,0 +1,218 @@
+#pragma once
+/// \file distributed.h
+/// Training on several processes with PyTorch's c10d (Gloo): where a process
+/// stands in the job (from torchrun's, Slurm's or Open MPI's variables), the
+/// process group, and data parallel training (DistributedDataParallel, the
+/// C++ API LibTorch lacks).
+///
+/// Data parallel: every rank holds the whole model, reads its own shard of
+/// each batch, and the gradients are averaged with all-reduce in buckets of
+/// about bucket_cap_mb, each launched while backward is still running, as soon
+/// as its gradients are ready (in the reverse order of the parameters, the
+/// order backward produces them), in the same order on every rank.
+///
+/// Thread safety: a ProcessGroup and a DistributedDataParallel belong to one
+/// training thread. NoSync is a scoped guard on one DistributedDataParallel
+/// object, not thread-local. Sync points: the process group's set-up (every
+/// rank meets through the TCPStore), the broadcasts of parameters and buffers,
+/// and finalize() (it waits for every bucket's all-reduce). Extra memory: one
+/// flat copy of each bucket's gradients from its launch to finalize().
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace memfit {
+
+/// Where this process stands in a job of several.
+struct WorldInfo {
+  int64_t rank = 0;        ///< This process's rank, 0..world_size-1.
+  int64_t world_size = 1;  ///< Processes in the job.
+  int64_t local_rank = 0;  ///< Rank among the processes on this machine.
+  std::string master_addr = "127.0.0.1";  ///< Where rank 0's TCPStore listens.
+  int64_t master_port = 29500;            ///< Its port.
+  std::string source = "none";  ///< Which variables said so: torchrun, slurm, openmpi or none.
+
+  /// Whether there is more than one process.
+  bool distributed() const { return world_size > 1; }
+};
+
+/// Reads this process's place in the job from the environment: torchrun's
+/// RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (what `memfit
+/// launch` sets); else Slurm's SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID;
+/// else Open MPI's OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE and
+/// OMPI_COMM_WORLD_LOCAL_RANK (with MASTER_ADDR and MASTER_PORT from the
+/// environment, or 127.0.0.1:29500); else a single process. A malformed or
+/// inconsistent value is a one-line error naming the variable.
+///
+/// Example:
+/// \code
+///   auto world = memfit::world_from_env();
+///   if (!world.distributed()) assert(world.rank == 0 && world.world_size == 1);
+/// \endcode
+WorldInfo world_from_env();
+
+/// How to set up the process group.
+struct ProcessGroupOptions {
+  /// How long a rank waits for the others (rendezvous and each collective)
+  /// before it stops with an error naming what it waited for.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(60);
+};
+
+namespace detail {
+struct ProcessGroupImpl;
+} // namespace detail
+
+/// A c10d process group over Gloo (CPU tensors; CUDA tensors are staged
+/// through the host), joined through rank 0's TCPStore. Move-only.
+class ProcessGroup {
+ public:
+  /// Joins the job `world` describes; blocks until every rank has joined or
+  /// the timeout passes (then a c10::Error naming the address and timeout).
+  ///
+  /// Example:
+  /// \code
+  ///   memfit::WorldInfo solo;  // one process: a group of one
+  ///   solo.master_port = 0;    // any free port
+  ///   memfit::ProcessGroup group(solo);
+  ///   auto t = torch::ones({3});
+  ///   group.all_reduce_(t);  // the sum over the ranks
+  ///   assert(t.equal(torch::ones({3})));
+  /// \endcode
+  explicit ProcessGroup(const WorldInfo& world, ProcessGroupOptions options = ProcessGroupOptions());
+  ~ProcessGroup();
+  ProcessGroup(ProcessGroup&&) noexcept;
+  ProcessGroup& operator=(ProcessGroup&&) noexcept;
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  /// This process's rank.
+  int64_t rank() const;
+  /// The number of ranks.
+  int64_t size() const;
+  /// The options, as checked.
+  const ProcessGroupOptions& options() const;
+
+  /// Sums `tensor` over the ranks, in place, and waits.
+  void all_reduce_(torch::Tensor& tensor);
+  /// The largest value of `tensor` over the ranks, in place, and waits.
+  void all_reduce_max_(torch::Tensor& tensor);
+  /// Overwrites `tensor` with rank `root`'s, and waits.
+  void broadcast_(torch::Tensor& tensor, int64_t root = 0);
+  /// Waits until every rank has called it.
+  void barrier();
+
+  /// Starts summing `tensor` (a contiguous CPU tensor) over the ranks in place
+  /// and returns at once; the returned handle's wait() finishes it.
+  class Pending;
+  Pending all_reduce_async_(torch::Tensor& tensor);
+
+ private:
+  std::unique_ptr<detail::ProcessGroupImpl> impl_;
+};
+
+/// An all-reduce in flight (ProcessGroup::all_reduce_async_). Move-only.
+class ProcessGroup::Pending {
+ public:
+  Pending();
+  ~Pending();
+  Pending(Pending&&) noexcept;
+  Pending& operator=(Pending&&) noexcept;
+  /// Waits for the all-reduce; throws a c10::Error if it failed or timed out.
+  void wait();
+
+ private:
+  friend class ProcessGroup;
+  struct Work;
+  std::unique_ptr<Work> work_;
+};
+
+/// Where the gradients of a data-parallel backward go (the seam between the
+/// autograd hooks and the communication).
+class GradientReducer {
+ public:
+  virtual ~GradientReducer() = default;
+  /// Parameter `index`'s gradient is final for this backward (called from
+  /// backward, in the order autograd produces gradients).
+  virtual void add(size_t index) = 0;
+  /// After backward: every reduction finished and written into the gradients.
+  virtual void finalize() = 0;
+};
+
+/// How DistributedDataParallel reduces gradients (names from PyTorch's DDP).
+struct DistributedDataParallelOptions {
+  /// Bucket size in MiB: gradients are all-reduced this many at a time.
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// Broadcast rank 0's buffers (BatchNorm's running statistics) before every
+  /// forward, as PyTorch's DDP does (call sync_buffers()).
+  TORCH_ARG(bool, broadcast_buffers) = true;
+};
+
+/// Data parallel training of `module` over `group` (PyTorch's
+/// DistributedDataParallel): broadcasts rank 0's parameters and buffers at
+/// construction, then averages the gradients of every backward run while
+/// syncing (see NoSync) over the ranks, bucket by bucket as backward
+/// produces them. Call finalize() after the backward of the last
+/// micro-batch, before the optimizer step. Parameters that got no gradient by
+/// finalize() count as zero. Move-only; the hooks are removed on destruction.
+///
+/// Example:
+/// \code
+///   memfit::WorldInfo solo;
+///   solo.master_port = 0;
+///   auto group = std::make_shared<memfit::ProcessGroup>(solo);
+///   torch::nn::Linear net(4, 2);
+///   memfit::DistributedDataParallel ddp(net.ptr(), group);
+///   net->forward(torch::ones({3, 4})).sum().backward();
+///   ddp.finalize();  // gradients now averaged over the ranks
+///   assert(net->weight.grad().defined());
+/// \endcode
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
+                          DistributedDataParallelOptions options = DistributedDataParallelOptions());
+  ~DistributedDataParallel();
+  DistributedDataParallel(DistributedDataParallel&&) noexcept;
+  DistributedDataParallel& operator=(DistributedDataParallel&&) noexcept;
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  /// Waits for every bucket, averages, and writes the gradients back.
+  void finalize();
+  /// Broadcasts rank 0's buffers (a no-op without buffers or with
+  /// broadcast_buffers false).
+  void sync_buffers();
+  /// The buckets: indices into the trainable parameters (those of
+  /// module->parameters() that require grad, in that order), last first.
+  std::vector<std::vector<size_t>> buckets() const;
+  /// Bytes of gradients all-reduced so far by this object.
+  int64_t bytes_reduced() const;
+  /// Buckets launched from inside backward (before finalize()) so far.
+  int64_t buckets_launched_in_backward() const;
+
+  /// While alive, backward accumulates gradients locally and communicates
+  /// nothing (PyTorch's no_sync()): for every micro-batch but the last.
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallel& ddp);
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    DistributedDataParallel& ddp_;
+    bool previous_;
+  };
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+} // namespace memfit

@@ -1,0 +1,492 @@
+#include "memfit/distributed.h"
+
+#include "memfit/memory.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#if defined(MEMFIT_WITH_DISTRIBUTED)
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#endif
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <limits>
+
+namespace memfit {
+
+// ---------------------------------------------------------------------------
+// The environment
+
+namespace {
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : nullptr;
+}
+
+int64_t env_int(const char* name, int64_t fallback, int64_t low, int64_t high) {
+  const char* v = env(name);
+  if (v == nullptr) return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long long x = std::strtoll(v, &end, 10);
+  TORCH_CHECK(errno == 0 && end != v && *end == '\0' && x >= low && x <= high, "environment variable ",
+              name, "='", v, "' is not an integer in [", low, ", ", high, "]");
+  return x;
+}
+
+} // namespace
+
+WorldInfo world_from_env() {
+  WorldInfo w;
+  const int64_t big = std::numeric_limits<int32_t>::max();
+  const char* rank_var = nullptr;
+  const char* size_var = nullptr;
+  const char* local_var = nullptr;
+  if (env("RANK") != nullptr || env("WORLD_SIZE") != nullptr) {
+    rank_var = "RANK", size_var = "WORLD_SIZE", local_var = "LOCAL_RANK";
+    w.source = "torchrun";
+  } else if (env("SLURM_PROCID") != nullptr) {
+    rank_var = "SLURM_PROCID", size_var = "SLURM_NTASKS", local_var = "SLURM_LOCALID";
+    w.source = "slurm";
+  } else if (env("OMPI_COMM_WORLD_RANK") != nullptr) {
+    rank_var = "OMPI_COMM_WORLD_RANK", size_var = "OMPI_COMM_WORLD_SIZE",
+    local_var = "OMPI_COMM_WORLD_LOCAL_RANK";
+    w.source = "openmpi";
+  } else {
+    return w;
+  }
+  TORCH_CHECK(env(rank_var) != nullptr && env(size_var) != nullptr, w.source, "'s ", size_var,
+              " and ", rank_var, " must be set together (found only ",
+              env(rank_var) != nullptr ? rank_var : size_var, ")");
+  w.world_size = env_int(size_var, 1, 1, big);
+  w.rank = env_int(rank_var, 0, 0, w.world_size - 1);
+  w.local_rank = env_int(local_var, w.rank, 0, w.world_size - 1);
+  if (const char* a = env("MASTER_ADDR")) w.master_addr = a;
+  w.master_port = env_int("MASTER_PORT", w.master_port, 0, 65535);
+  return w;
+}
+
+// ---------------------------------------------------------------------------
+// The process group
+
+#if defined(MEMFIT_WITH_DISTRIBUTED)
+
+namespace detail {
+struct ProcessGroupImpl {
+  WorldInfo world;
+  ProcessGroupOptions options;
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+};
+} // namespace detail
+
+struct ProcessGroup::Pending::Work {
+  c10::intrusive_ptr<c10d::Work> work;
+};
+
+namespace {
+
+// Gloo reduces host tensors; a CUDA tensor is staged through a host copy.
+void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const char* what,
+              const detail::ProcessGroupImpl& g) {
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", g.world.rank, " of ", g.world.world_size, ": ", what,
+                " failed (another rank died, hung past the ", g.options.timeout().count(),
+                " ms timeout, or called a different collective): ", e.what());
+  }
+}
+
+} // namespace
+
+ProcessGroup::ProcessGroup(const WorldInfo& world, ProcessGroupOptions options)
+    : impl_(std::make_unique<detail::ProcessGroupImpl>()) {
+  TORCH_CHECK(world.world_size >= 1 && world.rank >= 0 && world.rank < world.world_size,
+              "ProcessGroup: rank ", world.rank, " is not in [0, ", world.world_size, ")");
+  TORCH_CHECK(options.timeout().count() > 0, "ProcessGroup: the timeout must be positive, got ",
+              options.timeout().count(), " ms");
+  TORCH_CHECK(world.master_port >= 0 && world.master_port <= 65535, "ProcessGroup: master_port ",
+              world.master_port, " is not a port (0..65535)");
+  TORCH_CHECK(world.world_size == 1 || world.master_port != 0,
+              "ProcessGroup: a job of ", world.world_size,
+              " processes needs a master_port (MASTER_PORT) other than 0");
+  impl_->world = world;
+  impl_->options = options;
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<std::uint16_t>(world.master_port);
+  store_options.isServer = world.rank == 0;
+  store_options.numWorkers = static_cast<std::size_t>(world.world_size);
+  store_options.waitWorkers = true;
+  store_options.timeout = options.timeout();
+  try {
+    impl_->store = c10::make_intrusive<c10d::TCPStore>(world.master_addr, store_options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", world.rank, " of ", world.world_size, ": could not meet the others at ",
+                world.master_addr, ":", world.master_port, " within ", options.timeout().count(),
+                " ms (is rank 0 running, and MASTER_ADDR/MASTER_PORT the same everywhere?): ", e.what());
+  }
+  impl_->world.master_port = impl_->store->getPort();
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
+  const bool local = world.master_addr == "127.0.0.1" || world.master_addr == "localhost";
+  gloo_options->devices.push_back(local ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                        : c10d::ProcessGroupGloo::createDefaultDevice());
+  gloo_options->threads = 2;
+  try {
+    impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        impl_->store, static_cast<int>(world.rank), static_cast<int>(world.world_size), gloo_options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", world.rank, " of ", world.world_size,
+                ": the Gloo process group could not connect all ranks within ",
+                options.timeout().count(), " ms: ", e.what());
+  }
+}
+
+ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::ProcessGroup(ProcessGroup&&) noexcept = default;
+ProcessGroup& ProcessGroup::operator=(ProcessGroup&&) noexcept = default;
+
+int64_t ProcessGroup::rank() const { return impl_->world.rank; }
+int64_t ProcessGroup::size() const { return impl_->world.world_size; }
+const ProcessGroupOptions& ProcessGroup::options() const { return impl_->options; }
+
+namespace {
+template <typename Launch>
+void on_host(torch::Tensor& tensor, Launch&& launch) {
+  if (tensor.device().is_cpu() && tensor.is_contiguous()) {
+    launch(tensor);
+    return;
+  }
+  torch::Tensor host;
+  {
+    UntrackedGuard untracked;  // a staging copy, not the model's memory
+    host = tensor.to(torch::kCPU).contiguous();
+  }
+  launch(host);
+  tensor.copy_(host);
+}
+} // namespace
+
+void ProcessGroup::all_reduce_(torch::Tensor& tensor) {
+  on_host(tensor, [&](torch::Tensor& t) {
+    std::vector<torch::Tensor> v{t};
+    wait_for(impl_->gloo->allreduce(v), "all-reduce", *impl_);
+  });
+}
+
+void ProcessGroup::all_reduce_max_(torch::Tensor& tensor) {
+  on_host(tensor, [&](torch::Tensor& t) {
+    std::vector<torch::Tensor> v{t};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    wait_for(impl_->gloo->allreduce(v, o), "all-reduce (max)", *impl_);
+  });
+}
+
+void ProcessGroup::broadcast_(torch::Tensor& tensor, int64_t root) {
+  TORCH_CHECK(root >= 0 && root < size(), "broadcast_: root ", root, " is not a rank in [0, ", size(), ")");
+  on_host(tensor, [&](torch::Tensor& t) {
+    std::vector<torch::Tensor> v{t};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    wait_for(impl_->gloo->broadcast(v, o), "broadcast", *impl_);
+  });
+}
+
+void ProcessGroup::barrier() {
+  wait_for(impl_->gloo->barrier(), "barrier", *impl_);
+}
+
+ProcessGroup::Pending ProcessGroup::all_reduce_async_(torch::Tensor& tensor) {
+  TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(),
+              "all_reduce_async_ needs a contiguous CPU tensor, got ", tensor.device(),
+              tensor.is_contiguous() ? "" : " (not contiguous)");
+  std::vector<torch::Tensor> v{tensor};
+  Pending p;
+  p.work_ = std::make_unique<Pending::Work>();
+  p.work_->work = impl_->gloo->allreduce(v);
+  return p;
+}
+
+ProcessGroup::Pending::Pending() = default;
+ProcessGroup::Pending::~Pending() = default;
+ProcessGroup::Pending::Pending(Pending&&) noexcept = default;
+ProcessGroup::Pending& ProcessGroup::Pending::operator=(Pending&&) noexcept = default;
+
+void ProcessGroup::Pending::wait() {
+  TORCH_CHECK(work_ != nullptr, "ProcessGroup::Pending::wait: nothing in flight");
+  try {
+    work_->work->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "all-reduce failed (another rank died, hung past the timeout, or called a "
+                       "different collective): ", e.what());
+  }
+  work_.reset();
+}
+
+#else  // no c10d Gloo in this LibTorch
+
+namespace detail {
+struct ProcessGroupImpl {};
+} // namespace detail
+struct ProcessGroup::Pending::Work {};
+
+ProcessGroup::ProcessGroup(const WorldInfo&, ProcessGroupOptions) {
+  TORCH_CHECK(false, "this memfit was built against a LibTorch without c10d's Gloo process group "
+                     "(torch/csrc/distributed/c10d/ProcessGroupGloo.hpp and gloo's headers): install "
+                     "libgloo-dev and rebuild");
+}
+ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::ProcessGroup(ProcessGroup&&) noexcept = default;
+ProcessGroup& ProcessGroup::operator=(ProcessGroup&&) noexcept = default;
+int64_t ProcessGroup::rank() const { return 0; }
+int64_t ProcessGroup::size() const { return 1; }
+const ProcessGroupOptions& ProcessGroup::options() const {
+  static const ProcessGroupOptions o;
+  return o;
+}
+void ProcessGroup::all_reduce_(torch::Tensor&) {}
+void ProcessGroup::all_reduce_max_(torch::Tensor&) {}
+void ProcessGroup::broadcast_(torch::Tensor&, int64_t) {}
+void ProcessGroup::barrier() {}
+ProcessGroup::Pending ProcessGroup::all_reduce_async_(torch::Tensor&) { return Pending(); }
+ProcessGroup::Pending::Pending() = default;
+ProcessGroup::Pending::~Pending() = default;
+ProcessGroup::Pending::Pending(Pending&&) noexcept = default;
+ProcessGroup::Pending& ProcessGroup::Pending::operator=(Pending&&) noexcept = default;
+void ProcessGroup::Pending::wait() {}
+
+#endif
+
+// ---------------------------------------------------------------------------
+// Data parallel
+
+namespace {
+
+// Buckets of gradients, all-reduced in order as they fill.
+class BucketedAllReduce : public GradientReducer {
+ public:
+  BucketedAllReduce(std::vector<torch::Tensor> params, std::shared_ptr<ProcessGroup> group,
+                    int64_t cap_bytes)
+      : params_(std::move(params)), group_(std::move(group)) {
+    // Reverse order: backward produces the last layer's gradients first.
+    std::vector<size_t> current;
+    int64_t bytes = 0;
+    for (size_t i = params_.size(); i-- > 0;) {
+      const int64_t b = params_[i].numel() * params_[i].element_size();
+      if (!current.empty() && bytes + b > cap_bytes) {
+        buckets_.push_back(std::move(current));
+        current.clear();
+        bytes = 0;
+      }
+      current.push_back(i);
+      bytes += b;
+    }
+    if (!current.empty()) buckets_.push_back(std::move(current));
+    bucket_of_.assign(params_.size(), 0);
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      for (size_t i : buckets_[b]) bucket_of_[i] = b;
+    }
+    reset();
+  }
+
+  void add(size_t index) override {
+    TORCH_INTERNAL_ASSERT(index < params_.size());
+    if (ready_[index]) return;  // a parameter used twice reports once
+    ready_[index] = true;
+    const size_t b = bucket_of_[index];
+    if (--missing_[b] == 0) launch_ready();
+    in_backward_launches_ = launched_;
+  }
+
+  void finalize() override {
+    // Parameters without a gradient (unused in this forward) count as zeros,
+    // so that every rank launches every bucket, in the same order.
+    for (size_t b = launched_; b < buckets_.size(); ++b) {
+      for (size_t i : buckets_[b]) {
+        if (!ready_[i]) {
+          ready_[i] = true;
+          --missing_[b];
+        }
+      }
+    }
+    launch_ready();
+    TORCH_INTERNAL_ASSERT(launched_ == buckets_.size());
+    total_in_backward_ += static_cast<int64_t>(in_backward_launches_);
+    const double world = static_cast<double>(group_->size());
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      pending_[b].wait();
+      auto& flat = flats_[b];
+      flat.div_(world);
+      int64_t offset = 0;
+      for (size_t i : buckets_[b]) {
+        auto& p = params_[i];
+        const int64_t n = p.numel();
+        auto slice = flat.narrow(0, offset, n).view(p.sizes());
+        torch::NoGradGuard no_grad;
+        if (p.grad().defined()) {
+          p.mutable_grad().copy_(slice);
+        } else {
+          p.mutable_grad() = slice.to(p.device()).clone();
+        }
+        offset += n;
+      }
+    }
+    reset();
+  }
+
+  const std::vector<std::vector<size_t>>& buckets() const { return buckets_; }
+  int64_t bytes_reduced() const { return bytes_reduced_; }
+  int64_t launched_in_backward() const { return total_in_backward_; }
+
+ private:
+  void launch_ready() {
+    while (launched_ < buckets_.size() && missing_[launched_] == 0) {
+      const auto& bucket = buckets_[launched_];
+      std::vector<torch::Tensor> pieces;
+      pieces.reserve(bucket.size());
+      for (size_t i : bucket) {
+        const auto& p = params_[i];
+        const auto& g = p.grad();
+        pieces.push_back(g.defined() ? g.detach().reshape({-1})
+                                     : torch::zeros({p.numel()}, p.options().requires_grad(false)));
+      }
+      torch::Tensor flat = torch::cat(pieces);
+      if (!flat.device().is_cpu()) {
+        UntrackedGuard host;  // the host staging copy is not device memory
+        flat = flat.to(torch::kCPU);
+      }
+      bytes_reduced_ += flat.numel() * flat.element_size();
+      pending_[launched_] = group_->all_reduce_async_(flat);
+      flats_[launched_] = std::move(flat);
+      ++launched_;
+    }
+  }
+
+  void reset() {
+    ready_.assign(params_.size(), false);
+    missing_.clear();
+    for (const auto& b : buckets_) missing_.push_back(b.size());
+    flats_.assign(buckets_.size(), torch::Tensor());
+    pending_.clear();
+    pending_.resize(buckets_.size());
+    launched_ = 0;
+    in_backward_launches_ = 0;
+  }
+
+  std::vector<torch::Tensor> params_;
+  std::shared_ptr<ProcessGroup> group_;
+  std::vector<std::vector<size_t>> buckets_;
+  std::vector<size_t> bucket_of_;
+  std::vector<bool> ready_;
+  std::vector<size_t> missing_;
+  std::vector<torch::Tensor> flats_;
+  std::vector<ProcessGroup::Pending> pending_;
+  size_t launched_ = 0;
+  size_t in_backward_launches_ = 0;
+  int64_t total_in_backward_ = 0;
+  int64_t bytes_reduced_ = 0;
+};
+
+// Calls reducer->add(index) after autograd accumulated the parameter's
+// gradient, when syncing.
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  ReadyHook(size_t index, GradientReducer* reducer, const bool* sync)
+      : index_(index), reducer_(reducer), sync_(sync) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (*sync_) reducer_->add(index_);
+    return outputs;
+  }
+  size_t index_;
+  GradientReducer* reducer_;
+  const bool* sync_;
+};
+
+} // namespace
+
+struct DistributedDataParallel::Impl {
+  std::shared_ptr<torch::nn::Module> module;
+  std::shared_ptr<ProcessGroup> group;
+  DistributedDataParallelOptions options;
+  std::unique_ptr<BucketedAllReduce> reducer;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<uintptr_t> hook_keys;
+  std::unique_ptr<bool> sync = std::make_unique<bool>(true);
+
+  ~Impl() {
+    for (size_t i = 0; i < accumulators.size(); ++i) accumulators[i]->del_post_hook(hook_keys[i]);
+  }
+};
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                 std::shared_ptr<ProcessGroup> group,
+                                                 DistributedDataParallelOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  TORCH_CHECK(module != nullptr, "DistributedDataParallel needs a module");
+  TORCH_CHECK(group != nullptr, "DistributedDataParallel needs a process group");
+  TORCH_CHECK(options.bucket_cap_mb() > 0, "bucket_cap_mb must be positive, got ",
+              options.bucket_cap_mb(), " (PyTorch's default is 25)");
+  impl_->module = std::move(module);
+  impl_->group = std::move(group);
+  impl_->options = options;
+  {
+    // Every rank starts from rank 0's parameters and buffers.
+    torch::NoGradGuard no_grad;
+    for (auto& p : impl_->module->parameters()) impl_->group->broadcast_(p, 0);
+    for (auto& b : impl_->module->buffers()) impl_->group->broadcast_(b, 0);
+  }
+  std::vector<torch::Tensor> trainable;
+  for (const auto& p : impl_->module->parameters()) {
+    if (p.requires_grad()) trainable.push_back(p);
+  }
+  TORCH_CHECK(!trainable.empty(), "DistributedDataParallel: the module has no parameter that requires grad");
+  const auto cap = static_cast<int64_t>(options.bucket_cap_mb() * 1024 * 1024);
+  impl_->reducer = std::make_unique<BucketedAllReduce>(trainable, impl_->group, cap);
+  for (size_t i = 0; i < trainable.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(trainable[i]);
+    TORCH_INTERNAL_ASSERT(acc != nullptr);
+    impl_->hook_keys.push_back(
+        acc->add_post_hook(std::make_unique<ReadyHook>(i, impl_->reducer.get(), impl_->sync.get())));
+    impl_->accumulators.push_back(std::move(acc));  // kept: autograd holds it weakly
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+DistributedDataParallel::DistributedDataParallel(DistributedDataParallel&&) noexcept = default;
+DistributedDataParallel& DistributedDataParallel::operator=(DistributedDataParallel&&) noexcept = default;
+
+void DistributedDataParallel::finalize() { impl_->reducer->finalize(); }
+
+void DistributedDataParallel::sync_buffers() {
+  if (!impl_->options.broadcast_buffers() || impl_->group->size() == 1) return;
+  torch::NoGradGuard no_grad;
+  for (auto& b : impl_->module->buffers()) impl_->group->broadcast_(b, 0);
+}
+
+std::vector<std::vector<size_t>> DistributedDataParallel::buckets() const {
+  return impl_->reducer->buckets();
+}
+
+int64_t DistributedDataParallel::bytes_reduced() const { return impl_->reducer->bytes_reduced(); }
+
+int64_t DistributedDataParallel::buckets_launched_in_backward() const {
+  return impl_->reducer->launched_in_backward();
+}
+
+DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp)
+    : ddp_(ddp), previous_(*ddp.impl_->sync) {
+  *ddp_.impl_->sync = false;
+}
+
+DistributedDataParallel::NoSync::~NoSync() { *ddp_.impl_->sync = previous_; }
+
+} // namespace memfit

@@ -1,0 +1,351 @@
+#include "memfit/distributed.h"
+
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <map>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace memfit {
+namespace {
+
+class Distributed : public testing::Seeded {};
+
+// `f` throws a c10::Error whose message holds `text`.
+void expect_error(const std::function<void()>& f, const std::string& text) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one saying: " << text;
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find(text), std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
+// Sets environment variables for the scope of a test and restores them.
+class EnvGuard {
+ public:
+  void set(const std::string& name, const char* value) {
+    if (saved_.count(name) == 0) {
+      const char* old = std::getenv(name.c_str());
+      saved_[name] = old ? std::optional<std::string>(old) : std::nullopt;
+    }
+    if (value != nullptr) {
+      ::setenv(name.c_str(), value, 1);
+    } else {
+      ::unsetenv(name.c_str());
+    }
+  }
+  ~EnvGuard() {
+    for (const auto& [name, value] : saved_) {
+      if (value) {
+        ::setenv(name.c_str(), value->c_str(), 1);
+      } else {
+        ::unsetenv(name.c_str());
+      }
+    }
+  }
+
+ private:
+  std::map<std::string, std::optional<std::string>> saved_;
+};
+
+const char* const kLauncherVariables[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                          "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+                                          "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                                          "OMPI_COMM_WORLD_LOCAL_RANK"};
+
+TEST_F(Distributed, WorldComesFromTorchrunSlurmOrOpenMpiVariables) {
+  EnvGuard env;
+  for (const char* v : kLauncherVariables) env.set(v, nullptr);
+  auto solo = world_from_env();
+  EXPECT_FALSE(solo.distributed());
+  EXPECT_EQ(solo.source, "none");
+
+  env.set("RANK", "2");
+  env.set("WORLD_SIZE", "4");
+  env.set("LOCAL_RANK", "0");
+  env.set("MASTER_ADDR", "10.0.0.7");
+  env.set("MASTER_PORT", "29555");
+  auto torchrun = world_from_env();
+  EXPECT_EQ(torchrun.source, "torchrun");
+  EXPECT_EQ(torchrun.rank, 2);
+  EXPECT_EQ(torchrun.world_size, 4);
+  EXPECT_EQ(torchrun.local_rank, 0);
+  EXPECT_EQ(torchrun.master_addr, "10.0.0.7");
+  EXPECT_EQ(torchrun.master_port, 29555);
+
+  env.set("RANK", nullptr);
+  env.set("WORLD_SIZE", nullptr);
+  env.set("LOCAL_RANK", nullptr);
+  env.set("SLURM_PROCID", "5");
+  env.set("SLURM_NTASKS", "8");
+  env.set("SLURM_LOCALID", "1");
+  auto slurm = world_from_env();
+  EXPECT_EQ(slurm.source, "slurm");
+  EXPECT_EQ(slurm.rank, 5);
+  EXPECT_EQ(slurm.world_size, 8);
+  EXPECT_EQ(slurm.local_rank, 1);
+
+  env.set("SLURM_PROCID", nullptr);
+  env.set("SLURM_NTASKS", nullptr);
+  env.set("SLURM_LOCALID", nullptr);
+  env.set("OMPI_COMM_WORLD_RANK", "1");
+  env.set("OMPI_COMM_WORLD_SIZE", "2");
+  env.set("OMPI_COMM_WORLD_LOCAL_RANK", "1");
+  auto mpi = world_from_env();
+  EXPECT_EQ(mpi.source, "openmpi");
+  EXPECT_EQ(mpi.rank, 1);
+  EXPECT_EQ(mpi.world_size, 2);
+
+  env.set("OMPI_COMM_WORLD_RANK", "2");  // not below the size
+  expect_error([] { world_from_env(); }, "OMPI_COMM_WORLD_RANK='2' is not an integer in [0, 1]");
+  env.set("OMPI_COMM_WORLD_RANK", nullptr);
+  env.set("OMPI_COMM_WORLD_SIZE", nullptr);
+  env.set("RANK", "0");
+  expect_error([] { world_from_env(); }, "WORLD_SIZE and RANK must be set together");
+  env.set("WORLD_SIZE", "two");
+  expect_error([] { world_from_env(); }, "WORLD_SIZE='two' is not an integer");
+}
+
+TEST_F(Distributed, AGroupOfOneReducesBroadcastsAndAveragesNothingAway) {
+  WorldInfo solo;
+  solo.master_port = 0;
+  auto group = std::make_shared<ProcessGroup>(solo);
+  EXPECT_EQ(group->rank(), 0);
+  EXPECT_EQ(group->size(), 1);
+  auto t = torch::arange(6, torch::kFloat);
+  group->all_reduce_(t);
+  EXPECT_TRUE(t.equal(torch::arange(6, torch::kFloat)));
+  group->broadcast_(t, 0);
+  group->barrier();
+  expect_error([&] { group->broadcast_(t, 1); }, "root 1 is not a rank in [0, 1)");
+
+  // One rank: DistributedDataParallel leaves the gradients bitwise as they were.
+  torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  torch::nn::Sequential twin(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < net->parameters().size(); ++i) twin->parameters()[i].copy_(net->parameters()[i]);
+  }
+  DistributedDataParallel ddp(net.ptr(), group, DistributedDataParallelOptions().bucket_cap_mb(0.0001));
+  EXPECT_EQ(ddp.buckets().size(), 4u) << "100 bytes per bucket: one parameter each";
+  EXPECT_EQ(ddp.buckets().front(), std::vector<size_t>{3}) << "the last parameter first";
+  const auto x = torch::randn({5, 8});
+  net->forward(x).pow(2).sum().backward();
+  twin->forward(x).pow(2).sum().backward();
+  EXPECT_EQ(ddp.buckets_launched_in_backward(), 0) << "counted at finalize";
+  ddp.finalize();
+  EXPECT_EQ(ddp.buckets_launched_in_backward(), 4) << "every bucket went out during backward";
+  for (size_t i = 0; i < net->parameters().size(); ++i) {
+    EXPECT_TRUE(net->parameters()[i].grad().equal(twin->parameters()[i].grad())) << i;
+  }
+  EXPECT_EQ(ddp.bytes_reduced(), (8 * 16 + 16 + 16 * 3 + 3) * 4);
+}
+
+// --- several processes ------------------------------------------------------
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    ::close(fd);
+    return 29500 + static_cast<int>(::getpid() % 1000);
+  }
+  const int port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+// Runs this test program's DistributedWorker.Run as `n` ranks (torchrun's
+// variables, one free port on 127.0.0.1) and returns their exit statuses.
+std::vector<int> run_ranks(int n, const std::string& mode, const std::string& out) {
+  const std::string port = std::to_string(free_port());
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+    for (const auto& kv : std::map<std::string, std::string>{{"RANK", std::to_string(r)},
+                                                             {"WORLD_SIZE", std::to_string(n)},
+                                                             {"LOCAL_RANK", std::to_string(r)},
+                                                             {"MASTER_ADDR", "127.0.0.1"},
+                                                             {"MASTER_PORT", port},
+                                                             {"MEMFIT_TEST_WORKER", mode},
+                                                             {"MEMFIT_TEST_OUT", out},
+                                                             {"OMP_NUM_THREADS", "1"}}) {
+      env_strings.push_back(kv.first + "=" + kv.second);
+    }
+    std::vector<char*> envp;
+    for (auto& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::string exe = "/proc/self/exe", filter = "--gtest_filter=DistributedWorker.Run";
+    char* argv[] = {exe.data(), filter.data(), nullptr};
+    pid_t pid = 0;
+    EXPECT_EQ(::posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data()), 0);
+    pids.push_back(pid);
+  }
+  std::vector<int> statuses;
+  for (pid_t pid : pids) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    statuses.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+  }
+  return statuses;
+}
+
+constexpr int64_t kExamples = 96, kBatch = 8, kSteps = 4;  // per-rank batch 8
+
+torch::nn::Sequential make_net(int64_t seed) {
+  torch::manual_seed(seed);
+  return torch::nn::Sequential(torch::nn::Linear(20, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64),
+                               torch::nn::Tanh(), torch::nn::Linear(64, 5));
+}
+
+std::pair<torch::Tensor, torch::Tensor> make_data() {
+  torch::manual_seed(123);
+  return {torch::randn({kExamples, 20}), torch::randint(0, 5, {kExamples})};
+}
+
+// One process over the global batch of world·kBatch: the reference.
+std::vector<torch::Tensor> single_process(int64_t world) {
+  auto net = make_net(1);
+  auto [x, y] = make_data();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const int64_t global = world * kBatch;
+  for (int64_t s = 0; s < kSteps; ++s) {
+    auto xs = x.narrow(0, s * global, global), ys = y.narrow(0, s * global, global);
+    sgd.zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(xs), ys).backward();
+    sgd.step();
+  }
+  std::vector<torch::Tensor> out;
+  for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+// The worker: rank r of world takes rows r, r+world, ... of each global batch
+// (DistributedSampler's striding), with its own initial weights (broadcast
+// must replace them by rank 0's).
+TEST(DistributedWorker, Run) {
+  const char* mode = std::getenv("MEMFIT_TEST_WORKER");
+  if (mode == nullptr) GTEST_SKIP() << "run by the Distributed tests as one rank of several";
+  const std::string m = mode, out = std::getenv("MEMFIT_TEST_OUT");
+  const auto world = world_from_env();
+  auto group = std::make_shared<ProcessGroup>(world, ProcessGroupOptions().timeout(std::chrono::seconds(10)));
+  if (m == "die") {
+    if (group->rank() == 1) std::_Exit(3);  // joins, then dies without a word
+    auto t = torch::ones({4});
+    try {
+      for (int i = 0; i < 50; ++i) group->all_reduce_(t);
+    } catch (const c10::Error& e) {
+      std::ofstream(out + ".rank0.txt") << e.what_without_backtrace();
+      std::_Exit(7);
+    }
+    std::_Exit(0);
+  }
+  auto net = make_net(1 + world.rank);
+  DistributedDataParallel ddp(net.ptr(), group, DistributedDataParallelOptions().bucket_cap_mb(0.01));
+  auto [x, y] = make_data();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const int64_t global = world.world_size * kBatch;
+  for (int64_t s = 0; s < kSteps; ++s) {
+    auto rows = torch::arange(s * global + world.rank, (s + 1) * global, world.world_size);
+    auto xs = x.index_select(0, rows), ys = y.index_select(0, rows);
+    sgd.zero_grad();
+    if (m == "nosync") {  // two micro-batches of 4, communication on the second only
+      {
+        DistributedDataParallel::NoSync no_sync(ddp);
+        (0.5 * torch::nn::functional::cross_entropy(net->forward(xs.narrow(0, 0, 4)), ys.narrow(0, 0, 4)))
+            .backward();
+      }
+      (0.5 * torch::nn::functional::cross_entropy(net->forward(xs.narrow(0, 4, 4)), ys.narrow(0, 4, 4)))
+          .backward();
+    } else {
+      torch::nn::functional::cross_entropy(net->forward(xs), ys).backward();
+    }
+    ddp.finalize();
+    sgd.step();
+  }
+  std::vector<torch::Tensor> params;
+  for (const auto& p : net->parameters()) params.push_back(p.detach().clone());
+  params.push_back(torch::tensor({ddp.bytes_reduced(), ddp.buckets_launched_in_backward(),
+                                  static_cast<int64_t>(ddp.buckets().size())}));
+  torch::save(params, out + ".rank" + std::to_string(world.rank) + ".pt");
+}
+
+std::vector<torch::Tensor> load_rank(const std::string& out, int r) {
+  std::vector<torch::Tensor> v;
+  torch::load(v, out + ".rank" + std::to_string(r) + ".pt");
+  return v;
+}
+
+double relative_difference(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-30);
+}
+
+void expect_ranks_match_one_process(int world, const std::string& mode) {
+  const std::string out = ::testing::TempDir() + "memfit_ddp_" + mode + "_" + std::to_string(::getpid());
+  const auto statuses = run_ranks(world, mode, out);
+  for (int r = 0; r < world; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
+  const auto reference = single_process(world);
+  const auto rank0 = load_rank(out, 0);
+  int64_t grad_bytes = 0;
+  for (const auto& p : reference) grad_bytes += p.numel() * 4;
+  for (int r = 0; r < world; ++r) {
+    const auto mine = load_rank(out, r);
+    ASSERT_EQ(mine.size(), reference.size() + 1);
+    for (size_t i = 0; i < reference.size(); ++i) {
+      EXPECT_TRUE(mine[i].equal(rank0[i])) << "rank " << r << " parameter " << i << " differs from rank 0's";
+      EXPECT_LT(relative_difference(mine[i], reference[i]), 1e-6) << "rank " << r << " parameter " << i;
+    }
+    const auto counters = mine.back();
+    EXPECT_EQ(counters[0].item<int64_t>(), kSteps * grad_bytes)
+        << "each step all-reduces every gradient byte once (none on no-sync micro-batches)";
+    EXPECT_EQ(counters[1].item<int64_t>(), kSteps * counters[2].item<int64_t>())
+        << "every bucket was launched from inside backward";
+    ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
+  }
+}
+
+TEST_F(Distributed, TwoRanksTrainLikeOneProcessWithTheDoubleBatch) {
+  expect_ranks_match_one_process(2, "plain");
+}
+
+TEST_F(Distributed, ThreeRanksWithNoSyncMicroBatchesTrainLikeOneProcess) {
+  expect_ranks_match_one_process(3, "nosync");
+}
+
+TEST_F(Distributed, ARankThatDiesStopsTheOthersWithAnErrorNamingThem) {
+  const std::string out = ::testing::TempDir() + "memfit_ddp_die_" + std::to_string(::getpid());
+  const auto statuses = run_ranks(2, "die", out);
+  EXPECT_EQ(statuses[1], 3);
+  EXPECT_EQ(statuses[0], 7) << "rank 0 must stop with an error, not hang or succeed";
+  std::ifstream in(out + ".rank0.txt");
+  std::string message((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(message.find("rank 0 of 2: all-reduce failed"), std::string::npos) << message;
+  ::unlink((out + ".rank0.txt").c_str());
+}
+
+} // namespace
+} // namespace memfit
