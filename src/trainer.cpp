@@ -115,6 +115,13 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
     }
   }
   model_->to(options_.device());
+  if (options_.process_group() != nullptr) {
+    // Every rank starts from rank 0's parameters and buffers, before fp32
+    // masters are copied from them (DistributedDataParallel broadcasts again).
+    torch::NoGradGuard no_grad;
+    for (auto& t : model_->parameters()) options_.process_group()->broadcast_(t, 0);
+    for (auto& t : model_->buffers()) options_.process_group()->broadcast_(t, 0);
+  }
   const std::vector<torch::Tensor> model_params = model_->parameters();
   std::vector<torch::Tensor> params = model_params;
   if (options_.master_weights() != MasterWeightsMode::kNone ||
@@ -139,6 +146,11 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   std::optional<UntrackedGuard> host;  // optimizer state lives with the masters
   if (state_on_host()) host.emplace();
   optimizer_ = make_optimizer(options_, trainable);
+  if (options_.process_group() != nullptr) {
+    ddp_ = std::make_unique<DistributedDataParallel>(
+        model_.ptr(), options_.process_group(),
+        DistributedDataParallelOptions().bucket_cap_mb(options_.bucket_cap_mb()));
+  }
   generator_ = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
 }
 
@@ -173,9 +185,18 @@ Trainer::~Trainer() = default;
 Trainer::Trainer(Trainer&&) noexcept = default;
 Trainer& Trainer::operator=(Trainer&&) noexcept = default;
 
+int64_t Trainer::world_size() const {
+  return options_.process_group() != nullptr ? options_.process_group()->size() : 1;
+}
+
+int64_t Trainer::rank() const {
+  return options_.process_group() != nullptr ? options_.process_group()->rank() : 0;
+}
+
 int64_t Trainer::total_steps(const ImageDataset& data) const {
   if (options_.steps() > 0) return options_.steps();
-  const int64_t per_epoch = (data.size() + options_.batch_size() - 1) / options_.batch_size();
+  const int64_t global = options_.batch_size() * world_size();
+  const int64_t per_epoch = (data.size() + global - 1) / global;
   return per_epoch * options_.epochs();
 }
 
@@ -238,16 +259,34 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
       timeline.push_back(std::move(m));
       phase_meter.emplace(device);
     };
-    // The last batch of an epoch holds what is left (like drop_last=false).
-    const int64_t batch = std::min(options_.batch_size(), n - cursor_);
+    // The step's examples: `global` from the permutation (the last batch of
+    // an epoch holds what is left, like drop_last=false); with data
+    // parallelism this rank takes every world-th of them.
+    const int64_t world = world_size();
+    const int64_t global = std::min(options_.batch_size() * world, n - cursor_);
+    torch::Tensor mine;
+    {
+      UntrackedGuard host;
+      mine = order_.narrow(0, cursor_, global);
+      if (world > 1) mine = mine.slice(0, rank(), global, world);
+    }
+    const int64_t batch = mine.size(0);
     const int64_t micro = options_.micro_batch_size() > 0
                               ? std::min(options_.micro_batch_size(), batch)
                               : batch;
+    auto check_loss = [&](double value, const char* where) {
+      TORCH_CHECK(std::isfinite(value) || options_.nonfinite_loss() == NonfiniteLoss::kSkip, "step ",
+                  step, " (epoch ", epoch_, "): the loss", where, " is ",
+                  std::isnan(value) ? "NaN" : (value > 0 ? "inf" : "-inf"),
+                  "; lower the learning rate, clip gradients (max_grad_norm, --clip-grad-norm), "
+                  "or skip such steps (NonfiniteLoss::kSkip, --skip-nonfinite)");
+    };
+    if (ddp_) ddp_->sync_buffers();
     double loss_value = 0;
     bool skip = false;
     for (int64_t start = 0; start < batch && !skip; start += micro) {
       const int64_t len = std::min(micro, batch - start);
-      torch::Tensor idx = order_.narrow(0, cursor_ + start, len);
+      torch::Tensor idx = mine.narrow(0, start, len);
       auto x = data.images.index_select(0, idx).to(device);
       auto y = data.labels.index_select(0, idx).to(device);
       torch::Tensor logits;
@@ -256,25 +295,40 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
         logits = model_->forward(x);
       }
       auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y);
-      // Each micro-batch's mean loss weighted by its share of the batch: the
-      // gradients add up to the batch's mean-loss gradient.
-      if (len < batch) loss = loss * (double(len) / double(batch));
+      // Each micro-batch's mean loss weighted by its share of the step's
+      // examples (times the ranks, whose gradients are averaged): the
+      // gradients add up to the mean-loss gradient over all of them.
+      if (len * world != global) loss = loss * (double(len * world) / double(global));
       const double value = loss.item<double>();
       loss_value += value;
       // Without a GradScaler a non-finite loss stops the run or skips the
-      // step; with one, the scaler finds the non-finite gradients and skips it.
-      skip = !std::isfinite(value) && !scaler_->is_enabled();
-      TORCH_CHECK(!skip || options_.nonfinite_loss() == NonfiniteLoss::kSkip, "step ", step,
-                  " (epoch ", epoch_, "): the loss is ",
-                  std::isnan(value) ? "NaN" : (value > 0 ? "inf" : "-inf"),
-                  "; lower the learning rate, clip gradients (max_grad_norm, --clip-grad-norm), "
-                  "or skip such steps (NonfiniteLoss::kSkip, --skip-nonfinite)");
+      // step; with one, the scaler finds the non-finite gradients and skips
+      // it. With data parallelism every rank decides on the ranks' sum below.
+      if (world == 1) {
+        skip = !std::isfinite(value) && !scaler_->is_enabled();
+        if (skip) check_loss(value, "");
+      }
       const std::string k = std::to_string(start / micro + 1);
       mark("forward " + k);
       if (!skip) {
+        // Gradients are all-reduced during the last micro-batch's backward only.
+        std::optional<DistributedDataParallel::NoSync> no_sync;
+        if (ddp_ && start + micro < batch) no_sync.emplace(*ddp_);
         scaler_->scale(loss).backward();
         mark("backward " + k);
       }
+    }
+    if (ddp_) {
+      ddp_->finalize();
+      torch::Tensor sum;
+      {
+        UntrackedGuard host;
+        sum = torch::tensor(loss_value, torch::kDouble);
+        options_.process_group()->all_reduce_(sum);
+      }
+      loss_value = sum.item<double>() / double(world);
+      skip = !std::isfinite(loss_value) && !scaler_->is_enabled();
+      if (skip) check_loss(loss_value, " (summed over the ranks)");
     }
     bool stepped = false;
     int64_t model_grad_bytes = 0;
@@ -318,12 +372,12 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
     rec.current_bytes = memory_allocated(device);
     rec.seconds = seconds_since(step_start);
     // The step is done: the position moves on.
-    cursor_ += batch;
+    cursor_ += global;
     step_ = step;
-    samples += batch;
+    samples += global;
     report.steps.push_back(rec);
     if (!options_.save_dir().empty() && options_.save_every() > 0 &&
-        step_ % options_.save_every() == 0) {
+        step_ % options_.save_every() == 0 && rank() == 0) {
       const auto save_start = Clock::now();
       save(options_.save_dir());
       save_seconds += seconds_since(save_start);
@@ -331,7 +385,7 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
     }
     if (on_step) on_step(rec);
   }
-  if (!options_.save_dir().empty() && last_saved != step_) {
+  if (!options_.save_dir().empty() && last_saved != step_ && rank() == 0) {
     const auto save_start = Clock::now();
     save(options_.save_dir());
     save_seconds += seconds_since(save_start);

@@ -36,7 +36,7 @@ expect help 0 'train' out -- --help
 for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --seed --budget \
             --data --report --eval-batch --no-eval --quiet --threads --checkpoint \
             --checkpoint-budget --offload-checkpoints --precision --master-weights --device --clip-grad-norm --skip-nonfinite \
-            --micro-batch --freeze --offload --save --save-every --resume --plan; do
+            --micro-batch --freeze --offload --save --save-every --resume --plan --dist-timeout; do
   expect "train-help-documents$flag" 0 "$flag" out -- train --help
 done
 expect version 0 'memfit 0\.' out -- --version
@@ -166,6 +166,22 @@ expect train-plans 0 'the plan predicted' out -- \
 check train-report-holds-plan grep -q '"predicted_peak_bytes"' "$tmp/planned.json"
 expect train-plan-by-hand 0 'plan: none' out -- \
   train --model mlp --width 32 --depth 1 --steps 1 --budget 64MiB --micro-batch 16 --no-eval -q
+
+# Data parallel: two ranks of batch 16 train like one process of batch 32.
+port=$((20000 + $$ % 20000))
+expect launch-help 0 'nproc' out -- launch --help
+expect launch-two-ranks 0 'batch 16 per rank × 2 ranks' out -- launch --nproc 2 --master-port "$port" -- \
+  "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 16 --no-eval -q --threads 1
+two=$(grep -o 'final loss [0-9.]*' "$tmp/out")
+"$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 >"$tmp/one" 2>&1
+one=$(grep -o 'final loss [0-9.]*' "$tmp/one")
+check launch-equals-one-process-with-the-double-batch test -n "$one" -a "$one" = "$two"
+expect launch-failing-worker 3 'rank 1 exited with status 3; stopping the other 1 worker' err -- \
+  launch --nproc 2 --master-port "$((port + 1))" -- sh -c 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 60'
+expect launch-node-rank 2 'node-rank 2 is not below --nnodes 1' err -- launch --nproc 1 --node-rank 2 -- true
+expect launch-needs-nproc 2 'nproc' err -- launch -- true
+expect launch-needs-command 2 'command' err -- launch --nproc 2
+RANK=0 WORLD_SIZE=x expect train-dist-bad-env 1 "WORLD_SIZE='x' is not an integer" err -- train --model mlp --steps 1 --no-eval
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -1,5 +1,8 @@
 #include "memfit/distributed.h"
 
+#include "memfit/models.h"
+#include "memfit/trainer.h"
+
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -244,6 +247,20 @@ std::vector<torch::Tensor> single_process(int64_t world) {
   return out;
 }
 
+// 100 random images: with 8 per rank the last batch of an epoch is short
+// and, over 3 ranks, unevenly shared (2, 1 and 1 examples).
+ImageDataset synthetic_images() {
+  torch::manual_seed(7);
+  ImageDataset d;
+  d.images = torch::randn({100, 1, 28, 28});
+  d.labels = torch::randint(0, 10, {100});
+  return d;
+}
+
+TrainerOptions trainer_options() {
+  return TrainerOptions().batch_size(8).steps(7).optimizer(OptimizerKind::kSGD).lr(0.05).seed(3);
+}
+
 // The worker: rank r of world takes rows r, r+world, ... of each global batch
 // (DistributedSampler's striding), with its own initial weights (broadcast
 // must replace them by rank 0's).
@@ -263,6 +280,17 @@ TEST(DistributedWorker, Run) {
       std::_Exit(7);
     }
     std::_Exit(0);
+  }
+  if (m == "trainer") {
+    auto data = synthetic_images();
+    torch::manual_seed(1 + world.rank);  // broadcast must replace these weights by rank 0's
+    Trainer trainer(make_mlp(ModelOptions().width(32).depth(1)), trainer_options().micro_batch_size(3).process_group(group));
+    const auto report = trainer.fit(data);
+    std::vector<torch::Tensor> params;
+    for (const auto& p : trainer.model()->parameters()) params.push_back(p.detach().clone());
+    params.push_back(torch::tensor({report.final_loss}, torch::kDouble));
+    torch::save(params, out + ".rank" + std::to_string(world.rank) + ".pt");
+    return;
   }
   auto net = make_net(1 + world.rank);
   DistributedDataParallel ddp(net.ptr(), group, DistributedDataParallelOptions().bucket_cap_mb(0.01));
@@ -345,6 +373,31 @@ TEST_F(Distributed, ARankThatDiesStopsTheOthersWithAnErrorNamingThem) {
   std::string message((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(message.find("rank 0 of 2: all-reduce failed"), std::string::npos) << message;
   ::unlink((out + ".rank0.txt").c_str());
+}
+
+TEST_F(Distributed, TrainersOnThreeRanksTrainLikeOneTrainerWithTheTripleBatch) {
+  // 7 steps of 24 examples cross the epoch's end (100 = 4 × 24 + 4), in
+  // micro-batches of 3 on each rank (8 = 3 + 3 + 2; the short batch's
+  // shares are 2, 1 and 1).
+  const std::string out = ::testing::TempDir() + "memfit_ddp_trainer_" + std::to_string(::getpid());
+  const auto statuses = run_ranks(3, "trainer", out);
+  for (int r = 0; r < 3; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
+  torch::manual_seed(1);
+  Trainer single(make_mlp(ModelOptions().width(32).depth(1)), trainer_options().batch_size(24));
+  const auto report = single.fit(synthetic_images());
+  const auto reference = single.model()->parameters();
+  const auto rank0 = load_rank(out, 0);
+  for (int r = 0; r < 3; ++r) {
+    const auto mine = load_rank(out, r);
+    ASSERT_EQ(mine.size(), reference.size() + 1);
+    for (size_t i = 0; i < reference.size(); ++i) {
+      EXPECT_TRUE(mine[i].equal(rank0[i])) << "rank " << r << " parameter " << i;
+      EXPECT_LT(relative_difference(mine[i], reference[i].detach()), 1e-6) << "rank " << r << " parameter " << i;
+    }
+    EXPECT_NEAR(mine.back().item<double>(), report.final_loss, 1e-6 * std::abs(report.final_loss))
+        << "the reported loss is the mean over all ranks' examples";
+    ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
+  }
 }
 
 } // namespace

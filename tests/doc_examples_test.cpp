@@ -3,6 +3,7 @@
 
 #include "memfit/checkpoint.h"
 #include "memfit/data.h"
+#include "memfit/distributed.h"
 #include "memfit/freeze.h"
 #include "memfit/state.h"
 #include "memfit/memory.h"
@@ -215,6 +216,32 @@ TEST_F(DocExamples, FreezeHeader) {
   torch::optim::Adam adam(net->parameters());
   EXPECT_EQ(memfit::freeze(*net, "fc0.*", &adam), 2);  // 2 parameters frozen
   EXPECT_EQ(memfit::unfreeze(*net, "fc0.*", &adam), 2);
+}
+
+TEST_F(DocExamples, DistributedHeader) {
+  {  // world_from_env (no launcher variables in the test's environment)
+    auto world = memfit::world_from_env();
+    if (!world.distributed()) assert(world.rank == 0 && world.world_size == 1);
+    EXPECT_EQ(world.world_size, 1);
+  }
+  {  // ProcessGroup
+    memfit::WorldInfo solo;  // one process: a group of one
+    solo.master_port = 0;    // any free port
+    memfit::ProcessGroup group(solo);
+    auto t = torch::ones({3});
+    group.all_reduce_(t);  // the sum over the ranks
+    EXPECT_TRUE(t.equal(torch::ones({3})));
+  }
+  {  // DistributedDataParallel
+    memfit::WorldInfo solo;
+    solo.master_port = 0;
+    auto group = std::make_shared<memfit::ProcessGroup>(solo);
+    torch::nn::Linear net(4, 2);
+    memfit::DistributedDataParallel ddp(net.ptr(), group);
+    net->forward(torch::ones({3, 4})).sum().backward();
+    ddp.finalize();  // gradients now averaged over the ranks
+    EXPECT_TRUE(net->weight.grad().defined());
+  }
 }
 
 TEST_F(DocExamples, StateHeader) {

@@ -12,6 +12,7 @@
 #include "memfit/state.h"
 #include "memfit/trainer.h"
 #include "progress.h"
+#include "launch.h"
 #include "report.h"
 
 #include <CLI/CLI.hpp>
@@ -78,6 +79,7 @@ struct TrainArgs {
   std::string save;
   int64_t save_every = 0;
   std::string resume;
+  int64_t dist_timeout = 60;
   std::string plan = "auto";
 };
 
@@ -158,6 +160,11 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   train->add_flag("--no-eval", a.no_eval, "Skip the evaluation on the test set");
   train->add_flag("-q,--quiet", a.quiet, "No progress display");
+  train->add_option("--dist-timeout", a.dist_timeout,
+                    "Under `memfit launch` (or torchrun, srun, mpirun): seconds a rank waits for "
+                    "the others before it stops with an error naming them")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   train->add_option("--checkpoint", a.checkpoint,
                     "Activation checkpointing: none, sqrt (Chen et al.), every:K layers, "
                     "uniform:K segments (checkpoint_sequential), or optimal (needs "
@@ -468,6 +475,15 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
 
 int run_train(const TrainArgs& a) {
   const torch::Device device = parse_device(a.device);
+  // Data parallel when started by `memfit launch`, torchrun, srun or mpirun.
+  const auto world = memfit::world_from_env();
+  std::shared_ptr<memfit::ProcessGroup> group;
+  if (world.distributed()) {
+    group = std::make_shared<memfit::ProcessGroup>(
+        world, memfit::ProcessGroupOptions().timeout(std::chrono::seconds(a.dist_timeout)));
+    // Rank 0 speaks for the job; the others print errors only.
+    if (world.rank != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return kExitFailure;
+  }
   memfit::memory_allocated(device);  // begins tracking before anything is allocated
   torch::manual_seed(a.seed);
   set_threads(a.threads);
@@ -542,7 +558,8 @@ int run_train(const TrainArgs& a) {
                              ? memfit::Offload::kHost
                              : memfit::Offload::kNone)
       .save_dir(a.save)
-      .save_every(a.save_every);
+      .save_every(a.save_every)
+      .process_group(group);
   memfit::Trainer trainer(model, options);
   if (!a.resume.empty()) {
     trainer.resume(a.resume);
@@ -557,7 +574,10 @@ int run_train(const TrainArgs& a) {
   fmt::print("memfit train: model {} ({} parameters{}), {} training examples, batch {}{}, {} "
              "steps, budget {}\n",
              a.model, params, frozen > 0 ? fmt::format(", {} frozen", frozen) : std::string(),
-             train_data.size(), a.batch,
+             train_data.size(),
+             group ? fmt::format("{} per rank × {} ranks ({}, data parallel over Gloo)", a.batch,
+                                 world.world_size, world.source)
+                   : std::to_string(a.batch),
              a.micro_batch > 0 && a.micro_batch < a.batch
                  ? fmt::format(" in micro-batches of {}", a.micro_batch)
                  : std::string(),
@@ -619,7 +639,7 @@ int run_train(const TrainArgs& a) {
                   : std::string());
   fmt::print("peak of the largest training step:\n{}", report.step_memory.table());
   if (!a.save.empty()) fmt::print("checkpoint saved to {}/checkpoint.pt\n", a.save);
-  if (!a.report.empty()) {
+  if (!a.report.empty() && world.rank == 0) {
     auto json = nlohmann::json::parse(report.to_json());
     if (plan) {
       json["plan"] = nlohmann::json::parse(plan->to_json());
@@ -645,6 +665,8 @@ int main(int argc, char** argv) {
   add_train_command(app, train_args);
   PlanArgs plan_args;
   add_plan_commands(app, plan_args);
+  memfit::tools::LaunchArgs launch_args;
+  memfit::tools::add_launch_command(app, launch_args);
   std::string report_in, report_out;
   auto* report = app.add_subcommand(
       "report", "Write one self-contained HTML page from a `memfit train --report` JSON: the "
@@ -687,6 +709,7 @@ int main(int argc, char** argv) {
 
   try {
     if (app.got_subcommand("train")) return run_train(train_args);
+    if (app.got_subcommand("launch")) return memfit::tools::run_launch(launch_args);
     if (app.got_subcommand("plan")) return run_model_command(plan_args, ModelCommand::kPlan);
     if (app.got_subcommand("profile")) return run_model_command(plan_args, ModelCommand::kProfile);
     if (app.got_subcommand("find-batch")) {

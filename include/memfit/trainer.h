@@ -10,6 +10,7 @@
 /// optimizer's state (none on the device with offload_optimizer kHost).
 
 #include "memfit/data.h"
+#include "memfit/distributed.h"
 #include "memfit/memory.h"
 #include "memfit/precision.h"
 
@@ -116,6 +117,15 @@ struct TrainerOptions {
   TORCH_ARG(std::string, save_dir) = "";
   /// Save every this many steps (and at the end of fit); 0: only at the end.
   TORCH_ARG(int64_t, save_every) = 0;
+  /// Data parallel over this process group (DistributedDataParallel): each of
+  /// the group's ranks runs its own Trainer; batch_size is per rank, so a step
+  /// takes batch_size × ranks examples, each rank every ranks-th of them
+  /// (DistributedSampler's striding, the same permutation on every rank from
+  /// the seed). Gradients are averaged, so N ranks with batch B train like one
+  /// process with batch N·B. Only rank 0 saves. nullptr: one process.
+  TORCH_ARG(std::shared_ptr<ProcessGroup>, process_group) = nullptr;
+  /// Data parallel bucket size in MiB (DistributedDataParallelOptions).
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
 };
 
 /// One optimizer step as measured.
@@ -267,6 +277,8 @@ class Trainer {
  private:
   StepMemory breakdown(int64_t peak, int64_t model_grad_bytes) const;
   bool state_on_host() const;
+  int64_t world_size() const;
+  int64_t rank() const;
 
   // The position of the run: steps taken, epoch, the epoch's shuffled order
   // (host) and how much of it is used, and the generator that shuffles.
@@ -279,6 +291,7 @@ class Trainer {
   torch::nn::Sequential model_;
   TrainerOptions options_;
   std::unique_ptr<MasterWeights> master_;
+  std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<GradScaler> scaler_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
 };

@@ -1,0 +1,118 @@
+#include "launch.h"
+
+#include <fmt/format.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <csignal>
+#include <cstdlib>
+#include <map>
+#include <thread>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace memfit::tools {
+
+void add_launch_command(CLI::App& app, LaunchArgs& a) {
+  auto* launch = app.add_subcommand(
+      "launch",
+      "Start --nproc worker processes of a data-parallel job with torchrun's variables (RANK, "
+      "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), e.g. `memfit launch --nproc 2 -- memfit "
+      "train --model mlp`; when one worker fails the others are stopped and its exit status is "
+      "returned");
+  launch->add_option("--nproc", a.nproc, "Worker processes on this machine")
+      ->required()
+      ->check(CLI::Range(int64_t(1), int64_t(1024)));
+  launch->add_option("--nnodes", a.nnodes, "Machines in the job (each runs memfit launch)")
+      ->check(CLI::Range(int64_t(1), int64_t(65536)))
+      ->capture_default_str();
+  launch->add_option("--node-rank", a.node_rank, "This machine's index, 0..nnodes-1")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  launch->add_option("--master-addr", a.master_addr, "Address of the machine with node rank 0")
+      ->capture_default_str();
+  launch->add_option("--master-port", a.master_port, "Port of rank 0's TCPStore there")
+      ->check(CLI::Range(int64_t(1), int64_t(65535)))
+      ->capture_default_str();
+  launch->add_option("--grace", a.grace,
+                     "Seconds the other workers get to exit after one failed, before SIGKILL")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  launch->add_option("command", a.command, "The worker's command line, after --")->required();
+}
+
+int run_launch(const LaunchArgs& a) {
+  if (a.node_rank >= a.nnodes) {
+    fmt::print(stderr, "memfit launch: error: --node-rank {} is not below --nnodes {}\n", a.node_rank,
+               a.nnodes);
+    return 2;
+  }
+  const int64_t world = a.nproc * a.nnodes;
+  std::map<pid_t, int64_t> rank_of;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  for (int64_t local = 0; local < a.nproc; ++local) {
+    const int64_t rank = a.node_rank * a.nproc + local;
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      fmt::print(stderr, "memfit launch: error: could not start worker {}: fork failed\n", rank);
+      for (const auto& [p, r] : rank_of) ::kill(p, SIGKILL);
+      return 1;
+    }
+    if (pid == 0) {
+      ::setenv("RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(a.nproc).c_str(), 1);
+      ::setenv("MASTER_ADDR", a.master_addr.c_str(), 1);
+      ::setenv("MASTER_PORT", std::to_string(a.master_port).c_str(), 1);
+      std::vector<char*> argv;
+      std::vector<std::string> copy = a.command;
+      for (auto& s : copy) argv.push_back(s.data());
+      argv.push_back(nullptr);
+      ::execvp(argv[0], argv.data());
+      fmt::print(stderr, "memfit launch: error: could not run '{}' for rank {}: {}\n", a.command.front(),
+                 rank, std::strerror(errno));
+      std::_Exit(127);
+    }
+    rank_of[pid] = rank;
+  }
+
+  int result = 0;
+  bool stopping = false;
+  auto deadline = std::chrono::steady_clock::time_point::max();
+  while (!rank_of.empty()) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, stopping ? WNOHANG : 0);
+    if (pid > 0) {
+      const int64_t rank = rank_of[pid];
+      rank_of.erase(pid);
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (code != 0 && !stopping) {
+        result = code;
+        stopping = true;
+        fmt::print(stderr, "memfit launch: rank {} {} {}; stopping the other {} worker{}\n", rank,
+                   WIFEXITED(status) ? "exited with status" : "was killed by signal",
+                   WIFEXITED(status) ? code : WTERMSIG(status), rank_of.size(),
+                   rank_of.size() == 1 ? "" : "s");
+        for (const auto& [p, r] : rank_of) ::kill(p, SIGTERM);
+        deadline = std::chrono::steady_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(a.grace * 1000));
+      }
+      continue;
+    }
+    if (pid < 0 && errno != EINTR) break;
+    if (stopping) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        for (const auto& [p, r] : rank_of) ::kill(p, SIGKILL);
+        deadline = std::chrono::steady_clock::time_point::max();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  return result;
+}
+
+} // namespace memfit::tools
