@@ -74,6 +74,14 @@ WorldInfo world_from_env() {
   return w;
 }
 
+bool distributed_available() {
+#if defined(MEMFIT_WITH_DISTRIBUTED)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // ---------------------------------------------------------------------------
 // The process group
 

@@ -30,6 +30,17 @@
 
 namespace memfit {
 
+/// Whether this build has c10d's Gloo process group (LibTorch's c10d headers
+/// and gloo's: Debian's libtorch-dev with libgloo-dev). Without it a
+/// ProcessGroup cannot be made (a one-line error says so); the rest of memfit
+/// works. PyTorch's pip wheels ship no gloo headers.
+///
+/// Example:
+/// \code
+///   if (!memfit::distributed_available()) { /* one process only */ }
+/// \endcode
+bool distributed_available();
+
 /// Where this process stands in a job of several.
 struct WorldInfo {
   int64_t rank = 0;        ///< This process's rank, 0..world_size-1.
