@@ -21,6 +21,7 @@
 #include <optional>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 extern char** environ;
@@ -279,7 +280,24 @@ TEST(DistributedWorker, Run) {
   if (mode == nullptr) GTEST_SKIP() << "run by the Distributed tests as one rank of several";
   const std::string m = mode, out = std::getenv("MEMFIT_TEST_OUT");
   const auto world = world_from_env();
-  auto group = std::make_shared<ProcessGroup>(world, ProcessGroupOptions().timeout(std::chrono::seconds(10)));
+  const auto timeout = m == "hang" ? std::chrono::seconds(2) : std::chrono::seconds(10);
+  auto group = std::make_shared<ProcessGroup>(world, ProcessGroupOptions().timeout(timeout));
+  if (m == "hang") {
+    if (group->rank() == 1) {  // joins, then stops answering for longer than the timeout
+      std::this_thread::sleep_for(std::chrono::seconds(6));
+      std::_Exit(0);
+    }
+    auto t = torch::ones({4});
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      group->all_reduce_(t);
+    } catch (const c10::Error& e) {
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::ofstream(out + ".rank0.txt") << waited << "\n" << e.what_without_backtrace();
+      std::_Exit(7);
+    }
+    std::_Exit(0);
+  }
   if (m == "die") {
     if (group->rank() == 1) std::_Exit(3);  // joins, then dies without a word
     auto t = torch::ones({4});
@@ -408,6 +426,23 @@ TEST_F(Distributed, TrainersOnThreeRanksTrainLikeOneTrainerWithTheTripleBatch) {
         << "the reported loss is the mean over all ranks' examples";
     ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
   }
+}
+
+TEST_F(Distributed, ARankThatHangsStopsTheOthersAfterTheTimeout) {
+  // Rank 1 stays silent for 6 s; rank 0's all-reduce gives up after its 2 s
+  // timeout with an error naming it, well before rank 1 would have answered.
+  const std::string out = ::testing::TempDir() + "memfit_ddp_hang_" + std::to_string(::getpid());
+  const auto statuses = run_ranks(2, "hang", out);
+  EXPECT_EQ(statuses[0], 7) << "rank 0 must stop with an error, not wait for rank 1";
+  std::ifstream in(out + ".rank0.txt");
+  double waited = 0;
+  in >> waited;
+  std::string message((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_GE(waited, 1.5) << message;
+  EXPECT_LT(waited, 5.0) << "the timeout bounds the wait";
+  EXPECT_NE(message.find("rank 0 of 2: all-reduce failed"), std::string::npos) << message;
+  EXPECT_NE(message.find("2000 ms timeout"), std::string::npos) << message;
+  ::unlink((out + ".rank0.txt").c_str());
 }
 
 } // namespace
