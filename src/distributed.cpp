@@ -277,6 +277,12 @@ void ProcessGroup::Pending::wait() {}
 // ---------------------------------------------------------------------------
 // Data parallel
 
+void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, int64_t root) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.parameters()) group.broadcast_(p, root);
+  for (auto& b : module.buffers()) group.broadcast_(b, root);
+}
+
 namespace {
 
 // Buckets of gradients, all-reduced in order as they fill.
@@ -446,12 +452,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   impl_->module = std::move(module);
   impl_->group = std::move(group);
   impl_->options = options;
-  {
-    // Every rank starts from rank 0's parameters and buffers.
-    torch::NoGradGuard no_grad;
-    for (auto& p : impl_->module->parameters()) impl_->group->broadcast_(p, 0);
-    for (auto& b : impl_->module->buffers()) impl_->group->broadcast_(b, 0);
-  }
+  if (options.init_sync()) broadcast_module_state(*impl_->module, *impl_->group);
   std::vector<torch::Tensor> trainable;
   for (const auto& p : impl_->module->parameters()) {
     if (p.requires_grad()) trainable.push_back(p);

@@ -117,10 +117,9 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   model_->to(options_.device());
   if (options_.process_group() != nullptr) {
     // Every rank starts from rank 0's parameters and buffers, before fp32
-    // masters are copied from them (DistributedDataParallel broadcasts again).
-    torch::NoGradGuard no_grad;
-    for (auto& t : model_->parameters()) options_.process_group()->broadcast_(t, 0);
-    for (auto& t : model_->buffers()) options_.process_group()->broadcast_(t, 0);
+    // masters are copied from them (so DistributedDataParallel, made after
+    // the masters, skips its own broadcast).
+    broadcast_module_state(*model_, *options_.process_group());
   }
   const std::vector<torch::Tensor> model_params = model_->parameters();
   std::vector<torch::Tensor> params = model_params;
@@ -149,7 +148,7 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   if (options_.process_group() != nullptr) {
     ddp_ = std::make_unique<DistributedDataParallel>(
         model_.ptr(), options_.process_group(),
-        DistributedDataParallelOptions().bucket_cap_mb(options_.bucket_cap_mb()));
+        DistributedDataParallelOptions().bucket_cap_mb(options_.bucket_cap_mb()).init_sync(false));
   }
   generator_ = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
 }

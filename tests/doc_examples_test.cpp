@@ -233,6 +233,15 @@ TEST_F(DocExamples, DistributedHeader) {
     group.all_reduce_(t);  // the sum over the ranks
     EXPECT_TRUE(t.equal(torch::ones({3})));
   }
+  {  // broadcast_module_state
+    memfit::WorldInfo solo;
+    solo.master_port = 0;
+    memfit::ProcessGroup group(solo);
+    torch::nn::Linear net(4, 2);
+    const auto before = net->weight.detach().clone();
+    memfit::broadcast_module_state(*net, group);  // rank 0's weights everywhere
+    EXPECT_TRUE(net->weight.equal(before)) << "one rank: its own";
+  }
   {  // DistributedDataParallel
     memfit::WorldInfo solo;
     solo.master_port = 0;

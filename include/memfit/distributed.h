@@ -163,7 +163,23 @@ struct DistributedDataParallelOptions {
   /// Broadcast rank 0's buffers (BatchNorm's running statistics) before every
   /// forward, as PyTorch's DDP does (call sync_buffers()).
   TORCH_ARG(bool, broadcast_buffers) = true;
+  /// Broadcast rank 0's parameters and buffers at construction (PyTorch's
+  /// init_sync); false when the caller did (broadcast_module_state).
+  TORCH_ARG(bool, init_sync) = true;
 };
+
+/// Overwrites every parameter and buffer of `module` with rank `root`'s,
+/// so that every rank starts from the same model.
+///
+/// Example:
+/// \code
+///   memfit::WorldInfo solo;
+///   solo.master_port = 0;
+///   memfit::ProcessGroup group(solo);
+///   torch::nn::Linear net(4, 2);
+///   memfit::broadcast_module_state(*net, group);  // rank 0's weights everywhere
+/// \endcode
+void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, int64_t root = 0);
 
 /// Data parallel training of `module` over `group` (PyTorch's
 /// DistributedDataParallel): broadcasts rank 0's parameters and buffers at
