@@ -105,29 +105,30 @@ TEST_F(Distributed, WorldComesFromTorchrunSlurmOrOpenMpiVariables) {
   EXPECT_EQ(torchrun.master_addr, "10.0.0.7");
   EXPECT_EQ(torchrun.master_port, 29555);
 
-  env.set("RANK", nullptr);
-  env.set("WORLD_SIZE", nullptr);
-  env.set("LOCAL_RANK", nullptr);
-  env.set("SLURM_PROCID", "5");
-  env.set("SLURM_NTASKS", "8");
-  env.set("SLURM_LOCALID", "1");
-  auto slurm = world_from_env();
-  EXPECT_EQ(slurm.source, "slurm");
-  EXPECT_EQ(slurm.rank, 5);
-  EXPECT_EQ(slurm.world_size, 8);
-  EXPECT_EQ(slurm.local_rank, 1);
+  // Slurm's and Open MPI's variables, each alone: rank, size, local rank.
+  struct Launcher {
+    const char* source;
+    const char* rank;
+    const char* size;
+    const char* local;
+  };
+  for (const Launcher& l : {Launcher{"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
+                            Launcher{"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                                     "OMPI_COMM_WORLD_LOCAL_RANK"}}) {
+    for (const char* v : kLauncherVariables) env.set(v, nullptr);
+    env.set(l.rank, "5");
+    env.set(l.size, "8");
+    env.set(l.local, "1");
+    auto w = world_from_env();
+    EXPECT_EQ(w.source, l.source);
+    EXPECT_EQ(w.rank, 5) << l.source;
+    EXPECT_EQ(w.world_size, 8) << l.source;
+    EXPECT_EQ(w.local_rank, 1) << l.source;
+    EXPECT_EQ(w.master_addr, "127.0.0.1") << l.source << ": the default without MASTER_ADDR";
+    EXPECT_EQ(w.master_port, 29500) << l.source;
+  }
 
-  env.set("SLURM_PROCID", nullptr);
-  env.set("SLURM_NTASKS", nullptr);
-  env.set("SLURM_LOCALID", nullptr);
-  env.set("OMPI_COMM_WORLD_RANK", "1");
   env.set("OMPI_COMM_WORLD_SIZE", "2");
-  env.set("OMPI_COMM_WORLD_LOCAL_RANK", "1");
-  auto mpi = world_from_env();
-  EXPECT_EQ(mpi.source, "openmpi");
-  EXPECT_EQ(mpi.rank, 1);
-  EXPECT_EQ(mpi.world_size, 2);
-
   env.set("OMPI_COMM_WORLD_RANK", "2");  // not below the size
   expect_error([] { world_from_env(); }, "OMPI_COMM_WORLD_RANK='2' is not an integer in [0, 1]");
   env.set("OMPI_COMM_WORLD_RANK", nullptr);
@@ -356,10 +357,6 @@ std::vector<torch::Tensor> load_rank(const std::string& out, int r) {
   return v;
 }
 
-double relative_difference(const torch::Tensor& a, const torch::Tensor& b) {
-  return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-30);
-}
-
 void expect_ranks_match_one_process(int world, const std::string& mode) {
   const std::string out = ::testing::TempDir() + "memfit_ddp_" + mode + "_" + std::to_string(::getpid());
   const auto statuses = run_ranks(world, mode, out);
@@ -373,7 +370,7 @@ void expect_ranks_match_one_process(int world, const std::string& mode) {
     ASSERT_EQ(mine.size(), reference.size() + 1);
     for (size_t i = 0; i < reference.size(); ++i) {
       EXPECT_TRUE(mine[i].equal(rank0[i])) << "rank " << r << " parameter " << i << " differs from rank 0's";
-      EXPECT_LT(relative_difference(mine[i], reference[i]), 1e-6) << "rank " << r << " parameter " << i;
+      EXPECT_LT(testing::relative_difference(mine[i], reference[i]), 1e-6) << "rank " << r << " parameter " << i;
     }
     const auto counters = mine.back();
     EXPECT_EQ(counters[0].item<int64_t>(), kSteps * grad_bytes)
@@ -420,7 +417,7 @@ TEST_F(Distributed, TrainersOnThreeRanksTrainLikeOneTrainerWithTheTripleBatch) {
     ASSERT_EQ(mine.size(), reference.size() + 1);
     for (size_t i = 0; i < reference.size(); ++i) {
       EXPECT_TRUE(mine[i].equal(rank0[i])) << "rank " << r << " parameter " << i;
-      EXPECT_LT(relative_difference(mine[i], reference[i].detach()), 1e-6) << "rank " << r << " parameter " << i;
+      EXPECT_LT(testing::relative_difference(mine[i], reference[i].detach()), 1e-6) << "rank " << r << " parameter " << i;
     }
     EXPECT_NEAR(mine.back().item<double>(), report.final_loss, 1e-6 * std::abs(report.final_loss))
         << "the reported loss is the mean over all ranks' examples";

@@ -8,11 +8,27 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
+#include <vector>
 
 namespace memfit {
 namespace testing {
+
+/// The relative difference ||a - b|| / ||b|| of two tensors.
+inline double relative_difference(const torch::Tensor& a, const torch::Tensor& b) {
+  const double scale = b.norm().item<double>();
+  return (a - b).norm().item<double>() / std::max(scale, 1e-30);
+}
+
+/// The largest relative_difference over pairs of tensors.
+inline double max_relative_difference(const std::vector<torch::Tensor>& a,
+                                      const std::vector<torch::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, relative_difference(a[i], b[i]));
+  return worst;
+}
 
 /// Seeds LibTorch's generator and starts with no budget and a fresh peak.
 class Seeded : public ::testing::Test {

@@ -239,16 +239,6 @@ struct CheckpointDir {
   std::string path;
 };
 
-// Largest relative difference ||a - b|| / ||b|| over the tensors.
-double max_relative_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double scale = b[i].norm().item<double>();
-    worst = std::max(worst, (a[i] - b[i]).norm().item<double>() / std::max(scale, 1e-30));
-  }
-  return worst;
-}
-
 std::vector<torch::Tensor> parameters_of(Trainer& t) {
   UntrackedGuard host;  // copies kept by the test are not the trainer's memory
   std::vector<torch::Tensor> out;
@@ -269,7 +259,7 @@ TEST_F(TrainerTest, MicroBatchesGiveTheFullBatchParametersAlsoWhenTheyDoNotDivid
     };
     const auto [full, full_report] = run(0);
     const auto [micro, micro_report] = run(32);
-    const double diff = max_relative_difference(micro, full);
+    const double diff = testing::max_relative_difference(micro, full);
     EXPECT_LT(diff, 1e-6) << "optimizer " << int(optimizer);
     EXPECT_GT(diff, 0) << "the sums round differently: a zero would mean no micro-batching";
     EXPECT_NEAR(micro_report.final_loss, full_report.final_loss, 1e-5);
@@ -372,7 +362,7 @@ TEST_F(TrainerTest, OptimizerStateOffloadedToTheHostIsBitwiseTheSameTraining) {
     };
     const auto [resident, resident_report] = run(Offload::kNone);
     const auto [host, host_report] = run(Offload::kHost);
-    EXPECT_EQ(max_relative_difference(host, resident), 0.0) << "the same fp32 math on the host";
+    EXPECT_EQ(testing::max_relative_difference(host, resident), 0.0) << "the same fp32 math on the host";
     EXPECT_GT(resident_report.step_memory.optimizer_state, 0);
     EXPECT_EQ(host_report.step_memory.optimizer_state, 0) << "no optimizer state on the device";
     EXPECT_EQ(host_report.step_memory.parameters, resident_report.step_memory.parameters);
