@@ -263,14 +263,19 @@ void add_model_options(CLI::App* cmd, PlanArgs& a) {
       ->check(CLI::NonNegativeNumber);
 }
 
+// --budget, required by plan and find-batch.
+void add_budget_option(CLI::App* cmd, PlanArgs& a) {
+  cmd->add_option("--budget", a.budget, "Memory budget, e.g. 32MiB")
+      ->required()
+      ->check(memory_size_validator());
+}
+
 void add_plan_commands(CLI::App& app, PlanArgs& a) {
   auto* plan = app.add_subcommand(
       "plan", "Choose the fastest micro-batch, checkpoint schedule, precision and offload that "
               "fit a memory budget, with the predicted peak and why");
   add_model_options(plan, a);
-  plan->add_option("--budget", a.budget, "Memory budget, e.g. 32MiB")
-      ->required()
-      ->check(memory_size_validator());
+  add_budget_option(plan, a);
   auto* profile = app.add_subcommand(
       "profile", "Measure each layer's activation bytes and time, and predict the step's peak");
   add_model_options(profile, a);
@@ -278,9 +283,7 @@ void add_plan_commands(CLI::App& app, PlanArgs& a) {
       "find-batch", "The largest batch that fits a budget in one pass, plainly and with memfit's "
                     "techniques, predicted then verified by real steps; and the plan for --batch");
   add_model_options(find, a);
-  find->add_option("--budget", a.budget, "Memory budget, e.g. 32MiB")
-      ->required()
-      ->check(memory_size_validator());
+  add_budget_option(find, a);
   find->add_flag("--no-verify", a.no_verify, "Predict only; skip the verifying steps");
 }
 
