@@ -1,6 +1,7 @@
 #include "memfit/distributed.h"
 
 #include "memfit/memory.h"
+#include "memfit/state.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <cstdlib>
 #include <limits>
 
@@ -213,6 +215,24 @@ void ProcessGroup::barrier() {
   wait_for(impl_->gloo->barrier(), "barrier", *impl_);
 }
 
+std::vector<torch::Tensor> ProcessGroup::gather(const torch::Tensor& tensor, int64_t root) {
+  TORCH_CHECK(root >= 0 && root < size(), "gather: root ", root, " is not a rank in [0, ", size(), ")");
+  TORCH_CHECK(tensor.dim() == 1 && tensor.device().is_cpu(), "gather needs a 1-D host tensor, got ",
+              tensor.dim(), "-D on ", tensor.device());
+  // Each rank's length, then its elements, broadcast from it; Gloo's gather
+  // would need equal lengths. (Only the root keeps them.)
+  UntrackedGuard host;
+  std::vector<torch::Tensor> out;
+  for (int64_t r = 0; r < size(); ++r) {
+    auto length = torch::tensor({r == rank() ? tensor.numel() : int64_t(0)});
+    broadcast_(length, r);
+    torch::Tensor data = r == rank() ? tensor.contiguous().clone() : torch::empty({length.item<int64_t>()}, tensor.options());
+    broadcast_(data, r);
+    if (rank() == root) out.push_back(std::move(data));
+  }
+  return out;
+}
+
 ProcessGroup::Pending ProcessGroup::all_reduce_async_(torch::Tensor& tensor) {
   TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(),
               "all_reduce_async_ needs a contiguous CPU tensor, got ", tensor.device(),
@@ -265,6 +285,7 @@ void ProcessGroup::all_reduce_(torch::Tensor&) {}
 void ProcessGroup::all_reduce_max_(torch::Tensor&) {}
 void ProcessGroup::broadcast_(torch::Tensor&, int64_t) {}
 void ProcessGroup::barrier() {}
+std::vector<torch::Tensor> ProcessGroup::gather(const torch::Tensor&, int64_t) { return {}; }
 ProcessGroup::Pending ProcessGroup::all_reduce_async_(torch::Tensor&) { return Pending(); }
 ProcessGroup::Pending::Pending() = default;
 ProcessGroup::Pending::~Pending() = default;
@@ -497,5 +518,126 @@ DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp)
 }
 
 DistributedDataParallel::NoSync::~NoSync() { *ddp_.impl_->sync = previous_; }
+
+// ---------------------------------------------------------------------------
+// Sharded optimizer state (ZeRO stage 1)
+
+namespace {
+// The wrapper's options until the local optimizer's replace them (a rank
+// that owns nothing keeps these).
+struct NoOptions : torch::optim::OptimizerCloneableOptions<NoOptions> {};
+} // namespace
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<torch::Tensor> params,
+                                                 OptimizerFactory make_local,
+                                                 std::shared_ptr<ProcessGroup> group)
+    : torch::optim::Optimizer(params, std::make_unique<NoOptions>()),
+      group_(std::move(group)) {
+  TORCH_CHECK(group_ != nullptr, "ZeroRedundancyOptimizer needs a process group");
+  TORCH_CHECK(make_local != nullptr, "ZeroRedundancyOptimizer needs a function that builds the local optimizer");
+  TORCH_CHECK(!params.empty(), "ZeroRedundancyOptimizer got an empty parameter list");
+  // PyTorch's partition: the largest parameters first, each to the rank with
+  // the fewest bytes so far (ties: the lowest rank); a stable sort keeps
+  // every rank's result the same.
+  std::vector<size_t> by_size(params.size());
+  for (size_t i = 0; i < by_size.size(); ++i) by_size[i] = i;
+  auto bytes = [&](size_t i) { return params[i].numel() * static_cast<int64_t>(params[i].element_size()); };
+  std::stable_sort(by_size.begin(), by_size.end(), [&](size_t a, size_t b) { return bytes(a) > bytes(b); });
+  std::vector<int64_t> load(static_cast<size_t>(group_->size()), 0);
+  owner_.assign(params.size(), 0);
+  for (size_t i : by_size) {
+    const auto r = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner_[i] = static_cast<int64_t>(r);
+    load[r] += bytes(i);
+  }
+  std::vector<torch::Tensor> mine;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (owner_[i] == group_->rank()) mine.push_back(params[i]);
+  }
+  if (!mine.empty()) {
+    local_ = make_local(std::move(mine));
+    TORCH_CHECK(local_ != nullptr, "ZeroRedundancyOptimizer: the factory returned no optimizer");
+    // The wrapper's options are the local optimizer's (lr and the others).
+    defaults_ = local_->defaults().clone();
+    param_groups_.front().set_options(local_->defaults().clone());
+  }
+}
+
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
+
+torch::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (local_) loss = local_->step(closure);
+  torch::NoGradGuard no_grad;
+  const auto& params = param_groups_.front().params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto p = params[i];
+    group_->broadcast_(p, owner_[i]);
+  }
+  return loss;
+}
+
+void ZeroRedundancyOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("zero_rank", c10::IValue(group_->rank()));
+  archive.write("zero_world", c10::IValue(group_->size()));
+  if (local_) {
+    torch::serialize::OutputArchive shard;
+    local_->save(shard);
+    archive.write("shard", shard);
+  }
+}
+
+void ZeroRedundancyOptimizer::load(torch::serialize::InputArchive& archive) {
+  c10::IValue rank, world;
+  TORCH_CHECK(archive.try_read("zero_rank", rank) && archive.try_read("zero_world", world) && rank.isInt() &&
+                  world.isInt(),
+              "ZeroRedundancyOptimizer::load: not a shard written by ZeroRedundancyOptimizer::save");
+  TORCH_CHECK(world.toInt() == group_->size() && rank.toInt() == group_->rank(),
+              "ZeroRedundancyOptimizer::load: the shard is rank ", rank.toInt(), "'s of ", world.toInt(),
+              ", this is rank ", group_->rank(), " of ", group_->size(),
+              ": resume with the world size and rank that saved it");
+  torch::serialize::InputArchive shard;
+  const bool has = archive.try_read("shard", shard);
+  TORCH_CHECK(has == (local_ != nullptr), "ZeroRedundancyOptimizer::load: the shard ",
+              has ? "holds" : "lacks", " optimizer state that this rank's partition ",
+              has ? "lacks" : "holds");
+  if (local_) local_->load(shard);
+}
+
+int64_t ZeroRedundancyOptimizer::owner(size_t index) const {
+  TORCH_CHECK(index < owner_.size(), "ZeroRedundancyOptimizer::owner: index ", index,
+              " is not a parameter index in [0, ", owner_.size(), ")");
+  return owner_[index];
+}
+
+std::vector<int64_t> ZeroRedundancyOptimizer::owned_bytes() const {
+  std::vector<int64_t> out(static_cast<size_t>(group_->size()), 0);
+  const auto& params = param_groups_.front().params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    out[static_cast<size_t>(owner_[i])] += params[i].numel() * static_cast<int64_t>(params[i].element_size());
+  }
+  return out;
+}
+
+torch::optim::Optimizer* ZeroRedundancyOptimizer::local_optimizer() const { return local_.get(); }
+
+std::vector<std::string> ZeroRedundancyOptimizer::consolidate_state_dict(int64_t to) {
+  TORCH_CHECK(to >= 0 && to < group_->size(), "consolidate_state_dict: rank ", to, " is not in [0, ",
+              group_->size(), ")");
+  UntrackedGuard host;  // serialized state is host bytes
+  torch::Tensor bytes;
+  {
+    torch::serialize::OutputArchive a;
+    save(a);
+    const std::string s = detail::archive_bytes(a);
+    bytes = torch::empty({static_cast<int64_t>(s.size())}, torch::kUInt8);
+    std::memcpy(bytes.data_ptr(), s.data(), s.size());
+  }
+  std::vector<std::string> out;
+  for (const auto& t : group_->gather(bytes, to)) {
+    out.emplace_back(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel()));
+  }
+  return out;
+}
 
 } // namespace memfit

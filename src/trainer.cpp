@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <optional>
@@ -100,6 +101,12 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
               "master_weights device keeps the fp32 masters and optimizer state on the device, "
               "offload_optimizer host moves them to the host: use master_weights host, or "
               "offload_optimizer none");
+  TORCH_CHECK(options_.zero_stage() == 0 || options_.zero_stage() == 1, "zero_stage must be 0 (no "
+              "sharding) or 1 (optimizer state sharded over the ranks), got ", options_.zero_stage(),
+              "; stages 2 and 3 are not implemented");
+  TORCH_CHECK(options_.zero_stage() == 0 || options_.process_group() != nullptr,
+              "zero_stage 1 shards the optimizer state over the ranks of a process group: set "
+              "process_group (memfit launch), or zero_stage 0");
   check_precision_supported(options_.precision(), options_.device());
   memory_allocated(options_.device());  // starts tracking (and checks the device)
   for (const auto& pattern : options_.freeze()) freeze(*model_, pattern);
@@ -144,7 +151,15 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   scaler_ = std::make_unique<GradScaler>(scaler_options);
   std::optional<UntrackedGuard> host;  // optimizer state lives with the masters
   if (state_on_host()) host.emplace();
-  optimizer_ = make_optimizer(options_, trainable);
+  if (options_.zero_stage() == 1) {
+    auto zero = std::make_unique<ZeroRedundancyOptimizer>(
+        trainable, [this](std::vector<torch::Tensor> p) { return make_optimizer(options_, std::move(p)); },
+        options_.process_group());
+    zero_ = zero.get();
+    optimizer_ = std::move(zero);
+  } else {
+    optimizer_ = make_optimizer(options_, trainable);
+  }
   if (options_.process_group() != nullptr) {
     ddp_ = std::make_unique<DistributedDataParallel>(
         model_.ptr(), options_.process_group(),
@@ -156,6 +171,15 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
 bool Trainer::state_on_host() const {
   return options_.master_weights() == MasterWeightsMode::kHost ||
          options_.offload_optimizer() == Offload::kHost;
+}
+
+torch::optim::Optimizer* Trainer::state_optimizer() const {
+  return zero_ != nullptr ? zero_->local_optimizer() : optimizer_.get();
+}
+
+int64_t Trainer::device_state_bytes() const {
+  if (state_on_host() || state_optimizer() == nullptr) return 0;
+  return optimizer_state_bytes(*state_optimizer());
 }
 
 StepMemory Trainer::breakdown(int64_t peak, int64_t model_grad_bytes) const {
@@ -175,7 +199,7 @@ StepMemory Trainer::breakdown(int64_t peak, int64_t model_grad_bytes) const {
     m.gradients = std::max(m.gradients, storage_bytes(grads));
   }
   m.parameters = storage_bytes(persistent);
-  m.optimizer_state = state_on_device ? optimizer_state_bytes(*optimizer_) : 0;
+  m.optimizer_state = device_state_bytes();
   m.activations = std::max<int64_t>(0, peak - m.parameters - m.gradients - m.optimizer_state);
   return m;
 }
@@ -254,7 +278,7 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
         for (const auto& p : master_->master_parameters()) grads.push_back(p.grad());
       }
       m.gradients = storage_bytes(grads);
-      m.optimizer_state = state_on_host() ? 0 : optimizer_state_bytes(*optimizer_);
+      m.optimizer_state = device_state_bytes();
       timeline.push_back(std::move(m));
       phase_meter.emplace(device);
     };
@@ -376,7 +400,7 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
     samples += global;
     report.steps.push_back(rec);
     if (!options_.save_dir().empty() && options_.save_every() > 0 &&
-        step_ % options_.save_every() == 0 && rank() == 0) {
+        step_ % options_.save_every() == 0) {
       const auto save_start = Clock::now();
       save(options_.save_dir());
       save_seconds += seconds_since(save_start);
@@ -384,7 +408,7 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
     }
     if (on_step) on_step(rec);
   }
-  if (!options_.save_dir().empty() && last_saved != step_ && rank() == 0) {
+  if (!options_.save_dir().empty() && last_saved != step_) {
     const auto save_start = Clock::now();
     save(options_.save_dir());
     save_seconds += seconds_since(save_start);
@@ -463,7 +487,23 @@ torch::Tensor read_tensor(torch::serialize::InputArchive& a, const std::string& 
 
 } // namespace
 
-void Trainer::save(const std::string& dir) const {
+void Trainer::save(const std::string& dir) {
+  // With sharded state every rank sends rank 0 its shard; only rank 0 writes.
+  std::vector<std::string> shards;
+  if (zero_ != nullptr) shards = zero_->consolidate_state_dict(0);
+  // Each rank's random generators (their dropout masks differ when their
+  // shares of a batch do), gathered on rank 0.
+  compat::RngState rng;
+  std::vector<torch::Tensor> rank_cpu_rng, rank_cuda_rng;
+  {
+    UntrackedGuard host;  // generator states are host tensors
+    rng = compat::get_rng_state(cuda_devices(options_.device()));
+    if (world_size() > 1) {
+      rank_cpu_rng = options_.process_group()->gather(rng.cpu.reshape({-1}));
+      if (!rng.cuda.empty()) rank_cuda_rng = options_.process_group()->gather(rng.cuda.front().second.reshape({-1}));
+    }
+  }
+  if (rank() != 0) return;
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   TORCH_CHECK(!ec && std::filesystem::is_directory(dir), "cannot create the checkpoint folder ",
@@ -479,9 +519,21 @@ void Trainer::save(const std::string& dir) const {
     for (size_t i = 0; i < m.size(); ++i) masters.write("m" + std::to_string(i), m[i].detach());
     a.write("masters", masters);
   }
-  torch::serialize::OutputArchive optimizer;
-  optimizer_->save(optimizer);
-  a.write("optimizer", optimizer);
+  if (zero_ != nullptr) {
+    UntrackedGuard host;  // the shards' bytes are host memory
+    torch::serialize::OutputArchive sharded;
+    sharded.write("world", c10::IValue(static_cast<int64_t>(shards.size())));
+    for (size_t r = 0; r < shards.size(); ++r) {
+      auto bytes = torch::empty({static_cast<int64_t>(shards[r].size())}, torch::kUInt8);
+      std::memcpy(bytes.data_ptr(), shards[r].data(), shards[r].size());
+      sharded.write("rank" + std::to_string(r), bytes);
+    }
+    a.write("optimizer_shards", sharded);
+  } else {
+    torch::serialize::OutputArchive optimizer;
+    optimizer_->save(optimizer);
+    a.write("optimizer", optimizer);
+  }
   if (scaler_->is_enabled()) {
     torch::serialize::OutputArchive scaler;
     scaler_->save(scaler);
@@ -489,9 +541,15 @@ void Trainer::save(const std::string& dir) const {
   }
   {
     UntrackedGuard host;  // generator states are host tensors
-    const auto rng = compat::get_rng_state(cuda_devices(options_.device()));
     a.write("rng_cpu", rng.cpu);
     for (const auto& [index, state] : rng.cuda) a.write("rng_cuda", state);
+    if (!rank_cpu_rng.empty()) {
+      torch::serialize::OutputArchive ranks;
+      ranks.write("world", c10::IValue(world_size()));
+      for (size_t r = 0; r < rank_cpu_rng.size(); ++r) ranks.write("cpu" + std::to_string(r), rank_cpu_rng[r]);
+      for (size_t r = 0; r < rank_cuda_rng.size(); ++r) ranks.write("cuda" + std::to_string(r), rank_cuda_rng[r]);
+      a.write("rank_rng", ranks);
+    }
     auto gen = generator_;
     std::lock_guard<std::mutex> lock(gen.mutex());
     a.write("sampler_rng", gen.get_state());
@@ -530,14 +588,45 @@ void Trainer::resume(const std::string& path_or_dir) {
                   " does not match the model: master ", i, " has another shape");
     }
   }
-  TORCH_CHECK(a.try_read("optimizer", optimizer), path, " is damaged: 'optimizer' is missing");
+  torch::serialize::InputArchive sharded;
+  const bool was_sharded = a.try_read("optimizer_shards", sharded);
+  if (zero_ != nullptr) {
+    TORCH_CHECK(was_sharded, path, " holds an unsharded optimizer, but this run shards it (zero_stage 1): "
+                "resume with zero_stage 0 (no --zero-stage)");
+    const int64_t saved_world = read_int(sharded, "world", path);
+    TORCH_CHECK(saved_world == world_size(), path, " holds the optimizer state of ", saved_world,
+                " ranks (zero_stage 1), but this job has ", world_size(),
+                ": resume with the world size that saved it");
+    const torch::Tensor bytes = read_tensor(sharded, "rank" + std::to_string(rank()), path);
+    UntrackedGuard host;
+    try {
+      optimizer.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()),
+                          torch::Device(torch::kCPU));
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, path, " is damaged: rank ", rank(), "'s optimizer shard cannot be read: ",
+                  e.what_without_backtrace());
+    }
+  } else {
+    TORCH_CHECK(!was_sharded, path, " holds optimizer state sharded over ranks (zero_stage 1): resume "
+                "with zero_stage 1 (--zero-stage 1) and the world size that saved it");
+    TORCH_CHECK(a.try_read("optimizer", optimizer), path, " is damaged: 'optimizer' is missing");
+  }
   TORCH_CHECK(a.try_read("grad_scaler", scaler) == scaler_->is_enabled(), path,
               scaler_->is_enabled() ? " holds no GradScaler, but this run scales the loss (fp16)"
                                     : " holds a GradScaler (fp16), but this run scales no loss",
               ": resume with the precision of the saved run");
-  const torch::Tensor rng_cpu = read_tensor(a, "rng_cpu", path);
+  torch::Tensor rng_cpu = read_tensor(a, "rng_cpu", path);
   torch::Tensor rng_cuda;
   a.try_read("rng_cuda", rng_cuda);
+  // A job of the same size: each rank continues its own generators (else
+  // every rank takes rank 0's).
+  torch::serialize::InputArchive ranks;
+  if (a.try_read("rank_rng", ranks) && read_int(ranks, "world", path) == world_size() && world_size() > 1) {
+    const std::string r = std::to_string(rank());
+    rng_cpu = read_tensor(ranks, "cpu" + r, path);
+    torch::Tensor cuda;
+    if (ranks.try_read("cuda" + r, cuda)) rng_cuda = cuda;
+  }
   const torch::Tensor sampler_rng = read_tensor(a, "sampler_rng", path);
   const int64_t step = read_int(a, "step", path);
   const int64_t epoch = read_int(a, "epoch", path);
@@ -555,10 +644,12 @@ void Trainer::resume(const std::string& path_or_dir) {
   optimizer_->load(optimizer);
   // The loaded optimizer state is host memory; state that lives with the
   // parameters moves to their device one tensor at a time.
-  for (const auto& group : optimizer_->param_groups()) {
-    for (const auto& p : group.params()) {
-      auto it = optimizer_->state().find(compat::optimizer_state_key(p));
-      if (it == optimizer_->state().end()) continue;
+  // (With sharded state: this rank's shard, held by its local optimizer.)
+  torch::optim::Optimizer* const holder = state_optimizer();
+  for (size_t g = 0; holder != nullptr && g < holder->param_groups().size(); ++g) {
+    for (const auto& p : holder->param_groups()[g].params()) {
+      auto it = holder->state().find(compat::optimizer_state_key(p));
+      if (it == holder->state().end()) continue;
       detail::for_each_state_tensor(*it->second, [&](torch::Tensor& t) {
         if (state_on_host()) {
           if (p.is_pinned() && !t.is_pinned()) t = t.pin_memory();

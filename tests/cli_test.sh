@@ -179,12 +179,19 @@ two=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 >"$tmp/one" 2>&1
 one=$(grep -o 'final loss [0-9.]*' "$tmp/one")
 check launch-equals-one-process-with-the-double-batch test -n "$one" -a "$one" = "$two"
+expect launch-zero-stage-1 0 'ZeRO stage 1' out -- launch --nproc 2 --master-port "$((port + 2))" -- \
+  "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 16 --no-eval -q --threads 1 --zero-stage 1
+zero=$(grep -o 'final loss [0-9.]*' "$tmp/out")
+check launch-zero-equals-unsharded test -n "$zero" -a "$zero" = "$two"
 expect launch-failing-worker 3 'rank 1 exited with status 3; stopping the other 1 worker' err -- \
   launch --nproc 2 --master-port "$((port + 1))" -- sh -c 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 60'
 fi
 expect launch-node-rank 2 'node-rank 2 is not below --nnodes 1' err -- launch --nproc 1 --node-rank 2 -- true
 expect launch-needs-nproc 2 'nproc' err -- launch -- true
 expect launch-needs-command 2 'command' err -- launch --nproc 2
+expect train-zero-needs-ranks 1 'zero_stage 1 shards the optimizer state over the ranks' err -- \
+  train --model mlp --width 32 --depth 1 --steps 1 --no-eval --zero-stage 1
+expect train-zero-stage-2 2 'zero-stage' err -- train --model mlp --steps 1 --no-eval --zero-stage 2
 RANK=0 WORLD_SIZE=x expect train-dist-bad-env 1 "WORLD_SIZE='x' is not an integer" err -- train --model mlp --steps 1 --no-eval
 
 echo "$passed passed, $failed failed"

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -273,6 +274,17 @@ TrainerOptions trainer_options() {
   return TrainerOptions().batch_size(8).steps(7).optimizer(OptimizerKind::kSGD).lr(0.05).seed(3);
 }
 
+// Adam, whose state (two moments per parameter) is what ZeRO shards.
+TrainerOptions zero_options() {
+  return TrainerOptions().batch_size(8).steps(7).optimizer(OptimizerKind::kAdam).lr(1e-3).seed(3);
+}
+
+// An MLP with dropout: each rank draws its own masks.
+torch::nn::Sequential dropout_mlp() {
+  return torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(784, 24), torch::nn::ReLU(),
+                               torch::nn::Dropout(0.3), torch::nn::Linear(24, 10));
+}
+
 // The worker: rank r of world takes rows r, r+world, ... of each global batch
 // (DistributedSampler's striding), with its own initial weights (broadcast
 // must replace them by rank 0's).
@@ -319,6 +331,57 @@ TEST(DistributedWorker, Run) {
     for (const auto& p : trainer.model()->parameters()) params.push_back(p.detach().clone());
     params.push_back(torch::tensor({report.final_loss}, torch::kDouble));
     torch::save(params, out + ".rank" + std::to_string(world.rank) + ".pt");
+    return;
+  }
+  if (m == "zero") {
+    // The same run with the optimizer state sharded (ZeRO stage 1) and whole.
+    auto data = synthetic_images();
+    auto run = [&](int64_t stage) {
+      torch::manual_seed(1 + world.rank);
+      Trainer t(make_mlp(ModelOptions().width(32).depth(2)), zero_options().process_group(group).zero_stage(stage));
+      t.fit(data);
+      return t;
+    };
+    Trainer sharded = run(1);
+    Trainer whole = run(0);
+    std::vector<torch::Tensor> result;
+    for (const auto& p : sharded.model()->parameters()) result.push_back(p.detach().clone());
+    for (const auto& p : whole.model()->parameters()) result.push_back(p.detach().clone());
+    auto& zero = dynamic_cast<ZeroRedundancyOptimizer&>(sharded.optimizer());
+    const auto owned = zero.owned_bytes();
+    result.push_back(torch::tensor({zero.local_optimizer() ? optimizer_state_bytes(*zero.local_optimizer()) : int64_t(0),
+                                 optimizer_state_bytes(whole.optimizer()), owned[world.rank]}));
+    torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
+    return;
+  }
+  if (m == "resume") {
+    // 6 steps straight, against 3 steps, a save, and 3 more after resuming,
+    // with the optimizer state whole and sharded; rank 1 draws dropout masks.
+    auto data = synthetic_images();
+    auto make = [&](int64_t stage, int64_t steps, const std::string& dir) {
+      torch::manual_seed(1 + world.rank);
+      return Trainer(dropout_mlp(), zero_options().steps(steps).micro_batch_size(3).save_dir(dir)
+                                        .process_group(group).zero_stage(stage));
+    };
+    std::vector<torch::Tensor> result;
+    for (int64_t stage : {0, 1}) {
+      const std::string dir = out + ".ckpt" + std::to_string(stage);
+      Trainer straight = make(stage, 6, "");
+      const auto all = straight.fit(data);
+      Trainer first = make(stage, 3, dir);
+      first.fit(data);
+      group->barrier();  // rank 0 has written the checkpoint
+      Trainer second = make(stage, 6, "");
+      second.resume(dir);
+      const auto rest = second.fit(data);
+      for (const auto& p : straight.model()->parameters()) result.push_back(p.detach().clone());
+      for (const auto& p : second.model()->parameters()) result.push_back(p.detach().clone());
+      std::vector<double> losses;
+      for (size_t i = 3; i < all.steps.size(); ++i) losses.push_back(all.steps[i].loss);
+      for (const auto& r : rest.steps) losses.push_back(r.loss);
+      result.push_back(torch::tensor(losses, torch::kDouble));
+    }
+    torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
     return;
   }
   auto net = make_net(1 + world.rank);
@@ -423,6 +486,81 @@ TEST_F(Distributed, TrainersOnThreeRanksTrainLikeOneTrainerWithTheTripleBatch) {
         << "the reported loss is the mean over all ranks' examples";
     ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
   }
+}
+
+TEST_F(Distributed, ZeroStageOneShardsAdamStateAndTrainsLikeTheWholeState) {
+  const std::string out = ::testing::TempDir() + "memfit_ddp_zero_" + std::to_string(::getpid());
+  const auto statuses = run_ranks(2, "zero", out);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
+  torch::manual_seed(1);
+  Trainer single(make_mlp(ModelOptions().width(32).depth(2)), zero_options().batch_size(16));
+  single.fit(synthetic_images());
+  const auto reference = single.model()->parameters();
+  const size_t n = reference.size();
+  int64_t param_bytes = 0, largest = 0, state_sum = 0;
+  for (const auto& p : reference) {
+    param_bytes += p.numel() * 4;
+    largest = std::max<int64_t>(largest, p.numel() * 4);
+  }
+  for (int r = 0; r < 2; ++r) {
+    const auto mine = load_rank(out, r);
+    ASSERT_EQ(mine.size(), 2 * n + 1);
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_TRUE(mine[i].equal(mine[n + i])) << "rank " << r << " parameter " << i
+                                              << ": sharded and whole optimizer state differ";
+      EXPECT_LT(testing::relative_difference(mine[i], reference[i].detach()), 1e-6) << "rank " << r << " parameter " << i;
+    }
+    const auto bytes = mine.back();
+    const int64_t local = bytes[0].item<int64_t>(), whole = bytes[1].item<int64_t>(), owned = bytes[2].item<int64_t>();
+    EXPECT_EQ(whole, 2 * param_bytes) << "unsharded Adam keeps two moments of every parameter";
+    EXPECT_EQ(local, 2 * owned) << "rank " << r << " keeps the moments of what it owns, nothing else";
+    EXPECT_LE(owned, param_bytes / 2 + largest) << "the greedy partition is within one parameter of even";
+    EXPECT_GT(owned, 0) << "rank " << r << " owns a share";
+    state_sum += local;
+    ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
+  }
+  EXPECT_EQ(state_sum, 2 * param_bytes) << "the shards add up to the whole state, each parameter once";
+}
+
+TEST_F(Distributed, ResumedRanksContinueBitIdenticallyWithWholeAndShardedState) {
+  const std::string out = ::testing::TempDir() + "memfit_ddp_resume_" + std::to_string(::getpid());
+  const auto statuses = run_ranks(2, "resume", out);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
+  const size_t n = dropout_mlp()->parameters().size();
+  for (int r = 0; r < 2; ++r) {
+    const auto mine = load_rank(out, r);
+    ASSERT_EQ(mine.size(), 2 * (2 * n + 1));
+    for (int stage = 0; stage < 2; ++stage) {
+      const size_t base = stage * (2 * n + 1);
+      for (size_t i = 0; i < n; ++i) {
+        EXPECT_TRUE(mine[base + i].equal(mine[base + n + i]))
+            << "zero_stage " << stage << ", rank " << r << ", parameter " << i << ": the resumed run differs";
+      }
+      const auto losses = mine[base + 2 * n];
+      ASSERT_EQ(losses.numel(), 6);
+      EXPECT_TRUE(losses.narrow(0, 0, 3).equal(losses.narrow(0, 3, 3)))
+          << "zero_stage " << stage << ": the losses of steps 4 to 6 differ after resuming";
+    }
+    ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
+  }
+  // The sharded checkpoint loads only into a job of the size that saved it.
+  WorldInfo solo;
+  solo.master_port = 0;
+  auto group = std::make_shared<ProcessGroup>(solo);
+  Trainer one(dropout_mlp(), zero_options().process_group(group).zero_stage(1));
+  expect_error([&] { one.resume(out + ".ckpt1"); }, "holds the optimizer state of 2 ranks (zero_stage 1), but this job has 1");
+  Trainer unsharded(dropout_mlp(), zero_options().process_group(group));
+  expect_error([&] { unsharded.resume(out + ".ckpt1"); }, "resume with zero_stage 1 (--zero-stage 1)");
+  for (int stage = 0; stage < 2; ++stage) {
+    const std::string dir = out + ".ckpt" + std::to_string(stage);
+    std::filesystem::remove(dir + "/checkpoint.pt");
+    std::filesystem::remove(dir);
+  }
+}
+
+TEST_F(Distributed, ZeroStageIsCheckedOnce) {
+  expect_error([] { Trainer(dropout_mlp(), zero_options().zero_stage(1)); }, "zero_stage 1 shards the optimizer state over the ranks of a process group");
+  expect_error([] { Trainer(dropout_mlp(), zero_options().zero_stage(2)); }, "stages 2 and 3 are not implemented");
 }
 
 TEST_F(Distributed, ARankThatHangsStopsTheOthersAfterTheTimeout) {

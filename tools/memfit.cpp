@@ -80,6 +80,7 @@ struct TrainArgs {
   int64_t save_every = 0;
   std::string resume;
   int64_t dist_timeout = 60;
+  int64_t zero_stage = 0;
   std::string plan = "auto";
 };
 
@@ -164,6 +165,11 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                     "Under `memfit launch` (or torchrun, srun, mpirun): seconds a rank waits for "
                     "the others before it stops with an error naming them")
       ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  train->add_option("--zero-stage", a.zero_stage,
+                    "Under `memfit launch`: 1 shards the optimizer state over the ranks (ZeRO "
+                    "stage 1: each rank keeps about 1/N of it), 0 keeps it whole on every rank")
+      ->check(CLI::IsMember({0, 1}))
       ->capture_default_str();
   train->add_option("--checkpoint", a.checkpoint,
                     "Activation checkpointing: none, sqrt (Chen et al.), every:K layers, "
@@ -562,7 +568,8 @@ int run_train(const TrainArgs& a) {
                              : memfit::Offload::kNone)
       .save_dir(a.save)
       .save_every(a.save_every)
-      .process_group(group);
+      .process_group(group)
+      .zero_stage(a.zero_stage);
   memfit::Trainer trainer(model, options);
   if (!a.resume.empty()) {
     trainer.resume(a.resume);
@@ -578,8 +585,9 @@ int run_train(const TrainArgs& a) {
              "steps, budget {}\n",
              a.model, params, frozen > 0 ? fmt::format(", {} frozen", frozen) : std::string(),
              train_data.size(),
-             group ? fmt::format("{} per rank × {} ranks ({}, data parallel over Gloo)", a.batch,
-                                 world.world_size, world.source)
+             group ? fmt::format("{} per rank × {} ranks ({}, data parallel over Gloo{})", a.batch,
+                                 world.world_size, world.source,
+                                 a.zero_stage == 1 ? ", optimizer state sharded: ZeRO stage 1" : "")
                    : std::to_string(a.batch),
              a.micro_batch > 0 && a.micro_batch < a.batch
                  ? fmt::format(" in micro-batches of {}", a.micro_batch)

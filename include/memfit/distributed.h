@@ -2,8 +2,8 @@
 /// \file distributed.h
 /// Training on several processes with PyTorch's c10d (Gloo): where a process
 /// stands in the job (from torchrun's, Slurm's or Open MPI's variables), the
-/// process group, and data parallel training (DistributedDataParallel, the
-/// C++ API LibTorch lacks).
+/// process group, data parallel training (DistributedDataParallel, the
+/// C++ API LibTorch lacks) and sharded optimizer state (ZeroRedundancyOptimizer).
 ///
 /// Data parallel: every rank holds the whole model, reads its own shard of
 /// each batch, and the gradients are averaged with all-reduce in buckets of
@@ -20,10 +20,12 @@
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -116,6 +118,10 @@ class ProcessGroup {
   void all_reduce_max_(torch::Tensor& tensor);
   /// Overwrites `tensor` with rank `root`'s, and waits.
   void broadcast_(torch::Tensor& tensor, int64_t root = 0);
+  /// Every rank's `tensor` (1-D, on the host, the same dtype everywhere, any
+  /// length) on rank `root`, in rank order; the other ranks get an empty
+  /// list. Every rank must call it.
+  std::vector<torch::Tensor> gather(const torch::Tensor& tensor, int64_t root = 0);
   /// Waits until every rank has called it.
   void barrier();
 
@@ -240,6 +246,85 @@ class DistributedDataParallel {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+};
+
+/// Builds an optimizer over the parameters it is given (the local optimizer
+/// of a ZeroRedundancyOptimizer).
+using OptimizerFactory =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>;
+
+/// Sharded optimizer state, ZeRO stage 1 (PyTorch's ZeroRedundancyOptimizer):
+/// each rank keeps optimizer state for, and steps, only the parameters it
+/// owns, then every parameter is broadcast from its owner, so every rank
+/// ends the step with the same parameters as an unsharded optimizer would
+/// give (the same elementwise update on the same values: equal bitwise).
+///
+/// Ownership follows PyTorch's partition: parameters from the largest down,
+/// each to the rank that owns the fewest bytes so far; so each rank holds
+/// about 1/N of the optimizer state, unevenly when one tensor dominates
+/// (owned_bytes() tells). Gradients are not sharded (stage 1): use it with
+/// DistributedDataParallel, which averages them, or any code that leaves
+/// every rank with the same gradients. Every rank must call step() together.
+///
+/// Its param_groups() hold every parameter, so GradScaler::unscale_ and
+/// gradient clipping see all the gradients, as without sharding; state()
+/// is empty: the state is in local_optimizer(). save() and load() write and
+/// read this rank's shard; consolidate_state_dict() gathers every rank's.
+///
+/// Sync points: step() (one broadcast per parameter) and
+/// consolidate_state_dict(). Extra memory: none (the broadcasts write into
+/// the parameters in place; CUDA parameters are staged through host copies).
+///
+/// Example:
+/// \code
+///   memfit::WorldInfo solo;
+///   solo.master_port = 0;
+///   auto group = std::make_shared<memfit::ProcessGroup>(solo);
+///   torch::nn::Linear net(4, 2);
+///   memfit::ZeroRedundancyOptimizer zero(
+///       net->parameters(),
+///       [](std::vector<torch::Tensor> p) {
+///         return std::make_unique<torch::optim::Adam>(std::move(p), torch::optim::AdamOptions(1e-3));
+///       },
+///       group);
+///   net->forward(torch::ones({3, 4})).sum().backward();
+///   zero.step();  // steps this rank's share, then broadcasts every parameter from its owner
+/// \endcode
+class ZeroRedundancyOptimizer : public torch::optim::Optimizer {
+ public:
+  /// Partitions `params` over `group`'s ranks and builds this rank's local
+  /// optimizer with `make_local` over the parameters it owns.
+  ZeroRedundancyOptimizer(std::vector<torch::Tensor> params, OptimizerFactory make_local,
+                          std::shared_ptr<ProcessGroup> group);
+  ~ZeroRedundancyOptimizer() override;
+
+  /// Steps the local optimizer, then broadcasts every parameter from its owner.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  /// Writes this rank's shard of the optimizer state.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// Reads this rank's shard, as save() wrote it on the same rank of a job of
+  /// the same size.
+  void load(torch::serialize::InputArchive& archive) override;
+
+  /// The rank that owns parameter `index` (an index into param_groups()[0].params()).
+  int64_t owner(size_t index) const;
+  /// Parameter bytes each rank owns, by rank.
+  std::vector<int64_t> owned_bytes() const;
+  /// This rank's optimizer, over the parameters it owns (none may be owned
+  /// when there are more ranks than parameters: then it is nullptr).
+  torch::optim::Optimizer* local_optimizer() const;
+  /// Gathers every rank's shard, serialized as save() writes it, on rank
+  /// `to` (PyTorch's consolidate_state_dict); the others get an empty list.
+  /// Every rank must call it.
+  /// Every rank must call it. Rank r's shard loads back on rank r of a job
+  /// of the same size: read the bytes into an InputArchive (load_from) and
+  /// call load().
+  std::vector<std::string> consolidate_state_dict(int64_t to = 0);
+
+ private:
+  std::shared_ptr<ProcessGroup> group_;
+  std::vector<int64_t> owner_;
+  std::unique_ptr<torch::optim::Optimizer> local_;
 };
 
 } // namespace memfit

@@ -126,6 +126,12 @@ struct TrainerOptions {
   TORCH_ARG(std::shared_ptr<ProcessGroup>, process_group) = nullptr;
   /// Data parallel bucket size in MiB (DistributedDataParallelOptions).
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// ZeRO stage: 0 keeps the whole optimizer state on every rank; 1 shards it
+  /// over the process group's ranks (ZeroRedundancyOptimizer: each rank holds
+  /// the state of about 1/N of the parameters and steps only those). Needs a
+  /// process_group. Stages 2 and 3 (sharded gradients and parameters) are not
+  /// implemented.
+  TORCH_ARG(int64_t, zero_stage) = 0;
 };
 
 /// One optimizer step as measured.
@@ -242,9 +248,12 @@ class Trainer {
   /// Writes a checkpoint to `dir`/checkpoint.pt atomically: the model, the
   /// fp32 masters, the optimizer, the GradScaler, the CPU (and CUDA) RNG
   /// states, the sampler's generator and order, the epoch, data position and step.
-  void save(const std::string& dir) const;
+  /// With a process group only rank 0 writes; with zero_stage 1 every rank
+  /// must call it (rank 0 gathers the optimizer's shards and writes them all).
+  void save(const std::string& dir);
   /// Restores what save() wrote (`dir` or the file itself), so fit() continues
-  /// bit-identically. The checkpoint is read into host memory and checked
+  /// bit-identically (with a process group: every rank resumes from the same
+  /// file, in a job of the same size). The checkpoint is read into host memory and checked
   /// entirely before anything changes; tensors then move to the device one by
   /// one. Throws c10::Error naming the first tensor that does not match.
   ///
@@ -277,6 +286,8 @@ class Trainer {
  private:
   StepMemory breakdown(int64_t peak, int64_t model_grad_bytes) const;
   bool state_on_host() const;
+  int64_t device_state_bytes() const;
+  torch::optim::Optimizer* state_optimizer() const;
   int64_t world_size() const;
   int64_t rank() const;
 
@@ -294,6 +305,7 @@ class Trainer {
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<GradScaler> scaler_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  ZeroRedundancyOptimizer* zero_ = nullptr;  // optimizer_, when it is sharded
 };
 
 } // namespace memfit
