@@ -32,6 +32,7 @@ bench: build
 	./$(BUILD_DIR)/bench/memfit_precision_bench
 	./$(BUILD_DIR)/bench/memfit_trainer_bench
 	./$(BUILD_DIR)/bench/memfit_plan_bench
+	./$(BUILD_DIR)/bench/memfit_distributed_bench
 
 install: build
 	cmake --install $(BUILD_DIR) $(if $(PREFIX),--prefix $(PREFIX),)

@@ -95,6 +95,9 @@ struct ProcessGroupImpl {
   ProcessGroupOptions options;
   c10::intrusive_ptr<c10d::TCPStore> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  int64_t payload = 0;
+
+  void count(const torch::Tensor& t) { payload += t.numel() * static_cast<int64_t>(t.element_size()); }
 };
 } // namespace detail
 
@@ -186,6 +189,7 @@ void on_host(torch::Tensor& tensor, Launch&& launch) {
 } // namespace
 
 void ProcessGroup::all_reduce_(torch::Tensor& tensor) {
+  impl_->count(tensor);
   on_host(tensor, [&](torch::Tensor& t) {
     std::vector<torch::Tensor> v{t};
     wait_for(impl_->gloo->allreduce(v), "all-reduce", *impl_);
@@ -193,6 +197,7 @@ void ProcessGroup::all_reduce_(torch::Tensor& tensor) {
 }
 
 void ProcessGroup::all_reduce_max_(torch::Tensor& tensor) {
+  impl_->count(tensor);
   on_host(tensor, [&](torch::Tensor& t) {
     std::vector<torch::Tensor> v{t};
     c10d::AllreduceOptions o;
@@ -203,6 +208,7 @@ void ProcessGroup::all_reduce_max_(torch::Tensor& tensor) {
 
 void ProcessGroup::broadcast_(torch::Tensor& tensor, int64_t root) {
   TORCH_CHECK(root >= 0 && root < size(), "broadcast_: root ", root, " is not a rank in [0, ", size(), ")");
+  impl_->count(tensor);
   on_host(tensor, [&](torch::Tensor& t) {
     std::vector<torch::Tensor> v{t};
     c10d::BroadcastOptions o;
@@ -214,6 +220,8 @@ void ProcessGroup::broadcast_(torch::Tensor& tensor, int64_t root) {
 void ProcessGroup::barrier() {
   wait_for(impl_->gloo->barrier(), "barrier", *impl_);
 }
+
+int64_t ProcessGroup::payload_bytes() const { return impl_->payload; }
 
 std::vector<torch::Tensor> ProcessGroup::gather(const torch::Tensor& tensor, int64_t root) {
   TORCH_CHECK(root >= 0 && root < size(), "gather: root ", root, " is not a rank in [0, ", size(), ")");
@@ -237,6 +245,7 @@ ProcessGroup::Pending ProcessGroup::all_reduce_async_(torch::Tensor& tensor) {
   TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(),
               "all_reduce_async_ needs a contiguous CPU tensor, got ", tensor.device(),
               tensor.is_contiguous() ? "" : " (not contiguous)");
+  impl_->count(tensor);
   std::vector<torch::Tensor> v{tensor};
   Pending p;
   p.work_ = std::make_unique<Pending::Work>();
@@ -286,6 +295,7 @@ void ProcessGroup::all_reduce_max_(torch::Tensor&) {}
 void ProcessGroup::broadcast_(torch::Tensor&, int64_t) {}
 void ProcessGroup::barrier() {}
 std::vector<torch::Tensor> ProcessGroup::gather(const torch::Tensor&, int64_t) { return {}; }
+int64_t ProcessGroup::payload_bytes() const { return 0; }
 ProcessGroup::Pending ProcessGroup::all_reduce_async_(torch::Tensor&) { return Pending(); }
 ProcessGroup::Pending::Pending() = default;
 ProcessGroup::Pending::~Pending() = default;

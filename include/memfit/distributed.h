@@ -124,6 +124,10 @@ class ProcessGroup {
   std::vector<torch::Tensor> gather(const torch::Tensor& tensor, int64_t root = 0);
   /// Waits until every rank has called it.
   void barrier();
+  /// Bytes of the tensors this rank has put into collectives so far (each
+  /// all-reduce, broadcast and gather counts its tensor once; what goes over
+  /// the wire depends on Gloo's algorithm).
+  int64_t payload_bytes() const;
 
   /// Starts summing `tensor` (a contiguous CPU tensor) over the ranks in place
   /// and returns at once; the returned handle's wait() finishes it.

@@ -1,0 +1,210 @@
+// Data parallel training on this machine: one process against two ranks over
+// c10d Gloo on 127.0.0.1, with the optimizer state whole and sharded (ZeRO
+// stage 1). For each built-in model (MLP, ResNet), the same global batch of 64
+// Fashion-MNIST images, Adam, in these configurations:
+//
+//   1 proc × 2 threads   one process, the machine's two cores to itself
+//   1 proc × 1 thread    one process, one core
+//   2 ranks              two processes of one thread, 32 images each
+//   2 ranks + ZeRO-1     the same, each rank keeping Adam's state for its share
+//
+// and prints, per configuration: the median step time (steps after the first
+// five) and samples per second, the bytes each rank put into collectives per
+// step (gradients all-reduced, parameters broadcast by ZeRO, the loss), and per
+// rank the optimizer-state bytes and the peak of a step (memfit's byte-exact
+// allocator).
+//
+//   build/bench/memfit_distributed_bench [--steps 40] [--model mlp|resnet|all]
+//
+// The workers are this program started again with torchrun's variables.
+
+#include "memfit/data.h"
+#include "memfit/distributed.h"
+#include "memfit/memory.h"
+#include "memfit/models.h"
+#include "memfit/trainer.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+constexpr int64_t kGlobalBatch = 64;
+
+struct Config {
+  std::string name;
+  int ranks;
+  int threads;
+  int zero_stage;
+};
+
+const std::vector<Config>& configs() {
+  static const std::vector<Config> c = {{"1 proc × 2 threads", 1, 2, 0},
+                                        {"1 proc × 1 thread", 1, 1, 0},
+                                        {"2 ranks × 1 thread", 2, 1, 0},
+                                        {"2 ranks × 1 thread, ZeRO-1", 2, 1, 1}};
+  return c;
+}
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 29500 + static_cast<int>(::getpid() % 1000);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+// One rank: trains and writes its measurements as JSON to MEMFIT_BENCH_OUT.
+int worker() {
+  const std::string model = std::getenv("MEMFIT_BENCH_MODEL");
+  const std::string out = std::getenv("MEMFIT_BENCH_OUT");
+  const int64_t steps = std::atoll(std::getenv("MEMFIT_BENCH_STEPS"));
+  const int zero = std::atoi(std::getenv("MEMFIT_BENCH_ZERO"));
+  torch::set_num_threads(std::atoi(std::getenv("MEMFIT_BENCH_THREADS")));
+  const auto world = memfit::world_from_env();
+  std::shared_ptr<memfit::ProcessGroup> group;
+  if (world.distributed()) group = std::make_shared<memfit::ProcessGroup>(world);
+  memfit::memory_allocated(torch::kCPU);
+  const auto data = memfit::load_fashion_mnist(memfit::Split::kTrain);
+  torch::manual_seed(0);
+  memfit::Trainer trainer(memfit::make_model(memfit::parse_model_kind(model)),
+                          memfit::TrainerOptions()
+                              .batch_size(kGlobalBatch / world.world_size)
+                              .steps(steps)
+                              .optimizer(memfit::OptimizerKind::kAdam)
+                              .process_group(group)
+                              .zero_stage(zero));
+  const int64_t payload_before = group ? group->payload_bytes() : 0;
+  const auto report = trainer.fit(data);
+  const int64_t payload = group ? group->payload_bytes() - payload_before : 0;
+  std::vector<double> seconds;
+  for (size_t i = 5; i < report.steps.size(); ++i) seconds.push_back(report.steps[i].seconds);
+  std::sort(seconds.begin(), seconds.end());
+  int64_t param_bytes = 0;
+  for (const auto& p : trainer.model()->parameters()) param_bytes += p.numel() * p.element_size();
+  nlohmann::json j = {{"rank", world.rank},
+                      {"median_step_s", seconds.empty() ? 0.0 : seconds[seconds.size() / 2]},
+                      {"payload_per_step", double(payload) / double(steps)},
+                      {"optimizer_state", report.step_memory.optimizer_state},
+                      {"peak", report.peak_bytes},
+                      {"param_bytes", param_bytes},
+                      {"final_loss", report.final_loss}};
+  std::ofstream(out) << j.dump();
+  return 0;
+}
+
+std::vector<nlohmann::json> run(const Config& c, const std::string& model, int64_t steps) {
+  const std::string port = std::to_string(free_port());
+  const std::string base = fmt::format("/tmp/memfit_distributed_bench_{}", ::getpid());
+  std::vector<pid_t> pids;
+  for (int r = 0; r < c.ranks; ++r) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+    const std::map<std::string, std::string> vars = {
+        {"MEMFIT_BENCH_WORKER", "1"}, {"MEMFIT_BENCH_MODEL", model},
+        {"MEMFIT_BENCH_OUT", base + ".rank" + std::to_string(r) + ".json"},
+        {"MEMFIT_BENCH_STEPS", std::to_string(steps)}, {"MEMFIT_BENCH_ZERO", std::to_string(c.zero_stage)},
+        {"MEMFIT_BENCH_THREADS", std::to_string(c.threads)}, {"OMP_NUM_THREADS", std::to_string(c.threads)},
+        {"RANK", std::to_string(r)}, {"WORLD_SIZE", std::to_string(c.ranks)},
+        {"LOCAL_RANK", std::to_string(r)}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+    for (const auto& [k, v] : vars) env.push_back(k + "=" + v);
+    std::vector<char*> envp;
+    for (auto& s : env) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::string exe = "/proc/self/exe";
+    char* argv[] = {exe.data(), nullptr};
+    pid_t pid = 0;
+    if (::posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data()) != 0) {
+      throw std::runtime_error("cannot start a worker");
+    }
+    pids.push_back(pid);
+  }
+  std::vector<nlohmann::json> results;
+  for (int r = 0; r < c.ranks; ++r) {
+    int status = 0;
+    ::waitpid(pids[r], &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      throw std::runtime_error(fmt::format("{}: rank {} failed", c.name, r));
+    }
+    const std::string file = base + ".rank" + std::to_string(r) + ".json";
+    std::ifstream in(file);
+    results.push_back(nlohmann::json::parse(in));
+    ::unlink(file.c_str());
+  }
+  return results;
+}
+
+std::string mib(double bytes) { return fmt::format("{:.2f} MiB", bytes / (1 << 20)); }
+
+} // namespace
+
+int main(int argc, char** argv) {
+  if (std::getenv("MEMFIT_BENCH_WORKER") != nullptr) return worker();
+  int64_t steps = 40;
+  std::vector<std::string> models = {"mlp", "resnet"};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--steps") {
+      steps = std::max<int64_t>(10, std::atoll(value.c_str()));
+    } else if (flag == "--model" && value != "all") {
+      models = {value};
+    } else {
+      fmt::print(stderr, "usage: {} [--steps N (>= 10)] [--model mlp|resnet|all]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (!memfit::distributed_available()) {
+    fmt::print("this build has no c10d Gloo process group: nothing to measure\n");
+    return 0;
+  }
+  fmt::print("global batch {}, Adam, {} steps, median step time of steps 6..{}\n\n", kGlobalBatch, steps, steps);
+  for (const auto& model : models) {
+    fmt::print("### {}\n\n", model);
+    fmt::print("| configuration | step time | samples/s | vs 1 proc × 2 threads | collective payload / step / rank "
+               "| optimizer state per rank | step peak per rank | final loss |\n");
+    fmt::print("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    double baseline = 0;
+    for (const auto& c : configs()) {
+      const auto results = run(c, model, steps);
+      double step = 0, payload = 0;
+      std::string state, peak;
+      for (const auto& r : results) {
+        step = std::max(step, r["median_step_s"].get<double>());
+        payload = std::max(payload, r["payload_per_step"].get<double>());
+        state += (state.empty() ? "" : " / ") + mib(r["optimizer_state"].get<double>());
+        peak += (peak.empty() ? "" : " / ") + mib(r["peak"].get<double>());
+      }
+      if (baseline == 0) baseline = step;
+      fmt::print("| {} | {:.1f} ms | {:.0f} | {:.2f}× | {} | {} | {} | {:.4f} |\n", c.name, step * 1e3,
+                 double(kGlobalBatch) / step, baseline / step, c.ranks > 1 ? mib(payload) : std::string("—"),
+                 state, peak, results.front()["final_loss"].get<double>());
+      std::fflush(stdout);
+    }
+    fmt::print("\n");
+  }
+  return 0;
+}
