@@ -103,6 +103,9 @@ struct ProcessGroupImpl {
 
 struct ProcessGroup::Pending::Work {
   c10::intrusive_ptr<c10d::Work> work;
+  std::string what;
+  std::chrono::milliseconds timeout{0};  // 0: the work's own (a collective's)
+  torch::Tensor keep;                    // a send's tensor, alive until it is sent
 };
 
 namespace {
@@ -250,7 +253,41 @@ ProcessGroup::Pending ProcessGroup::all_reduce_async_(torch::Tensor& tensor) {
   Pending p;
   p.work_ = std::make_unique<Pending::Work>();
   p.work_->work = impl_->gloo->allreduce(v);
+  p.work_->what = "all-reduce";
   return p;
+}
+
+ProcessGroup::Pending ProcessGroup::send(const torch::Tensor& tensor, int64_t dst, int64_t tag) {
+  TORCH_CHECK(dst >= 0 && dst < size() && dst != rank(), "send: rank ", dst, " is not another rank of [0, ",
+              size(), ")");
+  TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(), "send needs a contiguous CPU tensor, got ",
+              tensor.device(), tensor.is_contiguous() ? "" : " (not contiguous)");
+  impl_->count(tensor);
+  std::vector<torch::Tensor> v{tensor};
+  Pending p;
+  p.work_ = std::make_unique<Pending::Work>();
+  p.work_->work = impl_->gloo->send(v, static_cast<int>(dst), static_cast<int>(tag));
+  p.work_->what = fmt::format("rank {} of {}: send to rank {}", rank(), size(), dst);
+  p.work_->timeout = impl_->options.timeout();
+  p.work_->keep = tensor;
+  return p;
+}
+
+void ProcessGroup::recv_(torch::Tensor& tensor, int64_t src, int64_t tag) {
+  TORCH_CHECK(src >= 0 && src < size() && src != rank(), "recv_: rank ", src, " is not another rank of [0, ",
+              size(), ")");
+  TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(), "recv_ needs a contiguous CPU tensor, got ",
+              tensor.device(), tensor.is_contiguous() ? "" : " (not contiguous)");
+  impl_->count(tensor);
+  std::vector<torch::Tensor> v{tensor};
+  auto work = impl_->gloo->recv(v, static_cast<int>(src), static_cast<int>(tag));
+  try {
+    work->wait(impl_->options.timeout());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", rank(), " of ", size(), ": receiving from rank ", src,
+                " failed (it died, or sent nothing within the ", impl_->options.timeout().count(),
+                " ms timeout): ", e.what());
+  }
 }
 
 ProcessGroup::Pending::Pending() = default;
@@ -261,10 +298,14 @@ ProcessGroup::Pending& ProcessGroup::Pending::operator=(Pending&&) noexcept = de
 void ProcessGroup::Pending::wait() {
   TORCH_CHECK(work_ != nullptr, "ProcessGroup::Pending::wait: nothing in flight");
   try {
-    work_->work->wait();
+    if (work_->timeout.count() > 0) {
+      work_->work->wait(work_->timeout);
+    } else {
+      work_->work->wait();
+    }
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "all-reduce failed (another rank died, hung past the timeout, or called a "
-                       "different collective): ", e.what());
+    TORCH_CHECK(false, work_->what, " failed (another rank died, hung past the timeout, or called a "
+                "different operation): ", e.what());
   }
   work_.reset();
 }
@@ -297,6 +338,8 @@ void ProcessGroup::barrier() {}
 std::vector<torch::Tensor> ProcessGroup::gather(const torch::Tensor&, int64_t) { return {}; }
 int64_t ProcessGroup::payload_bytes() const { return 0; }
 ProcessGroup::Pending ProcessGroup::all_reduce_async_(torch::Tensor&) { return Pending(); }
+ProcessGroup::Pending ProcessGroup::send(const torch::Tensor&, int64_t, int64_t) { return Pending(); }
+void ProcessGroup::recv_(torch::Tensor&, int64_t, int64_t) {}
 ProcessGroup::Pending::Pending() = default;
 ProcessGroup::Pending::~Pending() = default;
 ProcessGroup::Pending::Pending(Pending&&) noexcept = default;

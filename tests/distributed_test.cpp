@@ -3,16 +3,12 @@
 #include "memfit/models.h"
 #include "memfit/trainer.h"
 
+#include "ranks.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -24,8 +20,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-extern char** environ;
 
 namespace memfit {
 namespace {
@@ -176,59 +170,6 @@ TEST_F(Distributed, AGroupOfOneReducesBroadcastsAndAveragesNothingAway) {
 }
 
 // --- several processes ------------------------------------------------------
-
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    ::close(fd);
-    return 29500 + static_cast<int>(::getpid() % 1000);
-  }
-  const int port = ntohs(a.sin_port);
-  ::close(fd);
-  return port;
-}
-
-// Runs this test program's DistributedWorker.Run as `n` ranks (torchrun's
-// variables, one free port on 127.0.0.1) and returns their exit statuses.
-std::vector<int> run_ranks(int n, const std::string& mode, const std::string& out) {
-  const std::string port = std::to_string(free_port());
-  std::vector<pid_t> pids;
-  for (int r = 0; r < n; ++r) {
-    std::vector<std::string> env_strings;
-    for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
-    for (const auto& kv : std::map<std::string, std::string>{{"RANK", std::to_string(r)},
-                                                             {"WORLD_SIZE", std::to_string(n)},
-                                                             {"LOCAL_RANK", std::to_string(r)},
-                                                             {"MASTER_ADDR", "127.0.0.1"},
-                                                             {"MASTER_PORT", port},
-                                                             {"MEMFIT_TEST_WORKER", mode},
-                                                             {"MEMFIT_TEST_OUT", out},
-                                                             {"OMP_NUM_THREADS", "1"}}) {
-      env_strings.push_back(kv.first + "=" + kv.second);
-    }
-    std::vector<char*> envp;
-    for (auto& s : env_strings) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::string exe = "/proc/self/exe", filter = "--gtest_filter=DistributedWorker.Run";
-    char* argv[] = {exe.data(), filter.data(), nullptr};
-    pid_t pid = 0;
-    EXPECT_EQ(::posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data()), 0);
-    pids.push_back(pid);
-  }
-  std::vector<int> statuses;
-  for (pid_t pid : pids) {
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    statuses.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
-  }
-  return statuses;
-}
 
 constexpr int64_t kExamples = 96, kBatch = 8, kSteps = 4;  // per-rank batch 8
 
@@ -422,7 +363,7 @@ std::vector<torch::Tensor> load_rank(const std::string& out, int r) {
 
 void expect_ranks_match_one_process(int world, const std::string& mode) {
   const std::string out = ::testing::TempDir() + "memfit_ddp_" + mode + "_" + std::to_string(::getpid());
-  const auto statuses = run_ranks(world, mode, out);
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", world, mode, out);
   for (int r = 0; r < world; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
   const auto reference = single_process(world);
   const auto rank0 = load_rank(out, 0);
@@ -454,7 +395,7 @@ TEST_F(Distributed, ThreeRanksWithNoSyncMicroBatchesTrainLikeOneProcess) {
 
 TEST_F(Distributed, ARankThatDiesStopsTheOthersWithAnErrorNamingThem) {
   const std::string out = ::testing::TempDir() + "memfit_ddp_die_" + std::to_string(::getpid());
-  const auto statuses = run_ranks(2, "die", out);
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "die", out);
   EXPECT_EQ(statuses[1], 3);
   EXPECT_EQ(statuses[0], 7) << "rank 0 must stop with an error, not hang or succeed";
   std::ifstream in(out + ".rank0.txt");
@@ -468,7 +409,7 @@ TEST_F(Distributed, TrainersOnThreeRanksTrainLikeOneTrainerWithTheTripleBatch) {
   // micro-batches of 3 on each rank (8 = 3 + 3 + 2; the short batch's
   // shares are 2, 1 and 1).
   const std::string out = ::testing::TempDir() + "memfit_ddp_trainer_" + std::to_string(::getpid());
-  const auto statuses = run_ranks(3, "trainer", out);
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 3, "trainer", out);
   for (int r = 0; r < 3; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
   torch::manual_seed(1);
   Trainer single(make_mlp(ModelOptions().width(32).depth(1)), trainer_options().batch_size(24));
@@ -490,7 +431,7 @@ TEST_F(Distributed, TrainersOnThreeRanksTrainLikeOneTrainerWithTheTripleBatch) {
 
 TEST_F(Distributed, ZeroStageOneShardsAdamStateAndTrainsLikeTheWholeState) {
   const std::string out = ::testing::TempDir() + "memfit_ddp_zero_" + std::to_string(::getpid());
-  const auto statuses = run_ranks(2, "zero", out);
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "zero", out);
   for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
   torch::manual_seed(1);
   Trainer single(make_mlp(ModelOptions().width(32).depth(2)), zero_options().batch_size(16));
@@ -524,7 +465,7 @@ TEST_F(Distributed, ZeroStageOneShardsAdamStateAndTrainsLikeTheWholeState) {
 
 TEST_F(Distributed, ResumedRanksContinueBitIdenticallyWithWholeAndShardedState) {
   const std::string out = ::testing::TempDir() + "memfit_ddp_resume_" + std::to_string(::getpid());
-  const auto statuses = run_ranks(2, "resume", out);
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "resume", out);
   for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
   const size_t n = dropout_mlp()->parameters().size();
   for (int r = 0; r < 2; ++r) {
@@ -567,7 +508,7 @@ TEST_F(Distributed, ARankThatHangsStopsTheOthersAfterTheTimeout) {
   // Rank 1 stays silent for 6 s; rank 0's all-reduce gives up after its 2 s
   // timeout with an error naming it, well before rank 1 would have answered.
   const std::string out = ::testing::TempDir() + "memfit_ddp_hang_" + std::to_string(::getpid());
-  const auto statuses = run_ranks(2, "hang", out);
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "hang", out);
   EXPECT_EQ(statuses[0], 7) << "rank 0 must stop with an error, not wait for rank 1";
   std::ifstream in(out + ".rank0.txt");
   double waited = 0;

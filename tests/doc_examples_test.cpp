@@ -4,6 +4,7 @@
 #include "memfit/checkpoint.h"
 #include "memfit/data.h"
 #include "memfit/distributed.h"
+#include "memfit/pipeline.h"
 #include "memfit/freeze.h"
 #include "memfit/state.h"
 #include "memfit/memory.h"
@@ -251,6 +252,46 @@ TEST_F(DocExamples, DistributedHeader) {
     net->forward(torch::ones({3, 4})).sum().backward();
     ddp.finalize();  // gradients now averaged over the ranks
     EXPECT_TRUE(net->weight.grad().defined());
+  }
+  {  // ZeroRedundancyOptimizer
+    memfit::WorldInfo solo;
+    solo.master_port = 0;
+    auto group = std::make_shared<memfit::ProcessGroup>(solo);
+    torch::nn::Linear net(4, 2);
+    memfit::ZeroRedundancyOptimizer zero(
+        net->parameters(),
+        [](std::vector<torch::Tensor> p) {
+          return std::make_unique<torch::optim::Adam>(std::move(p), torch::optim::AdamOptions(1e-3));
+        },
+        group);
+    net->forward(torch::ones({3, 4})).sum().backward();
+    const auto before = net->weight.detach().clone();
+    zero.step();  // steps this rank's share, then broadcasts every parameter from its owner
+    EXPECT_FALSE(net->weight.equal(before)) << "one rank owns and steps everything";
+    EXPECT_EQ(zero.owned_bytes(), std::vector<int64_t>({(8 + 2) * 4}));
+  }
+}
+
+TEST_F(DocExamples, PipelineHeader) {
+  {  // balance_by_cost
+    auto b = memfit::balance_by_cost({1, 1, 1, 3}, 2);  // {3, 1}: costs 3 and 3
+    assert(b == std::vector<int64_t>({3, 1}));
+    EXPECT_EQ(b, std::vector<int64_t>({3, 1}));
+  }
+  if (!memfit::distributed_available()) GTEST_SKIP() << "this build has no c10d Gloo process group";
+  {  // Pipeline
+    memfit::WorldInfo solo;
+    solo.master_port = 0;
+    auto group = std::make_shared<memfit::ProcessGroup>(solo);
+    torch::nn::Sequential net(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 3));
+    memfit::Pipeline pipe(net, group, memfit::PipelineOptions().chunks(2));
+    auto r = pipe.train_step(torch::randn({6, 4}), torch::randint(0, 3, {6}),
+                             [](const torch::Tensor& out, const torch::Tensor& y) {
+                               return torch::nn::functional::cross_entropy(out, y);
+                             });
+    // pipe.stage()'s parameters now hold the batch's gradients: step an optimizer over them.
+    EXPECT_TRUE(pipe.stage()->parameters().front().grad().defined());
+    EXPECT_GT(r.loss, 0);
   }
 }
 

@@ -133,19 +133,26 @@ class ProcessGroup {
   /// and returns at once; the returned handle's wait() finishes it.
   class Pending;
   Pending all_reduce_async_(torch::Tensor& tensor);
+  /// Starts sending `tensor` (a contiguous CPU tensor, kept alive by the
+  /// handle) to rank `dst`, matched by `tag` with its recv_; the handle's
+  /// wait() finishes it (within the timeout).
+  Pending send(const torch::Tensor& tensor, int64_t dst, int64_t tag = 0);
+  /// Receives into `tensor` (a contiguous CPU tensor of the sent size) from
+  /// rank `src` what it sent with `tag`; waits at most the timeout.
+  void recv_(torch::Tensor& tensor, int64_t src, int64_t tag = 0);
 
  private:
   std::unique_ptr<detail::ProcessGroupImpl> impl_;
 };
 
-/// An all-reduce in flight (ProcessGroup::all_reduce_async_). Move-only.
+/// An all-reduce or send in flight (ProcessGroup::all_reduce_async_, send). Move-only.
 class ProcessGroup::Pending {
  public:
   Pending();
   ~Pending();
   Pending(Pending&&) noexcept;
   Pending& operator=(Pending&&) noexcept;
-  /// Waits for the all-reduce; throws a c10::Error if it failed or timed out.
+  /// Waits for the operation; throws a c10::Error if it failed or timed out.
   void wait();
 
  private:

@@ -1,0 +1,257 @@
+#include "memfit/pipeline.h"
+
+#include "memfit/memory.h"
+#include "memfit/profile.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <limits>
+
+namespace memfit {
+
+PipelineSchedule parse_pipeline_schedule(const std::string& name) {
+  if (name == "gpipe") return PipelineSchedule::kGPipe;
+  if (name == "1f1b") return PipelineSchedule::k1F1B;
+  TORCH_CHECK(false, "unknown pipeline schedule '", name, "': expected gpipe or 1f1b");
+}
+
+std::vector<int64_t> balance_by_cost(const std::vector<double>& costs, int64_t stages) {
+  const auto n = static_cast<int64_t>(costs.size());
+  TORCH_CHECK(stages >= 1 && stages <= n, "balance_by_cost: cannot split ", n, " layers into ", stages,
+              " non-empty stages; use between 1 and ", n, " stages");
+  for (double c : costs) TORCH_CHECK(c >= 0 && std::isfinite(c), "balance_by_cost: a cost is ", c, "; costs must be finite and >= 0");
+  std::vector<double> prefix(n + 1, 0.0);
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[k][i]: the least largest stage cost of the first i layers in k stages.
+  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<int64_t>> cut(stages + 1, std::vector<int64_t>(n + 1, 0));
+  best[0][0] = 0;
+  for (int64_t k = 1; k <= stages; ++k) {
+    for (int64_t i = k; i <= n; ++i) {
+      for (int64_t j = k - 1; j < i; ++j) {  // the last stage holds layers j..i-1
+        const double v = std::max(best[k - 1][j], prefix[i] - prefix[j]);
+        if (v < best[k][i]) {
+          best[k][i] = v;
+          cut[k][i] = j;
+        }
+      }
+    }
+  }
+  std::vector<int64_t> balance(stages);
+  for (int64_t k = stages, i = n; k >= 1; --k) {
+    balance[k - 1] = i - cut[k][i];
+    i = cut[k][i];
+  }
+  return balance;
+}
+
+std::vector<int64_t> balance_by_time(const torch::nn::Sequential& model, const torch::Tensor& sample_input,
+                                     int64_t stages) {
+  const auto profile = profile_chain(model, sample_input);
+  std::vector<double> costs;
+  for (const auto& layer : profile.layers) costs.push_back(layer.forward_seconds + layer.backward_seconds);
+  return balance_by_cost(costs, stages);
+}
+
+struct Pipeline::Impl {
+  std::shared_ptr<ProcessGroup> group;
+  PipelineOptions options;
+  torch::nn::Sequential stage;
+  std::vector<int64_t> balance;
+  int64_t first = 0;
+};
+
+namespace {
+
+constexpr int64_t kMaxDims = 8;
+
+// A forward message: the header (dims, dtype, sizes), then the data.
+torch::Tensor header_of(const torch::Tensor& t) {
+  TORCH_CHECK(t.dim() <= kMaxDims, "Pipeline: a stage's output has ", t.dim(), " dimensions; at most ",
+              kMaxDims, " can be sent");
+  auto h = torch::zeros({kMaxDims + 2}, torch::kInt64);
+  h[0] = t.dim();
+  h[1] = static_cast<int64_t>(t.scalar_type());
+  for (int64_t d = 0; d < t.dim(); ++d) h[d + 2] = t.size(d);
+  return h;
+}
+
+// Tags: three messages per chunk (header, activation, gradient).
+int64_t tag(int64_t chunk, int64_t kind) { return 3 * chunk + kind; }
+
+} // namespace
+
+Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<ProcessGroup> group, PipelineOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  TORCH_CHECK(!model.is_empty() && model->size() > 0, "Pipeline needs a non-empty Sequential");
+  TORCH_CHECK(group != nullptr, "Pipeline needs a process group");
+  TORCH_CHECK(options.chunks() >= 1, "Pipeline: chunks must be >= 1, got ", options.chunks());
+  const int64_t stages = group->size(), n = static_cast<int64_t>(model->size());
+  TORCH_CHECK(stages <= n, "Pipeline: ", stages, " ranks need at least ", stages, " layers, the model has ", n,
+              "; use fewer ranks");
+  // Rank 0's balance, everywhere (timings differ between ranks).
+  auto balance = options.balance();
+  if (group->rank() == 0) {
+    if (balance.empty()) {
+      for (int64_t s = 0; s < stages; ++s) balance.push_back(n / stages + (s < n % stages ? 1 : 0));
+    }
+    TORCH_CHECK(static_cast<int64_t>(balance.size()) == stages, "Pipeline: balance has ", balance.size(),
+                " entries for ", stages, " ranks; give one per rank");
+    int64_t total = 0;
+    for (int64_t b : balance) {
+      TORCH_CHECK(b >= 1, "Pipeline: every stage needs at least one layer, the balance gives one ", b);
+      total += b;
+    }
+    TORCH_CHECK(total == n, "Pipeline: the balance adds up to ", total, " layers, the model has ", n);
+  }
+  {
+    UntrackedGuard host;
+    auto shared = group->rank() == 0 ? torch::tensor(balance, torch::kInt64) : torch::zeros({stages}, torch::kInt64);
+    group->broadcast_(shared, 0);
+    balance.assign(shared.data_ptr<int64_t>(), shared.data_ptr<int64_t>() + stages);
+  }
+  impl_->group = std::move(group);
+  impl_->options = options;
+  impl_->options.balance(balance);
+  impl_->balance = balance;
+  const int64_t r = impl_->group->rank();
+  for (int64_t s = 0; s < r; ++s) impl_->first += balance[s];
+  // The stage's layers keep their names in the whole model ("4.weight").
+  auto it = model->begin() + impl_->first;
+  for (int64_t i = impl_->first; i < impl_->first + balance[r]; ++i, ++it) {
+    impl_->stage->push_back(std::to_string(i), *it);
+  }
+}
+
+Pipeline::~Pipeline() = default;
+Pipeline::Pipeline(Pipeline&&) noexcept = default;
+Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
+
+torch::nn::Sequential& Pipeline::stage() { return impl_->stage; }
+int64_t Pipeline::first_layer() const { return impl_->first; }
+const std::vector<int64_t>& Pipeline::balance() const { return impl_->balance; }
+const PipelineOptions& Pipeline::options() const { return impl_->options; }
+
+PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch::Tensor& target,
+                                        const LossFn& loss_fn) {
+  auto& g = *impl_->group;
+  const int64_t s = g.rank(), stages = g.size();
+  const bool first = s == 0, last = s == stages - 1;
+  TORCH_CHECK(input.dim() >= 1 && input.size(0) > 0, "Pipeline::train_step needs a non-empty batch");
+  TORCH_CHECK(!last || target.defined() && target.size(0) == input.size(0), "Pipeline::train_step: the target has ",
+              target.defined() ? target.size(0) : 0, " examples, the input ", input.size(0));
+  TORCH_CHECK(!last || loss_fn != nullptr, "Pipeline::train_step needs a loss function");
+  const int64_t batch = input.size(0);
+  const int64_t micro = (batch + impl_->options.chunks() - 1) / impl_->options.chunks();
+  const int64_t chunks = (batch + micro - 1) / micro;
+  auto params = impl_->stage->parameters();
+  const torch::Device device = params.empty() ? input.device() : params.front().device();
+
+  struct Chunk {
+    torch::Tensor in, out;  // the stage's input (a leaf when received) and output (or weighted loss)
+  };
+  std::vector<Chunk> live(static_cast<size_t>(chunks));
+  std::vector<ProcessGroup::Pending> sends;
+  int64_t in_flight = 0, max_in_flight = 0;
+  double loss_sum = 0;
+
+  auto send_host = [&](const torch::Tensor& t, int64_t dst, int64_t tg) {
+    torch::Tensor host;
+    {
+      UntrackedGuard untracked;  // the host copy in flight, not the stage's memory
+      host = t.detach().to(torch::kCPU).contiguous();
+      if (host.data_ptr() == t.data_ptr()) host = host.clone();  // the sender may free or reuse t
+    }
+    sends.push_back(g.send(host, dst, tg));
+  };
+
+  auto forward = [&](int64_t m) {
+    const int64_t len = std::min(micro, batch - m * micro);
+    torch::Tensor x;
+    if (first) {
+      x = input.narrow(0, m * micro, len).to(device);
+    } else {
+      torch::Tensor header = torch::empty({kMaxDims + 2}, torch::kInt64);
+      {
+        UntrackedGuard untracked;
+        g.recv_(header, s - 1, tag(m, 0));
+      }
+      const auto* h = header.data_ptr<int64_t>();
+      std::vector<int64_t> sizes(h + 2, h + 2 + h[0]);
+      torch::Tensor host;
+      {
+        UntrackedGuard untracked;
+        host = torch::empty(sizes, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[1])));
+        g.recv_(host, s - 1, tag(m, 1));
+      }
+      x = host.to(device);
+      if (x.data_ptr() == host.data_ptr()) x = x.clone();  // counted as the stage's memory
+      x.requires_grad_(torch::is_floating_point(x));
+    }
+    torch::Tensor y = impl_->stage->forward(x);
+    if (last) {
+      auto l = loss_fn(y, target.narrow(0, m * micro, len).to(device));
+      if (len != batch) l = l * (double(len) / double(batch));
+      loss_sum += l.item<double>();
+      y = l;
+    } else {
+      {
+        UntrackedGuard untracked;
+        sends.push_back(g.send(header_of(y), s + 1, tag(m, 0)));
+      }
+      send_host(y, s + 1, tag(m, 1));
+    }
+    live[m] = Chunk{x, y};
+    max_in_flight = std::max(max_in_flight, ++in_flight);
+  };
+
+  auto backward = [&](int64_t m) {
+    auto& c = live[m];
+    if (last) {
+      c.out.backward();
+    } else {
+      torch::Tensor host;
+      {
+        UntrackedGuard untracked;
+        host = torch::empty(c.out.sizes(), c.out.options().device(torch::kCPU).requires_grad(false));
+        g.recv_(host, s + 1, tag(m, 2));
+      }
+      c.out.backward(host.to(device));
+    }
+    if (!first && c.in.requires_grad()) {
+      TORCH_INTERNAL_ASSERT(c.in.grad().defined(), "the stage's input got no gradient");
+      send_host(c.in.grad(), s - 1, tag(m, 2));
+    }
+    c = Chunk{};
+    --in_flight;
+  };
+
+  if (impl_->options.schedule() == PipelineSchedule::kGPipe) {
+    for (int64_t m = 0; m < chunks; ++m) forward(m);
+    for (int64_t m = chunks; m-- > 0;) backward(m);
+  } else {
+    const int64_t warmup = std::min(stages - s - 1, chunks);
+    for (int64_t m = 0; m < warmup; ++m) forward(m);
+    for (int64_t m = warmup; m < chunks; ++m) {
+      forward(m);
+      backward(m - warmup);
+    }
+    for (int64_t m = chunks - warmup; m < chunks; ++m) backward(m);
+  }
+  for (auto& p : sends) p.wait();
+  // The loss, from the last stage to every rank.
+  torch::Tensor loss;
+  {
+    UntrackedGuard untracked;
+    loss = torch::tensor(loss_sum, torch::kDouble);
+    g.broadcast_(loss, stages - 1);
+  }
+  PipelineStepResult r;
+  r.loss = loss.item<double>();
+  r.max_in_flight = max_in_flight;
+  return r;
+}
+
+} // namespace memfit
