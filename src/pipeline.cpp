@@ -3,6 +3,7 @@
 #include "memfit/memory.h"
 #include "memfit/profile.h"
 
+#include <torch/autograd.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -81,6 +82,23 @@ torch::Tensor header_of(const torch::Tensor& t) {
 // Tags: three messages per chunk (header, activation, gradient).
 int64_t tag(int64_t chunk, int64_t kind) { return 3 * chunk + kind; }
 
+// A received activation as the output of an autograd node (not a leaf, so a
+// stage may begin with an in-place layer), whose backward stores the
+// activation's gradient in a slot: no copy of the activation.
+struct ReceivedActivation : torch::autograd::Function<ReceivedActivation> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& anchor,
+                               int64_t received, int64_t grad_slot) {
+    (void)anchor;  // only links the output into the graph
+    ctx->saved_data["slot"] = grad_slot;
+    return *reinterpret_cast<const torch::Tensor*>(received);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    *reinterpret_cast<torch::Tensor*>(ctx->saved_data["slot"].toInt()) = grads[0];
+    return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 } // namespace
 
 Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<ProcessGroup> group, PipelineOptions options)
@@ -150,8 +168,12 @@ PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch:
   const torch::Device device = params.empty() ? input.device() : params.front().device();
 
   struct Chunk {
-    torch::Tensor in, out;  // the stage's input (a leaf when received) and output (or weighted loss)
+    torch::Tensor out;                   // the stage's output (the last stage: the weighted loss)
+    std::unique_ptr<torch::Tensor> grad;  // where the received input's gradient lands
+    std::vector<int64_t> in_sizes;        // the received input's shape and dtype
+    torch::TensorOptions in_options;
   };
+  const auto anchor = torch::empty({0}, torch::requires_grad());
   std::vector<Chunk> live(static_cast<size_t>(chunks));
   std::vector<ProcessGroup::Pending> sends;
   int64_t in_flight = 0, max_in_flight = 0;
@@ -170,6 +192,7 @@ PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch:
   auto forward = [&](int64_t m) {
     const int64_t len = std::min(micro, batch - m * micro);
     torch::Tensor x;
+    std::unique_ptr<torch::Tensor> grad;
     if (first) {
       x = input.narrow(0, m * micro, len).to(device);
     } else {
@@ -188,7 +211,10 @@ PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch:
       }
       x = host.to(device);
       if (x.data_ptr() == host.data_ptr()) x = x.clone();  // counted as the stage's memory
-      x.requires_grad_(torch::is_floating_point(x));
+      if (torch::is_floating_point(x)) {
+        grad = std::make_unique<torch::Tensor>();
+        x = ReceivedActivation::apply(anchor, reinterpret_cast<int64_t>(&x), reinterpret_cast<int64_t>(grad.get()));
+      }
     }
     torch::Tensor y = impl_->stage->forward(x);
     if (last) {
@@ -203,7 +229,7 @@ PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch:
       }
       send_host(y, s + 1, tag(m, 1));
     }
-    live[m] = Chunk{x, y};
+    live[m] = Chunk{y, std::move(grad), x.sizes().vec(), x.options().requires_grad(false)};
     max_in_flight = std::max(max_in_flight, ++in_flight);
   };
 
@@ -220,9 +246,10 @@ PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch:
       }
       c.out.backward(host.to(device));
     }
-    if (!first && c.in.requires_grad()) {
-      TORCH_INTERNAL_ASSERT(c.in.grad().defined(), "the stage's input got no gradient");
-      send_host(c.in.grad(), s - 1, tag(m, 2));
+    if (c.grad) {
+      // An input the stage did not use has a zero gradient.
+      if (!c.grad->defined()) *c.grad = torch::zeros(c.in_sizes, c.in_options);
+      send_host(*c.grad, s - 1, tag(m, 2));
     }
     c = Chunk{};
     --in_flight;
