@@ -14,7 +14,12 @@
 // rank the optimizer-state bytes and the peak of a step (memfit's byte-exact
 // allocator).
 //
-//   build/bench/memfit_distributed_bench [--steps 40] [--model mlp|resnet|all]
+//   build/bench/memfit_distributed_bench [--steps 40] [--model mlp|resnet|pipeline|all]
+//
+// Pipeline parallel (--model pipeline, and in `all`): an MLP of width 1024 and
+// depth 4 (15.1 MiB of parameters), Adam, batch 64: one process against two
+// stages (GPipe and 1F1B, 4 and 8 chunks): step time, bytes sent and received
+// per step, and per rank the parameters, optimizer state and step peak.
 //
 // The workers are this program started again with torchrun's variables.
 
@@ -22,6 +27,7 @@
 #include "memfit/distributed.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
+#include "memfit/pipeline.h"
 #include "memfit/trainer.h"
 
 #include <fmt/format.h>
@@ -36,6 +42,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -53,6 +60,8 @@ struct Config {
   int ranks;
   int threads;
   int zero_stage;
+  std::string pipeline = "";  // a schedule: pipeline parallel
+  int chunks = 1;
 };
 
 const std::vector<Config>& configs() {
@@ -60,6 +69,15 @@ const std::vector<Config>& configs() {
                                         {"1 proc × 1 thread", 1, 1, 0},
                                         {"2 ranks × 1 thread", 2, 1, 0},
                                         {"2 ranks × 1 thread, ZeRO-1", 2, 1, 1}};
+  return c;
+}
+
+const std::vector<Config>& pipeline_configs() {
+  static const std::vector<Config> c = {{"1 proc × 2 threads", 1, 2, 0, "gpipe", 1},
+                                        {"1 proc × 1 thread", 1, 1, 0, "gpipe", 1},
+                                        {"2 stages × 1 thread, GPipe, 4 chunks", 2, 1, 0, "gpipe", 4},
+                                        {"2 stages × 1 thread, 1F1B, 4 chunks", 2, 1, 0, "1f1b", 4},
+                                        {"2 stages × 1 thread, 1F1B, 8 chunks", 2, 1, 0, "1f1b", 8}};
   return c;
 }
 
@@ -78,8 +96,64 @@ int free_port() {
   return port;
 }
 
+// One pipeline stage: Adam over its layers, batch 64 in MEMFIT_BENCH_CHUNKS
+// chunks; writes its measurements as JSON to MEMFIT_BENCH_OUT.
+int pipeline_worker() {
+  const std::string out = std::getenv("MEMFIT_BENCH_OUT");
+  const int64_t steps = std::atoll(std::getenv("MEMFIT_BENCH_STEPS"));
+  const int64_t chunks = std::atoll(std::getenv("MEMFIT_BENCH_CHUNKS"));
+  const auto schedule = memfit::parse_pipeline_schedule(std::getenv("MEMFIT_BENCH_PIPELINE"));
+  torch::set_num_threads(std::atoi(std::getenv("MEMFIT_BENCH_THREADS")));
+  auto world = memfit::world_from_env();
+  if (!world.distributed()) world.master_port = 0;
+  auto group = std::make_shared<memfit::ProcessGroup>(world);
+  memfit::memory_allocated(torch::kCPU);
+  const auto data = memfit::load_fashion_mnist(memfit::Split::kTrain);
+  torch::manual_seed(0);
+  auto model = memfit::make_mlp(memfit::ModelOptions().width(1024).depth(4));
+  std::vector<int64_t> balance;
+  if (world.rank == 0) balance = memfit::balance_by_time(model, data.images.narrow(0, 0, kGlobalBatch / chunks), world.world_size);
+  memfit::Pipeline pipe(model, group, memfit::PipelineOptions().chunks(chunks).schedule(schedule).balance(balance));
+  model = nullptr;  // only the stage's layers stay
+  torch::optim::Adam adam(pipe.stage()->parameters(), torch::optim::AdamOptions(1e-3));
+  auto ce = [](const torch::Tensor& o, const torch::Tensor& y) { return torch::nn::functional::cross_entropy(o, y); };
+  std::vector<double> seconds;
+  int64_t peak = 0, payload = 0;
+  double loss = 0;
+  for (int64_t step = 0; step < steps; ++step) {
+    const auto x = data.images.narrow(0, step * kGlobalBatch, kGlobalBatch);
+    const auto y = data.labels.narrow(0, step * kGlobalBatch, kGlobalBatch);
+    const int64_t sent = group->payload_bytes();
+    memfit::PeakMeter meter(torch::kCPU);
+    const auto start = std::chrono::steady_clock::now();
+    loss = pipe.train_step(x, y, ce).loss;
+    adam.step();
+    adam.zero_grad();
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    peak = std::max(peak, meter.peak());
+    payload = group->payload_bytes() - sent;
+  }
+  seconds.erase(seconds.begin(), seconds.begin() + 5);
+  std::sort(seconds.begin(), seconds.end());
+  int64_t param_bytes = 0;
+  for (const auto& p : pipe.stage()->parameters()) param_bytes += p.numel() * p.element_size();
+  std::string layers;
+  for (int64_t b : pipe.balance()) layers += (layers.empty() ? "" : "+") + std::to_string(b);
+  nlohmann::json j = {{"rank", world.rank},
+                      {"median_step_s", seconds[seconds.size() / 2]},
+                      {"payload_per_step", double(payload)},
+                      {"optimizer_state", memfit::optimizer_state_bytes(adam)},
+                      {"param_bytes", param_bytes},
+                      {"peak", peak},
+                      {"balance", layers},
+                      {"final_loss", loss}};
+  std::ofstream(out) << j.dump();
+  return 0;
+}
+
 // One rank: trains and writes its measurements as JSON to MEMFIT_BENCH_OUT.
 int worker() {
+  if (std::getenv("MEMFIT_BENCH_PIPELINE") != nullptr) return pipeline_worker();
   const std::string model = std::getenv("MEMFIT_BENCH_MODEL");
   const std::string out = std::getenv("MEMFIT_BENCH_OUT");
   const int64_t steps = std::atoll(std::getenv("MEMFIT_BENCH_STEPS"));
@@ -132,6 +206,10 @@ std::vector<nlohmann::json> run(const Config& c, const std::string& model, int64
         {"RANK", std::to_string(r)}, {"WORLD_SIZE", std::to_string(c.ranks)},
         {"LOCAL_RANK", std::to_string(r)}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
     for (const auto& [k, v] : vars) env.push_back(k + "=" + v);
+    if (!c.pipeline.empty()) {
+      env.push_back("MEMFIT_BENCH_PIPELINE=" + c.pipeline);
+      env.push_back("MEMFIT_BENCH_CHUNKS=" + std::to_string(c.chunks));
+    }
     std::vector<char*> envp;
     for (auto& s : env) envp.push_back(s.data());
     envp.push_back(nullptr);
@@ -166,14 +244,16 @@ int main(int argc, char** argv) {
   if (std::getenv("MEMFIT_BENCH_WORKER") != nullptr) return worker();
   int64_t steps = 40;
   std::vector<std::string> models = {"mlp", "resnet"};
+  bool pipeline = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--steps") {
       steps = std::max<int64_t>(10, std::atoll(value.c_str()));
-    } else if (flag == "--model" && value != "all") {
-      models = {value};
-    } else {
-      fmt::print(stderr, "usage: {} [--steps N (>= 10)] [--model mlp|resnet|all]\n", argv[0]);
+    } else if (flag == "--model" && (value == "mlp" || value == "resnet" || value == "pipeline")) {
+      models = value == "pipeline" ? std::vector<std::string>{} : std::vector<std::string>{value};
+      pipeline = value == "pipeline";
+    } else if (!(flag == "--model" && value == "all")) {
+      fmt::print(stderr, "usage: {} [--steps N (>= 10)] [--model mlp|resnet|pipeline|all]\n", argv[0]);
       return 2;
     }
   }
@@ -202,6 +282,33 @@ int main(int argc, char** argv) {
       fmt::print("| {} | {:.1f} ms | {:.0f} | {:.2f}× | {} | {} | {} | {:.4f} |\n", c.name, step * 1e3,
                  double(kGlobalBatch) / step, baseline / step, c.ranks > 1 ? mib(payload) : std::string("—"),
                  state, peak, results.front()["final_loss"].get<double>());
+      std::fflush(stdout);
+    }
+    fmt::print("\n");
+  }
+  if (pipeline) {
+    fmt::print("### pipeline: MLP of width 1024, depth 4 ({} layers), balanced by time on rank 0\n\n",
+               memfit::make_mlp(memfit::ModelOptions().width(1024).depth(4))->size());
+    fmt::print("| configuration | layers per stage | step time | samples/s | vs 1 proc × 2 threads | send/recv payload / step / rank "
+               "| parameters per rank | optimizer state per rank | step peak per rank | final loss |\n");
+    fmt::print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    double baseline = 0;
+    for (const auto& c : pipeline_configs()) {
+      const auto results = run(c, "mlp", steps);
+      double step = 0, payload = 0;
+      std::string params, state, peak;
+      for (const auto& r : results) {
+        step = std::max(step, r["median_step_s"].get<double>());
+        payload = std::max(payload, r["payload_per_step"].get<double>());
+        params += (params.empty() ? "" : " / ") + mib(r["param_bytes"].get<double>());
+        state += (state.empty() ? "" : " / ") + mib(r["optimizer_state"].get<double>());
+        peak += (peak.empty() ? "" : " / ") + mib(r["peak"].get<double>());
+      }
+      if (baseline == 0) baseline = step;
+      fmt::print("| {} | {} | {:.1f} ms | {:.0f} | {:.2f}× | {} | {} | {} | {} | {:.4f} |\n", c.name,
+                 results.front()["balance"].get<std::string>(), step * 1e3, double(kGlobalBatch) / step,
+                 baseline / step, c.ranks > 1 ? mib(payload) : std::string("—"), params, state, peak,
+                 results.back()["final_loss"].get<double>());
       std::fflush(stdout);
     }
     fmt::print("\n");
