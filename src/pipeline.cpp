@@ -79,8 +79,10 @@ torch::Tensor header_of(const torch::Tensor& t) {
   return h;
 }
 
-// Tags: three messages per chunk (header, activation, gradient).
+// Tags: three messages per chunk (header, activation, gradient); forward()'s
+// two messages take tags no chunk has.
 int64_t tag(int64_t chunk, int64_t kind) { return 3 * chunk + kind; }
+constexpr int64_t kForwardTag = int64_t(1) << 30;
 
 // A received activation as the output of an autograd node (not a leaf, so a
 // stage may begin with an in-place layer), whose backward stores the
@@ -136,10 +138,11 @@ Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<ProcessGroup> gr
   impl_->balance = balance;
   const int64_t r = impl_->group->rank();
   for (int64_t s = 0; s < r; ++s) impl_->first += balance[s];
-  // The stage's layers keep their names in the whole model ("4.weight").
+  // The stage's layers keep their names in the whole model ("fc1.weight").
+  const auto names = model->named_children();
   auto it = model->begin() + impl_->first;
   for (int64_t i = impl_->first; i < impl_->first + balance[r]; ++i, ++it) {
-    impl_->stage->push_back(std::to_string(i), *it);
+    impl_->stage->push_back(names[i].key(), *it);
   }
 }
 
@@ -151,6 +154,45 @@ torch::nn::Sequential& Pipeline::stage() { return impl_->stage; }
 int64_t Pipeline::first_layer() const { return impl_->first; }
 const std::vector<int64_t>& Pipeline::balance() const { return impl_->balance; }
 const PipelineOptions& Pipeline::options() const { return impl_->options; }
+
+torch::Tensor Pipeline::forward(const torch::Tensor& input) {
+  auto& g = *impl_->group;
+  const int64_t s = g.rank(), stages = g.size();
+  TORCH_CHECK(input.dim() >= 1 && input.size(0) > 0, "Pipeline::forward needs a non-empty batch");
+  torch::NoGradGuard no_grad;
+  const auto params = impl_->stage->parameters();
+  const torch::Device device = params.empty() ? input.device() : params.front().device();
+  torch::Tensor x;
+  if (s == 0) {
+    x = input.to(device);
+  } else {
+    torch::Tensor header = torch::empty({kMaxDims + 2}, torch::kInt64);
+    torch::Tensor host;
+    {
+      UntrackedGuard untracked;
+      g.recv_(header, s - 1, kForwardTag);
+      const auto* h = header.data_ptr<int64_t>();
+      host = torch::empty(std::vector<int64_t>(h + 2, h + 2 + h[0]),
+                          torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[1])));
+      g.recv_(host, s - 1, kForwardTag + 1);
+    }
+    x = host.to(device);
+    if (x.data_ptr() == host.data_ptr()) x = x.clone();
+  }
+  torch::Tensor y = impl_->stage->forward(x);
+  if (s == stages - 1) return y;
+  torch::Tensor host;
+  {
+    UntrackedGuard untracked;
+    host = y.to(torch::kCPU).contiguous();
+    auto header = header_of(y);
+    auto a = g.send(header, s + 1, kForwardTag);
+    auto b = g.send(host, s + 1, kForwardTag + 1);
+    a.wait();
+    b.wait();
+  }
+  return torch::Tensor();
+}
 
 PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch::Tensor& target,
                                         const LossFn& loss_fn) {

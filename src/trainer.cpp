@@ -107,9 +107,30 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   TORCH_CHECK(options_.zero_stage() == 0 || options_.process_group() != nullptr,
               "zero_stage 1 shards the optimizer state over the ranks of a process group: set "
               "process_group (memfit launch), or zero_stage 0");
+  if (options_.parallel() == ParallelMode::kPipeline) {
+    auto not_yet = [](bool ok, const char* what) {
+      TORCH_CHECK(ok, "pipeline parallel training does not support ", what,
+                  " yet: train in fp32 without it, or use data parallelism");
+    };
+    TORCH_CHECK(options_.process_group() != nullptr, "a pipeline splits the model over the ranks of a "
+                "process group: set process_group (memfit launch), or parallel data");
+    not_yet(options_.precision() == Precision::kFP32, "bf16 or fp16 precision");
+    not_yet(options_.offload_optimizer() == Offload::kNone, "optimizer offload");
+    not_yet(options_.zero_stage() == 0, "ZeRO (zero_stage 1)");
+    not_yet(options_.max_grad_norm() == 0, "gradient clipping (max_grad_norm)");
+    TORCH_CHECK(options_.micro_batch_size() == 0, "a pipeline cuts each batch into pipeline().chunks() "
+                "chunks: set micro_batch_size 0 and the chunks instead (got micro_batch_size ",
+                options_.micro_batch_size(), ")");
+  }
   check_precision_supported(options_.precision(), options_.device());
   memory_allocated(options_.device());  // starts tracking (and checks the device)
   for (const auto& pattern : options_.freeze()) freeze(*model_, pattern);
+  if (options_.parallel() == ParallelMode::kPipeline) {
+    // This rank keeps its stage; the other layers go when the caller drops the model.
+    pipeline_ = std::make_unique<Pipeline>(model_, options_.process_group(), options_.pipeline());
+    model_ = pipeline_->stage();
+    options_.pipeline(pipeline_->options());
+  }
   if (options_.micro_batch_size() > 0 && options_.micro_batch_size() < options_.batch_size()) {
     for (const auto& item : model_->named_modules()) {
       if (item.value()->name().find("BatchNorm") == std::string::npos) continue;
@@ -122,7 +143,7 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
     }
   }
   model_->to(options_.device());
-  if (options_.process_group() != nullptr) {
+  if (options_.process_group() != nullptr && !pipeline_) {
     // Every rank starts from rank 0's parameters and buffers, before fp32
     // masters are copied from them (so DistributedDataParallel, made after
     // the masters, skips its own broadcast).
@@ -144,6 +165,10 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   for (size_t i = 0; i < params.size(); ++i) {
     if (model_params[i].requires_grad()) trainable.push_back(params[i]);
   }
+  TORCH_CHECK(!trainable.empty() || !pipeline_, "pipeline stage ", rank(), " (layers ",
+              pipeline_ ? pipeline_->first_layer() : 0, " to ",
+              pipeline_ ? pipeline_->first_layer() + pipeline_->balance()[rank()] - 1 : 0,
+              ") has no parameter to train: give it other layers (PipelineOptions().balance)");
   TORCH_CHECK(!trainable.empty(), "every parameter is frozen (patterns: ",
               c10::Join(", ", options_.freeze()), "): nothing to train; freeze fewer parameters");
   auto scaler_options = options_.grad_scaler();
@@ -160,7 +185,7 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   } else {
     optimizer_ = make_optimizer(options_, trainable);
   }
-  if (options_.process_group() != nullptr) {
+  if (options_.process_group() != nullptr && !pipeline_) {
     ddp_ = std::make_unique<DistributedDataParallel>(
         model_.ptr(), options_.process_group(),
         DistributedDataParallelOptions().bucket_cap_mb(options_.bucket_cap_mb()).init_sync(false));
@@ -216,9 +241,17 @@ int64_t Trainer::rank() const {
   return options_.process_group() != nullptr ? options_.process_group()->rank() : 0;
 }
 
+int64_t Trainer::data_ranks() const { return pipeline_ ? 1 : world_size(); }
+
+ParallelMode parse_parallel_mode(const std::string& name) {
+  if (name == "data") return ParallelMode::kData;
+  if (name == "pipeline") return ParallelMode::kPipeline;
+  TORCH_CHECK(false, "unknown parallel mode '", name, "': expected data or pipeline");
+}
+
 int64_t Trainer::total_steps(const ImageDataset& data) const {
   if (options_.steps() > 0) return options_.steps();
-  const int64_t global = options_.batch_size() * world_size();
+  const int64_t global = options_.batch_size() * data_ranks();
   const int64_t per_epoch = (data.size() + global - 1) / global;
   return per_epoch * options_.epochs();
 }
@@ -285,7 +318,7 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
     // The step's examples: `global` from the permutation (the last batch of
     // an epoch holds what is left, like drop_last=false); with data
     // parallelism this rank takes every world-th of them.
-    const int64_t world = world_size();
+    const int64_t world = data_ranks();
     const int64_t global = std::min(options_.batch_size() * world, n - cursor_);
     torch::Tensor mine;
     {
@@ -307,7 +340,20 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
     if (ddp_) ddp_->sync_buffers();
     double loss_value = 0;
     bool skip = false;
-    for (int64_t start = 0; start < batch && !skip; start += micro) {
+    if (pipeline_) {
+      // Every stage gets the whole batch; the pipeline cuts it into chunks,
+      // and the gradients of its mean loss land in each stage's parameters.
+      auto x = data.images.index_select(0, mine);
+      auto y = data.labels.index_select(0, mine);
+      const auto r = pipeline_->train_step(x, y, [](const torch::Tensor& out, const torch::Tensor& target) {
+        return torch::nn::functional::cross_entropy(out.to(torch::kFloat), target);
+      });
+      loss_value = r.loss;  // the same on every stage
+      skip = !std::isfinite(loss_value);
+      if (skip) check_loss(loss_value, "");
+      mark("forward and backward");
+    }
+    for (int64_t start = 0; start < batch && !skip && !pipeline_; start += micro) {
       const int64_t len = std::min(micro, batch - start);
       torch::Tensor idx = mine.narrow(0, start, len);
       auto x = data.images.index_select(0, idx).to(device);
@@ -441,8 +487,10 @@ EvalResult Trainer::evaluate(const ImageDataset& data) {
     torch::Tensor logits;
     {
       AutocastGuard autocast(device, options_.precision());
-      logits = model_->forward(x).to(torch::kFloat);
+      logits = pipeline_ ? pipeline_->forward(x) : model_->forward(x);
     }
+    if (!logits.defined()) continue;  // a pipeline's output is on its last stage
+    logits = logits.to(torch::kFloat);
     loss_sum += torch::nn::functional::cross_entropy(
                     logits, y,
                     torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
@@ -450,6 +498,13 @@ EvalResult Trainer::evaluate(const ImageDataset& data) {
     correct += logits.argmax(1).eq(y).sum().item<int64_t>();
   }
   model_->train();
+  if (pipeline_) {  // the last stage's sums, everywhere
+    UntrackedGuard host;
+    auto sums = torch::tensor({loss_sum, double(correct)}, torch::kDouble);
+    options_.process_group()->broadcast_(sums, world_size() - 1);
+    loss_sum = sums[0].item<double>();
+    correct = static_cast<int64_t>(sums[1].item<double>());
+  }
   EvalResult r;
   r.loss = loss_sum / double(n);
   r.accuracy = double(correct) / double(n);
@@ -485,12 +540,37 @@ torch::Tensor read_tensor(torch::serialize::InputArchive& a, const std::string& 
   return t;
 }
 
+// Bytes as a host uint8 tensor, and back as an archive.
+torch::Tensor bytes_tensor(const std::string& bytes) {
+  UntrackedGuard host;
+  auto t = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+void load_archive(torch::serialize::InputArchive& archive, const torch::Tensor& bytes, const std::string& what) {
+  UntrackedGuard host;
+  try {
+    archive.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()),
+                      torch::Device(torch::kCPU));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, what, " cannot be read: ", e.what_without_backtrace());
+  }
+}
+
 } // namespace
 
 void Trainer::save(const std::string& dir) {
   // With sharded state every rank sends rank 0 its shard; only rank 0 writes.
   std::vector<std::string> shards;
   if (zero_ != nullptr) shards = zero_->consolidate_state_dict(0);
+  // A pipeline's stages (each rank's layers and optimizer), gathered on rank 0.
+  std::vector<torch::Tensor> stages;
+  if (pipeline_) {
+    torch::serialize::OutputArchive part;
+    write_state(part, shards);
+    stages = options_.process_group()->gather(bytes_tensor(detail::archive_bytes(part)));
+  }
   // Each rank's random generators (their dropout masks differ when their
   // shares of a batch do), gathered on rank 0.
   compat::RngState rng;
@@ -510,29 +590,13 @@ void Trainer::save(const std::string& dir) {
               dir, ": ", ec.message());
   torch::serialize::OutputArchive a;
   a.write("format", c10::IValue(std::string(kCheckpointFormat)));
-  torch::serialize::OutputArchive model;
-  detail::write_module(model, *model_);
-  a.write("model", model);
-  if (master_) {
-    torch::serialize::OutputArchive masters;
-    const auto& m = master_->master_parameters();
-    for (size_t i = 0; i < m.size(); ++i) masters.write("m" + std::to_string(i), m[i].detach());
-    a.write("masters", masters);
-  }
-  if (zero_ != nullptr) {
-    UntrackedGuard host;  // the shards' bytes are host memory
-    torch::serialize::OutputArchive sharded;
-    sharded.write("world", c10::IValue(static_cast<int64_t>(shards.size())));
-    for (size_t r = 0; r < shards.size(); ++r) {
-      auto bytes = torch::empty({static_cast<int64_t>(shards[r].size())}, torch::kUInt8);
-      std::memcpy(bytes.data_ptr(), shards[r].data(), shards[r].size());
-      sharded.write("rank" + std::to_string(r), bytes);
-    }
-    a.write("optimizer_shards", sharded);
+  if (pipeline_) {
+    torch::serialize::OutputArchive parts;
+    parts.write("world", c10::IValue(world_size()));
+    for (size_t r = 0; r < stages.size(); ++r) parts.write("rank" + std::to_string(r), stages[r]);
+    a.write("stages", parts);
   } else {
-    torch::serialize::OutputArchive optimizer;
-    optimizer_->save(optimizer);
-    a.write("optimizer", optimizer);
+    write_state(a, shards);
   }
   if (scaler_->is_enabled()) {
     torch::serialize::OutputArchive scaler;
@@ -562,6 +626,28 @@ void Trainer::save(const std::string& dir) {
                         detail::archive_bytes(a));
 }
 
+void Trainer::write_state(torch::serialize::OutputArchive& a, const std::vector<std::string>& shards) const {
+  torch::serialize::OutputArchive model;
+  detail::write_module(model, *model_);
+  a.write("model", model);
+  if (master_) {
+    torch::serialize::OutputArchive masters;
+    const auto& m = master_->master_parameters();
+    for (size_t i = 0; i < m.size(); ++i) masters.write("m" + std::to_string(i), m[i].detach());
+    a.write("masters", masters);
+  }
+  if (zero_ != nullptr) {
+    torch::serialize::OutputArchive sharded;
+    sharded.write("world", c10::IValue(static_cast<int64_t>(shards.size())));
+    for (size_t r = 0; r < shards.size(); ++r) sharded.write("rank" + std::to_string(r), bytes_tensor(shards[r]));
+    a.write("optimizer_shards", sharded);
+  } else {
+    torch::serialize::OutputArchive optimizer;
+    optimizer_->save(optimizer);
+    a.write("optimizer", optimizer);
+  }
+}
+
 void Trainer::resume(const std::string& path_or_dir) {
   const std::string path = checkpoint_path(path_or_dir);
   auto a = detail::read_archive(path);
@@ -570,11 +656,28 @@ void Trainer::resume(const std::string& path_or_dir) {
                   format.toStringRef() == kCheckpointFormat,
               path, " is not a memfit Trainer checkpoint (", kCheckpointFormat,
               "): write one with Trainer::save or memfit train --save DIR");
-  // Check everything before changing anything.
+  // Check everything before changing anything. A pipeline's checkpoint holds
+  // each stage's model, masters and optimizer in a part of its own.
+  torch::serialize::InputArchive parts, stage;
+  const bool has_stages = a.try_read("stages", parts);
+  torch::serialize::InputArchive* src = &a;
+  if (pipeline_) {
+    TORCH_CHECK(has_stages, path, " holds a whole model, but this run is a pipeline: resume with the "
+                "parallel mode that saved it");
+    const int64_t saved_world = read_int(parts, "world", path);
+    TORCH_CHECK(saved_world == world_size(), path, " holds a pipeline of ", saved_world,
+                " stages, but this job has ", world_size(), " ranks: resume with the world size that saved it");
+    load_archive(stage, read_tensor(parts, "rank" + std::to_string(rank()), path),
+                 path + "'s stage " + std::to_string(rank()));
+    src = &stage;
+  } else {
+    TORCH_CHECK(!has_stages, path, " holds a pipeline's stages: resume with parallel pipeline "
+                "(--parallel pipeline) and the world size that saved it");
+  }
   torch::serialize::InputArchive model, optimizer, scaler, masters;
-  TORCH_CHECK(a.try_read("model", model), path, " is damaged: 'model' is missing");
+  TORCH_CHECK(src->try_read("model", model), path, " is damaged: 'model' is missing");
   detail::check_module(model, *model_, path);
-  TORCH_CHECK(a.try_read("masters", masters) == (master_ != nullptr), path,
+  TORCH_CHECK(src->try_read("masters", masters) == (master_ != nullptr), path,
               master_ ? " holds no fp32 master weights, but this run keeps them: resume with the "
                         "master-weights and optimizer-offload options of the saved run"
                       : " holds fp32 master weights, but this run keeps none: resume with the "
@@ -589,7 +692,7 @@ void Trainer::resume(const std::string& path_or_dir) {
     }
   }
   torch::serialize::InputArchive sharded;
-  const bool was_sharded = a.try_read("optimizer_shards", sharded);
+  const bool was_sharded = src->try_read("optimizer_shards", sharded);
   if (zero_ != nullptr) {
     TORCH_CHECK(was_sharded, path, " holds an unsharded optimizer, but this run shards it (zero_stage 1): "
                 "resume with zero_stage 0 (no --zero-stage)");
@@ -597,19 +700,12 @@ void Trainer::resume(const std::string& path_or_dir) {
     TORCH_CHECK(saved_world == world_size(), path, " holds the optimizer state of ", saved_world,
                 " ranks (zero_stage 1), but this job has ", world_size(),
                 ": resume with the world size that saved it");
-    const torch::Tensor bytes = read_tensor(sharded, "rank" + std::to_string(rank()), path);
-    UntrackedGuard host;
-    try {
-      optimizer.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()),
-                          torch::Device(torch::kCPU));
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, path, " is damaged: rank ", rank(), "'s optimizer shard cannot be read: ",
-                  e.what_without_backtrace());
-    }
+    load_archive(optimizer, read_tensor(sharded, "rank" + std::to_string(rank()), path),
+                 path + "'s optimizer shard of rank " + std::to_string(rank()));
   } else {
     TORCH_CHECK(!was_sharded, path, " holds optimizer state sharded over ranks (zero_stage 1): resume "
                 "with zero_stage 1 (--zero-stage 1) and the world size that saved it");
-    TORCH_CHECK(a.try_read("optimizer", optimizer), path, " is damaged: 'optimizer' is missing");
+    TORCH_CHECK(src->try_read("optimizer", optimizer), path, " is damaged: 'optimizer' is missing");
   }
   TORCH_CHECK(a.try_read("grad_scaler", scaler) == scaler_->is_enabled(), path,
               scaler_->is_enabled() ? " holds no GradScaler, but this run scales the loss (fp16)"

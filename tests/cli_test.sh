@@ -183,6 +183,12 @@ expect launch-zero-stage-1 0 'ZeRO stage 1' out -- launch --nproc 2 --master-por
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 16 --no-eval -q --threads 1 --zero-stage 1
 zero=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 check launch-zero-equals-unsharded test -n "$zero" -a "$zero" = "$two"
+expect launch-pipeline 0 'through a pipeline of 2 stages' out -- launch --nproc 2 --master-port "$((port + 3))" -- \
+  "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --parallel pipeline --chunks 4 --schedule 1f1b
+piped=$(grep -o 'final loss [0-9.]*' "$tmp/out")
+check launch-pipeline-equals-one-process test -n "$piped" -a "$piped" = "$one"
+expect launch-pipeline-no-checkpointing 1 'does not checkpoint stages yet' err -- launch --nproc 2 --master-port "$((port + 4))" -- \
+  "$bin" train --model mlp --steps 1 --no-eval -q --parallel pipeline --checkpoint sqrt
 expect launch-failing-worker 3 'rank 1 exited with status 3; stopping the other 1 worker' err -- \
   launch --nproc 2 --master-port "$((port + 1))" -- sh -c 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 60'
 fi

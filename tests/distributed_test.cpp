@@ -220,6 +220,13 @@ TrainerOptions zero_options() {
   return TrainerOptions().batch_size(8).steps(7).optimizer(OptimizerKind::kAdam).lr(1e-3).seed(3);
 }
 
+// A pipeline of two stages: flatten and fc0; then relu0 (in place), fc1,
+// relu1 and the head. Batch 12 in chunks of 3.
+TrainerOptions pipeline_options() {
+  return TrainerOptions().batch_size(12).optimizer(OptimizerKind::kAdam).lr(1e-3).seed(3).parallel(
+      ParallelMode::kPipeline).pipeline(PipelineOptions().chunks(4).schedule(PipelineSchedule::k1F1B).balance({2, 4}));
+}
+
 // An MLP with dropout: each rank draws its own masks.
 torch::nn::Sequential dropout_mlp() {
   return torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(784, 24), torch::nn::ReLU(),
@@ -322,6 +329,34 @@ TEST(DistributedWorker, Run) {
       for (const auto& r : rest.steps) losses.push_back(r.loss);
       result.push_back(torch::tensor(losses, torch::kDouble));
     }
+    torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
+    return;
+  }
+  if (m == "pipeline") {
+    // A pipeline of 2 Trainers (stage 1 begins with an in-place ReLU): 6
+    // steps straight, and 3 steps, a save and 3 more after resuming.
+    auto data = synthetic_images();
+    auto make = [&](int64_t steps, const std::string& dir) {
+      torch::manual_seed(1);  // every rank builds the same model
+      return Trainer(make_mlp(ModelOptions().width(32).depth(2)),
+                     pipeline_options().steps(steps).save_dir(dir).process_group(group));
+    };
+    Trainer straight = make(6, "");
+    const auto all = straight.fit(data);
+    const auto eval = straight.evaluate(data);
+    Trainer first = make(3, out + ".ckpt_pipe");
+    first.fit(data);
+    group->barrier();  // rank 0 has written the checkpoint
+    Trainer second = make(6, "");
+    second.resume(out + ".ckpt_pipe");
+    const auto rest = second.fit(data);
+    std::vector<torch::Tensor> result;
+    for (const auto& p : straight.model()->parameters()) result.push_back(p.detach().clone());
+    for (const auto& p : second.model()->parameters()) result.push_back(p.detach().clone());
+    std::vector<double> numbers{eval.loss, eval.accuracy};
+    for (const auto& r : all.steps) numbers.push_back(r.loss);
+    for (const auto& r : rest.steps) numbers.push_back(r.loss);
+    result.push_back(torch::tensor(numbers, torch::kDouble));
     torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
     return;
   }
@@ -499,9 +534,53 @@ TEST_F(Distributed, ResumedRanksContinueBitIdenticallyWithWholeAndShardedState) 
   }
 }
 
-TEST_F(Distributed, ZeroStageIsCheckedOnce) {
+TEST_F(Distributed, PipelinedTrainersTrainLikeOneTrainerAndResumeBitIdentically) {
+  const std::string out = ::testing::TempDir() + "memfit_pipe_trainer_" + std::to_string(::getpid());
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "pipeline", out);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
+  torch::manual_seed(1);
+  Trainer single(make_mlp(ModelOptions().width(32).depth(2)),
+                 pipeline_options().steps(6).parallel(ParallelMode::kData));
+  const auto report = single.fit(synthetic_images());
+  const auto eval = single.evaluate(synthetic_images());
+  const auto reference = single.model()->parameters();
+  const size_t stage_params[2] = {2, 4};
+  size_t offset = 0;
+  for (int r = 0; r < 2; ++r) {
+    const auto mine = load_rank(out, r);
+    const size_t n = stage_params[r];
+    ASSERT_EQ(mine.size(), 2 * n + 1) << "rank " << r;
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_LT(testing::relative_difference(mine[i], reference[offset + i].detach()), 1e-6)
+          << "rank " << r << ", parameter " << offset + i << " of the whole model";
+      EXPECT_TRUE(mine[i].equal(mine[n + i])) << "rank " << r << ", parameter " << i << ": the resumed run differs";
+    }
+    const auto numbers = mine.back();
+    ASSERT_EQ(numbers.numel(), 2 + 6 + 3);
+    EXPECT_NEAR(numbers[0].item<double>(), eval.loss, 1e-6) << "the pipeline's evaluation is the model's";
+    EXPECT_EQ(numbers[1].item<double>(), eval.accuracy);
+    for (int k = 0; k < 6; ++k) {
+      EXPECT_NEAR(numbers[2 + k].item<double>(), report.steps[k].loss, 1e-6) << "step " << k + 1;
+    }
+    EXPECT_TRUE(numbers.narrow(0, 5, 3).equal(numbers.narrow(0, 8, 3))) << "the losses of steps 4 to 6 after resuming";
+    offset += n;
+    ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
+  }
+  std::filesystem::remove(out + ".ckpt_pipe/checkpoint.pt");
+  std::filesystem::remove(out + ".ckpt_pipe");
+}
+
+TEST_F(Distributed, ZeroStageAndPipelineOptionsAreCheckedOnce) {
   expect_error([] { Trainer(dropout_mlp(), zero_options().zero_stage(1)); }, "zero_stage 1 shards the optimizer state over the ranks of a process group");
   expect_error([] { Trainer(dropout_mlp(), zero_options().zero_stage(2)); }, "stages 2 and 3 are not implemented");
+  expect_error([] { Trainer(dropout_mlp(), pipeline_options()); }, "a pipeline splits the model over the ranks of a process group");
+  WorldInfo solo;
+  solo.master_port = 0;
+  auto group = std::make_shared<ProcessGroup>(solo);
+  expect_error([&] { Trainer(dropout_mlp(), pipeline_options().process_group(group).precision(Precision::kBF16)); },
+               "pipeline parallel training does not support bf16 or fp16 precision yet");
+  expect_error([&] { Trainer(dropout_mlp(), pipeline_options().process_group(group).micro_batch_size(4)); },
+               "set micro_batch_size 0 and the chunks instead");
 }
 
 TEST_F(Distributed, ARankThatHangsStopsTheOthersAfterTheTimeout) {

@@ -17,6 +17,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -81,6 +82,9 @@ struct TrainArgs {
   std::string resume;
   int64_t dist_timeout = 60;
   int64_t zero_stage = 0;
+  std::string parallel = "data";
+  int64_t chunks = 4;
+  std::string schedule = "gpipe";
   std::string plan = "auto";
 };
 
@@ -170,6 +174,20 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                     "Under `memfit launch`: 1 shards the optimizer state over the ranks (ZeRO "
                     "stage 1: each rank keeps about 1/N of it), 0 keeps it whole on every rank")
       ->check(CLI::IsMember({0, 1}))
+      ->capture_default_str();
+  train->add_option("--parallel", a.parallel,
+                    "Under `memfit launch`: data (each rank holds the model and a share of the batch) "
+                    "or pipeline (each rank holds consecutive layers, balanced by their time, and the "
+                    "batch flows through them in --chunks)")
+      ->check(CLI::IsMember({"data", "pipeline"}))
+      ->capture_default_str();
+  train->add_option("--chunks", a.chunks, "With --parallel pipeline: micro-batches per batch")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  train->add_option("--schedule", a.schedule,
+                    "With --parallel pipeline: gpipe (all forwards, then all backwards) or 1f1b "
+                    "(one forward, one backward: fewer chunks' activations alive)")
+      ->check(CLI::IsMember({"gpipe", "1f1b"}))
       ->capture_default_str();
   train->add_option("--checkpoint", a.checkpoint,
                     "Activation checkpointing: none, sqrt (Chen et al.), every:K layers, "
@@ -520,8 +538,13 @@ int run_train(const TrainArgs& a) {
                                                        : memfit::Offload::kNone));
   const auto precision = a.precision == "auto" ? memfit::auto_precision(device)
                                                : memfit::parse_precision(a.precision);
+  const bool pipelined = a.parallel == "pipeline";
+  if (pipelined) {
+    TORCH_CHECK(a.checkpoint == "none", "--parallel pipeline does not checkpoint stages yet: leave "
+                "--checkpoint out, or use --parallel data");
+  }
   // With a budget, plan the knobs unless they were set by hand.
-  const bool by_hand = a.micro_batch > 0 || a.checkpoint != "none" || !a.offload.empty() ||
+  const bool by_hand = pipelined || a.micro_batch > 0 || a.checkpoint != "none" || !a.offload.empty() ||
                        a.offload_checkpoints || a.master_weights != "none";
   std::optional<memfit::Plan> plan;
   if (budget > 0 && a.plan == "auto" && !by_hand) {
@@ -533,7 +556,16 @@ int run_train(const TrainArgs& a) {
     plan = memfit::plan(step_model, a.batch, budget);
     fmt::print("{}", plan->explain());
   } else if (budget > 0 && a.plan == "auto") {
-    fmt::print("plan: none (micro-batch, checkpointing, offload or master weights set by hand)\n");
+    fmt::print("plan: none ({})\n", pipelined ? "the planner plans one process; a pipeline splits the model"
+                                               : "micro-batch, checkpointing, offload or master weights set by hand");
+  }
+  // A pipeline's stages balance the layers' time, measured on rank 0 (its balance is used everywhere).
+  std::vector<int64_t> balance;
+  if (pipelined && world.rank == 0 && world.world_size <= static_cast<int64_t>(chain->size())) {
+    const int64_t chunk = (a.batch + a.chunks - 1) / a.chunks;
+    chain->to(device);
+    balance = memfit::balance_by_time(chain, train_data.images.narrow(0, 0, std::min(chunk, train_data.size())).to(device),
+                                      world.world_size);
   }
   memfit::set_memory_budget(device, budget);
   memfit::reset_peak_memory_stats(device);
@@ -541,7 +573,7 @@ int run_train(const TrainArgs& a) {
   if (plan && !plan->settings.schedule().segments.empty()) {
     checkpointed->set_schedule(plan->settings.schedule());
   }
-  torch::nn::Sequential model(checkpointed);
+  torch::nn::Sequential model = pipelined ? chain : torch::nn::Sequential(checkpointed);
   memfit::TrainerOptions options;
   options.batch_size(a.batch)
       .steps(a.epochs > 0 ? 0 : a.steps)
@@ -569,26 +601,42 @@ int run_train(const TrainArgs& a) {
       .save_dir(a.save)
       .save_every(a.save_every)
       .process_group(group)
-      .zero_stage(a.zero_stage);
+      .zero_stage(a.zero_stage)
+      .parallel(memfit::parse_parallel_mode(a.parallel))
+      .pipeline(memfit::PipelineOptions()
+                    .chunks(a.chunks)
+                    .schedule(memfit::parse_pipeline_schedule(a.schedule))
+                    .balance(balance));
+  int64_t params = 0, frozen = 0;  // of the whole model
+  for (const auto& p : chain->parameters()) {
+    params += p.numel();
+    frozen += p.requires_grad() ? 0 : p.numel();
+  }
+  const std::string schedule_text =
+      pipelined ? "none (pipeline stages)" : checkpointed->schedule().to_string();
   memfit::Trainer trainer(model, options);
+  if (pipelined) {  // this rank's stage keeps its layers; the others go now
+    chain = nullptr;
+    model = nullptr;
+    checkpointed = nullptr;
+  }
   if (!a.resume.empty()) {
     trainer.resume(a.resume);
     fmt::print("resumed from {} at step {}\n", a.resume, trainer.step());
   }
 
-  int64_t params = 0, frozen = 0;
-  for (const auto& p : trainer.model()->parameters()) {
-    params += p.numel();
-    frozen += p.requires_grad() ? 0 : p.numel();
-  }
   fmt::print("memfit train: model {} ({} parameters{}), {} training examples, batch {}{}, {} "
              "steps, budget {}\n",
              a.model, params, frozen > 0 ? fmt::format(", {} frozen", frozen) : std::string(),
              train_data.size(),
-             group ? fmt::format("{} per rank × {} ranks ({}, data parallel over Gloo{})", a.batch,
-                                 world.world_size, world.source,
-                                 a.zero_stage == 1 ? ", optimizer state sharded: ZeRO stage 1" : "")
-                   : std::to_string(a.batch),
+             !group ? std::to_string(a.batch)
+             : pipelined
+                 ? fmt::format("{} in {} chunks through a pipeline of {} stages ({}, layers {}, {}, over Gloo)",
+                               a.batch, a.chunks, world.world_size, world.source,
+                               fmt::join(trainer.options().pipeline().balance(), "+"), a.schedule)
+                 : fmt::format("{} per rank × {} ranks ({}, data parallel over Gloo{})", a.batch,
+                               world.world_size, world.source,
+                               a.zero_stage == 1 ? ", optimizer state sharded: ZeRO stage 1" : ""),
              a.micro_batch > 0 && a.micro_batch < a.batch
                  ? fmt::format(" in micro-batches of {}", a.micro_batch)
                  : std::string(),
@@ -641,8 +689,7 @@ int run_train(const TrainArgs& a) {
              report.final_scale > 0 ? fmt::format(", loss scale {:g}, {} steps skipped",
                                                   report.final_scale, report.skipped_steps)
                                     : std::string());
-  fmt::print("checkpoint schedule: {} (layers [begin,end), * recomputed)\n",
-             checkpointed->schedule().to_string());
+  fmt::print("checkpoint schedule: {} (layers [begin,end), * recomputed)\n", schedule_text);
   fmt::print("peak memory {} ({} bytes){}{}\n", memfit::format_bytes(peak), peak,
              budget > 0 ? fmt::format(" of budget {}", memfit::format_bytes(budget)) : "",
              plan ? fmt::format("; the plan predicted {} for a step",

@@ -116,7 +116,12 @@ class Pipeline {
   /// of the batch's mean loss accumulate into this stage's parameters.
   PipelineStepResult train_step(const torch::Tensor& input, const torch::Tensor& target, const LossFn& loss);
 
-  /// This rank's layers.
+  /// The whole model's output for `input` without gradients (evaluation):
+  /// every rank passes the same input; the last stage gets the output, the
+  /// others an undefined tensor.
+  torch::Tensor forward(const torch::Tensor& input);
+
+  /// This rank's layers, under their names in the whole model.
   torch::nn::Sequential& stage();
   /// Index in the whole model of this stage's first layer.
   int64_t first_layer() const;

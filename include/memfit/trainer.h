@@ -12,6 +12,7 @@
 #include "memfit/data.h"
 #include "memfit/distributed.h"
 #include "memfit/memory.h"
+#include "memfit/pipeline.h"
 #include "memfit/precision.h"
 
 #include <ATen/core/Generator.h>
@@ -70,6 +71,17 @@ enum class NonfiniteLoss {
   kSkip,   ///< Skip the step: no backward, no optimizer step (BatchNorm's running
            ///< statistics keep what the skipped forward put in them, as in PyTorch).
 };
+
+/// How the ranks of a Trainer's process group share the work.
+enum class ParallelMode {
+  kData,      ///< Every rank holds the whole model and trains on a share of each
+              ///< batch; gradients are averaged (DistributedDataParallel).
+  kPipeline,  ///< Every rank holds consecutive layers (a stage) and the whole
+              ///< batch flows through the stages in chunks (Pipeline).
+};
+
+/// Parses "data" or "pipeline"; throws c10::Error naming the accepted names.
+ParallelMode parse_parallel_mode(const std::string& name);
 
 /// Options of a training run, named after PyTorch's (lr, weight_decay, momentum).
 struct TrainerOptions {
@@ -132,6 +144,14 @@ struct TrainerOptions {
   /// process_group. Stages 2 and 3 (sharded gradients and parameters) are not
   /// implemented.
   TORCH_ARG(int64_t, zero_stage) = 0;
+  /// How the process group's ranks share the work: data parallel, or a
+  /// pipeline of stages (then batch_size is the whole batch, every rank sees
+  /// it, and options.pipeline() says how it is cut and split). Pipeline
+  /// training is fp32 only, without optimizer offload, ZeRO, micro_batch_size
+  /// (chunks take its place) or gradient clipping, for now.
+  TORCH_ARG(ParallelMode, parallel) = ParallelMode::kData;
+  /// The pipeline's chunks, schedule and balance (with ParallelMode::kPipeline).
+  TORCH_ARG(PipelineOptions, pipeline) = PipelineOptions();
 };
 
 /// One optimizer step as measured.
@@ -248,8 +268,9 @@ class Trainer {
   /// Writes a checkpoint to `dir`/checkpoint.pt atomically: the model, the
   /// fp32 masters, the optimizer, the GradScaler, the CPU (and CUDA) RNG
   /// states, the sampler's generator and order, the epoch, data position and step.
-  /// With a process group only rank 0 writes; with zero_stage 1 every rank
-  /// must call it (rank 0 gathers the optimizer's shards and writes them all).
+  /// With a process group only rank 0 writes; with zero_stage 1 or a
+  /// pipeline every rank must call it (rank 0 gathers the optimizer's shards
+  /// or the stages, and writes them all).
   void save(const std::string& dir);
   /// Restores what save() wrote (`dir` or the file itself), so fit() continues
   /// bit-identically (with a process group: every rank resumes from the same
@@ -290,6 +311,8 @@ class Trainer {
   torch::optim::Optimizer* state_optimizer() const;
   int64_t world_size() const;
   int64_t rank() const;
+  int64_t data_ranks() const;
+  void write_state(torch::serialize::OutputArchive& archive, const std::vector<std::string>& shards) const;
 
   // The position of the run: steps taken, epoch, the epoch's shuffled order
   // (host) and how much of it is used, and the generator that shuffles.
@@ -303,6 +326,7 @@ class Trainer {
   TrainerOptions options_;
   std::unique_ptr<MasterWeights> master_;
   std::unique_ptr<DistributedDataParallel> ddp_;
+  std::unique_ptr<Pipeline> pipeline_;  // model_ is its stage
   std::unique_ptr<GradScaler> scaler_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   ZeroRedundancyOptimizer* zero_ = nullptr;  // optimizer_, when it is sharded
