@@ -8,7 +8,7 @@ packages=(
   libtorch-dev libgloo-dev zlib1g-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
-  dataset-fashion-mnist
+  dataset-fashion-mnist jargon-text
   chromium
 )
 

@@ -102,4 +102,75 @@ ImageDataset load_fashion_mnist(Split split, const FashionMnistOptions& options)
   return ds;
 }
 
+TextCorpus load_jargon_file(const JargonOptions& options) {
+  const fs::path path = options.path();
+  TORCH_CHECK(fs::exists(path), "the Jargon File is not at ", path.string(),
+              ": install Debian's jargon-text (apt-get install jargon-text), or give its path");
+  gzFile in = gzopen(path.c_str(), "rb");
+  TORCH_CHECK(in != nullptr, "cannot open ", path.string(), " for reading");
+  std::string text;
+  char buf[1 << 16];
+  int n = 0;
+  while ((n = gzread(in, buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
+  const bool failed = n < 0;
+  gzclose(in);
+  TORCH_CHECK(!failed && !text.empty(), "cannot read ", path.string(), " (a corrupt or empty gzip file)");
+  TextCorpus corpus;
+  bool seen[256] = {};
+  for (unsigned char c : text) seen[c] = true;
+  int64_t id_of[256];
+  for (int c = 0; c < 256; ++c) {
+    id_of[c] = seen[c] ? static_cast<int64_t>(corpus.vocab.size()) : -1;
+    if (seen[c]) corpus.vocab.push_back(static_cast<char>(c));
+  }
+  UntrackedGuard host;  // a data set in host memory
+  corpus.tokens = torch::empty({static_cast<int64_t>(text.size())}, torch::kInt64);
+  auto* ids = corpus.tokens.data_ptr<int64_t>();
+  for (size_t i = 0; i < text.size(); ++i) ids[i] = id_of[static_cast<unsigned char>(text[i])];
+  return corpus;
+}
+
+torch::Tensor TextCorpus::encode(const std::string& text) const {
+  UntrackedGuard host;
+  auto out = torch::empty({static_cast<int64_t>(text.size())}, torch::kInt64);
+  auto* ids = out.data_ptr<int64_t>();
+  for (size_t i = 0; i < text.size(); ++i) {
+    const auto at = vocab.find(text[i]);
+    TORCH_CHECK(at != std::string::npos, "the text holds byte ", int(static_cast<unsigned char>(text[i])),
+                " at position ", i, ", which the corpus never uses: use only its ", vocab.size(), " bytes");
+    ids[i] = static_cast<int64_t>(at);
+  }
+  return out;
+}
+
+std::string TextCorpus::decode(const torch::Tensor& ids) const {
+  const auto flat = ids.to(torch::kCPU, torch::kInt64).contiguous().reshape({-1});
+  std::string out;
+  out.reserve(static_cast<size_t>(flat.numel()));
+  const auto* p = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < flat.numel(); ++i) {
+    TORCH_CHECK(p[i] >= 0 && p[i] < vocab_size(), "token id ", p[i], " is not in [0, ", vocab_size(), ")");
+    out.push_back(vocab[static_cast<size_t>(p[i])]);
+  }
+  return out;
+}
+
+ImageDataset text_windows(const TextCorpus& corpus, int64_t context, Split split) {
+  TORCH_CHECK(context > 0, "text_windows: context must be positive, got ", context);
+  const int64_t length = corpus.tokens.numel();
+  const int64_t cut = length * 9 / 10;
+  const int64_t begin = split == Split::kTrain ? 0 : cut;
+  const int64_t end = split == Split::kTrain ? cut : length;
+  // Each window needs its context and one more token (the last label).
+  const int64_t windows = (end - begin - 1) / context;
+  TORCH_CHECK(windows > 0, "text_windows: the text's ", split == Split::kTrain ? "training" : "test",
+              " part holds ", end - begin, " tokens, too few for one window of ", context, " and its label");
+  UntrackedGuard host;
+  ImageDataset d;
+  d.images = corpus.tokens.narrow(0, begin, windows * context).view({windows, context}).clone();
+  d.labels = corpus.tokens.narrow(0, begin + 1, windows * context).view({windows, context}).clone();
+  d.num_classes = corpus.vocab_size();
+  return d;
+}
+
 } // namespace memfit

@@ -1,6 +1,12 @@
 #include "memfit/models.h"
 
+#include "memfit/checkpoint.h"
+
 #include <torch/nn.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
 
 namespace memfit {
 namespace {
@@ -47,6 +53,110 @@ struct BasicBlockImpl : nn::Module {
 };
 TORCH_MODULE(BasicBlock);
 
+// Token and learned position embeddings: [B, T] ids to [B, T, width].
+struct GptEmbeddingImpl : nn::Module {
+  GptEmbeddingImpl(int64_t vocab, int64_t context, int64_t width, double dropout)
+      : tokens(vocab, width), positions(context, width), drop(dropout) {
+    register_module("tokens", tokens);
+    register_module("positions", positions);
+    register_module("drop", drop);
+    nn::init::normal_(tokens->weight, 0.0, 0.02);
+    nn::init::normal_(positions->weight, 0.0, 0.02);
+  }
+
+  torch::Tensor forward(const torch::Tensor& ids) {
+    TORCH_CHECK(ids.dim() == 2 && !torch::is_floating_point(ids), "the GPT takes [batch, time] token ids, got ",
+                ids.dim(), "-D ", ids.scalar_type());
+    const int64_t t = ids.size(1);
+    TORCH_CHECK(t <= positions->weight.size(0), "the GPT's context is ", positions->weight.size(0),
+                " tokens, got a sequence of ", t, ": cut it, or build the model with a longer context");
+    auto pos = torch::arange(t, ids.options().dtype(torch::kLong));
+    return drop(tokens(ids) + positions(pos));
+  }
+
+  nn::Embedding tokens;
+  nn::Embedding positions;
+  nn::Dropout drop;
+};
+TORCH_MODULE(GptEmbedding);
+
+// softmax(q·kᵀ/√d, causal) · v, with dropout on the weights: the part of
+// attention whose activations grow with T².
+torch::Tensor core_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double dropout,
+                             bool training) {
+  const int64_t t = q.size(-2);
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(q.size(-1))));
+  auto mask = torch::ones({t, t}, q.options().dtype(torch::kBool)).triu(1);
+  auto weights = torch::softmax(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
+  weights = torch::dropout(weights, dropout, training);
+  return torch::matmul(weights, v);
+}
+
+// A pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)).
+struct GptBlockImpl : nn::Module {
+  GptBlockImpl(int64_t width, int64_t heads, double dropout, bool selective)
+      : heads(heads),
+        dropout(dropout),
+        selective(selective),
+        ln1(nn::LayerNormOptions({width})),
+        qkv(width, 3 * width),
+        proj(width, width),
+        ln2(nn::LayerNormOptions({width})),
+        fc(width, 4 * width),
+        out(4 * width, width),
+        drop(dropout) {
+    register_module("ln1", ln1);
+    register_module("qkv", qkv);
+    register_module("proj", proj);
+    register_module("ln2", ln2);
+    register_module("fc", fc);
+    register_module("out", out);
+    register_module("drop", drop);
+  }
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t b = x.size(0), t = x.size(1), c = x.size(2);
+    auto split = qkv(ln1(x)).view({b, t, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
+    auto q = split[0], k = split[1], v = split[2];  // [B, heads, T, c/heads]
+    torch::Tensor y;
+    if (selective && is_training() && torch::GradMode::is_enabled()) {
+      const double p = dropout;
+      y = memfit::checkpoint(
+          [p](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{core_attention(in[0], in[1], in[2], p, true)}; },
+          {q, k, v})[0];
+    } else {
+      y = core_attention(q, k, v, dropout, is_training());
+    }
+    y = y.transpose(1, 2).reshape({b, t, c});
+    auto h = x + drop(proj(y));
+    return h + drop(out(torch::gelu(fc(ln2(h)))));
+  }
+
+  int64_t heads;
+  double dropout;
+  bool selective;
+  nn::LayerNorm ln1;
+  nn::Linear qkv;
+  nn::Linear proj;
+  nn::LayerNorm ln2;
+  nn::Linear fc;
+  nn::Linear out;
+  nn::Dropout drop;
+};
+TORCH_MODULE(GptBlock);
+
+// Final LayerNorm and the projection to the vocabulary.
+struct GptHeadImpl : nn::Module {
+  GptHeadImpl(int64_t width, int64_t vocab) : ln(nn::LayerNormOptions({width})), logits(nn::LinearOptions(width, vocab).bias(false)) {
+    register_module("ln", ln);
+    register_module("logits", logits);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return logits(ln(x)); }
+  nn::LayerNorm ln;
+  nn::Linear logits;
+};
+TORCH_MODULE(GptHead);
+
 void check_positive(const char* what, int64_t value) {
   TORCH_CHECK(value > 0, "model option ", what, " must be positive, got ", value);
 }
@@ -66,11 +176,44 @@ void check_shape(const ModelOptions& o) {
 ModelKind parse_model_kind(const std::string& name) {
   if (name == "mlp") return ModelKind::kMlp;
   if (name == "resnet") return ModelKind::kResNet;
-  TORCH_CHECK(false, "unknown model '", name, "': expected mlp or resnet");
+  if (name == "gpt") return ModelKind::kGpt;
+  TORCH_CHECK(false, "unknown model '", name, "': expected mlp, resnet or gpt");
 }
 
 std::string to_string(ModelKind kind) {
-  return kind == ModelKind::kMlp ? "mlp" : "resnet";
+  switch (kind) {
+    case ModelKind::kMlp: return "mlp";
+    case ModelKind::kResNet: return "resnet";
+    case ModelKind::kGpt: return "gpt";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled model kind");
+}
+
+torch::nn::Sequential make_gpt(const ModelOptions& o) {
+  check_shape(o);
+  check_positive("heads", o.heads());
+  check_positive("context", o.context());
+  TORCH_CHECK(o.dropout() >= 0 && o.dropout() < 1, "model option dropout must be in [0, 1), got ", o.dropout());
+  const int64_t width = o.width() > 0 ? o.width() : 128;
+  const int64_t depth = o.depth() > 0 ? o.depth() : 4;
+  TORCH_CHECK(width % o.heads() == 0, "the GPT's width ", width, " is not a multiple of its ", o.heads(),
+              " heads: choose a width that the heads divide");
+  nn::Sequential seq;
+  seq->push_back("embed", GptEmbedding(o.num_classes(), o.context(), width, o.dropout()));
+  for (int64_t i = 0; i < depth; ++i) {
+    seq->push_back("block" + std::to_string(i), GptBlock(width, o.heads(), o.dropout(), o.selective_recompute()));
+  }
+  seq->push_back("head", GptHead(width, o.num_classes()));
+  // GPT-2's initialisation: linear weights from N(0, 0.02), biases zero (so a
+  // fresh model's loss is about log(vocabulary)).
+  torch::NoGradGuard no_grad;
+  for (auto& m : seq->modules(false)) {
+    if (auto* linear = m->as<nn::Linear>()) {
+      nn::init::normal_(linear->weight, 0.0, 0.02);
+      if (linear->bias.defined()) nn::init::zeros_(linear->bias);
+    }
+  }
+  return seq;
 }
 
 torch::nn::Sequential make_mlp(const ModelOptions& o) {
@@ -117,7 +260,12 @@ torch::nn::Sequential make_resnet(const ModelOptions& o) {
 }
 
 torch::nn::Sequential make_model(ModelKind kind, const ModelOptions& options) {
-  return kind == ModelKind::kMlp ? make_mlp(options) : make_resnet(options);
+  switch (kind) {
+    case ModelKind::kMlp: return make_mlp(options);
+    case ModelKind::kResNet: return make_resnet(options);
+    case ModelKind::kGpt: return make_gpt(options);
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled model kind");
 }
 
 } // namespace memfit

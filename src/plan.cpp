@@ -557,7 +557,9 @@ ModelProfile profile(const torch::nn::Sequential& model, const torch::Tensor& sa
   {
     UntrackedGuard host;  // the sample is host data, as a data set is
     batch.images = sample_batch.detach().to(torch::kCPU).clone();
-    batch.labels = torch::zeros({sample_batch.size(0)}, torch::kInt64);
+    // A class per example; for token ids (a language model), one per token.
+    batch.labels = torch::is_floating_point(sample_batch) ? torch::zeros({sample_batch.size(0)}, torch::kInt64)
+                                                          : torch::zeros_like(sample_batch, torch::kInt64);
   }
   auto restore = [&] {
     torch::NoGradGuard no_grad;

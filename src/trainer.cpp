@@ -40,6 +40,22 @@ void release_gradients(const std::vector<torch::Tensor>& params, bool set_to_non
   }
 }
 
+// Cross-entropy of class logits [N, C] against [N] labels, or of per-token
+// logits [N, T, C] against [N, T] labels (a language model), in fp32:
+// the mean, or with `sum` the sum, over every label.
+torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& target, bool sum = false) {
+  auto l = logits.to(torch::kFloat);
+  auto t = target;
+  if (l.dim() > 2) {
+    TORCH_CHECK(t.dim() == l.dim() - 1, "the model's output is ", l.sizes(), " but the labels are ", t.sizes(),
+                ": per-token logits need a label per token");
+    l = l.reshape({-1, l.size(-1)});
+    t = t.reshape({-1});
+  }
+  namespace F = torch::nn::functional;
+  return sum ? F::cross_entropy(l, t, F::CrossEntropyFuncOptions().reduction(torch::kSum)) : F::cross_entropy(l, t);
+}
+
 } // namespace
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainerOptions& o,
@@ -346,7 +362,7 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
       auto x = data.images.index_select(0, mine);
       auto y = data.labels.index_select(0, mine);
       const auto r = pipeline_->train_step(x, y, [](const torch::Tensor& out, const torch::Tensor& target) {
-        return torch::nn::functional::cross_entropy(out.to(torch::kFloat), target);
+        return cross_entropy(out, target);
       });
       loss_value = r.loss;  // the same on every stage
       skip = !std::isfinite(loss_value);
@@ -363,7 +379,7 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
         AutocastGuard autocast(device, options_.precision());
         logits = model_->forward(x);
       }
-      auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y);
+      auto loss = cross_entropy(logits, y);
       // Each micro-batch's mean loss weighted by its share of the step's
       // examples (times the ranks, whose gradients are averaged): the
       // gradients add up to the mean-loss gradient over all of them.
@@ -490,12 +506,8 @@ EvalResult Trainer::evaluate(const ImageDataset& data) {
       logits = pipeline_ ? pipeline_->forward(x) : model_->forward(x);
     }
     if (!logits.defined()) continue;  // a pipeline's output is on its last stage
-    logits = logits.to(torch::kFloat);
-    loss_sum += torch::nn::functional::cross_entropy(
-                    logits, y,
-                    torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
-                    .item<double>();
-    correct += logits.argmax(1).eq(y).sum().item<int64_t>();
+    loss_sum += cross_entropy(logits, y, /*sum=*/true).item<double>();
+    correct += logits.argmax(-1).eq(y).sum().item<int64_t>();
   }
   model_->train();
   if (pipeline_) {  // the last stage's sums, everywhere
@@ -506,8 +518,9 @@ EvalResult Trainer::evaluate(const ImageDataset& data) {
     correct = static_cast<int64_t>(sums[1].item<double>());
   }
   EvalResult r;
-  r.loss = loss_sum / double(n);
-  r.accuracy = double(correct) / double(n);
+  const double labels = double(data.labels.numel());  // a label per example, or per token
+  r.loss = loss_sum / labels;
+  r.accuracy = double(correct) / labels;
   r.peak_bytes = meter.peak();
   return r;
 }
@@ -772,6 +785,21 @@ void Trainer::resume(const std::string& path_or_dir) {
   epoch_ = epoch;
   cursor_ = cursor;
   order_ = order;
+}
+
+void load_trainer_model(torch::nn::Module& module, const std::string& path_or_dir) {
+  const std::string path = checkpoint_path(path_or_dir);
+  auto a = detail::read_archive(path);
+  c10::IValue format;
+  TORCH_CHECK(a.try_read("format", format) && format.isString() && format.toStringRef() == kCheckpointFormat,
+              path, " is not a memfit Trainer checkpoint (", kCheckpointFormat,
+              "): write one with Trainer::save or memfit train --save DIR");
+  torch::serialize::InputArchive parts, model;
+  TORCH_CHECK(!a.try_read("stages", parts), path, " holds a pipeline's stages, one per rank: load it into a "
+              "pipeline (Trainer::resume with parallel pipeline)");
+  TORCH_CHECK(a.try_read("model", model), path, " is damaged: 'model' is missing");
+  detail::check_module(model, module, path);
+  detail::copy_into_module(model, module);
 }
 
 std::string TrainReport::to_json() const {

@@ -36,7 +36,8 @@ expect help 0 'train' out -- --help
 for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --seed --budget \
             --data --report --eval-batch --no-eval --quiet --threads --checkpoint \
             --checkpoint-budget --offload-checkpoints --precision --master-weights --device --clip-grad-norm --skip-nonfinite \
-            --micro-batch --freeze --offload --save --save-every --resume --plan --dist-timeout; do
+            --micro-batch --freeze --offload --save --save-every --resume --plan --dist-timeout \
+            --zero-stage --parallel --chunks --schedule --heads --context --dropout --selective-recompute --text; do
   expect "train-help-documents$flag" 0 "$flag" out -- train --help
 done
 expect version 0 'memfit 0\.' out -- --version
@@ -166,6 +167,26 @@ expect train-plans 0 'the plan predicted' out -- \
 check train-report-holds-plan grep -q '"predicted_peak_bytes"' "$tmp/planned.json"
 expect train-plan-by-hand 0 'plan: none' out -- \
   train --model mlp --width 32 --depth 1 --steps 1 --budget 64MiB --micro-batch 16 --no-eval -q
+
+# The GPT on the Jargon File, and text from it.
+if [ -f /usr/share/doc/jargon-text/jargon.txt.gz ]; then
+expect train-gpt 0 'perplexity' out -- train --model gpt --width 16 --depth 1 --heads 2 --context 16 \
+  --batch 8 --steps 3 --eval-batch 4096 -q --save "$tmp/gpt"
+check train-gpt-writes-model-card grep -q '"vocab"' "$tmp/gpt/model.json"
+expect generate 0 '^hacker' out -- generate --resume "$tmp/gpt" --prompt hacker --tokens 20 --seed 3
+expect generate-greedy-is-repeatable 0 '^hacker' out -- generate --resume "$tmp/gpt" --prompt hacker --tokens 20 --temperature 0
+first=$(cat "$tmp/out")
+"$bin" generate --resume "$tmp/gpt" --prompt hacker --tokens 20 --temperature 0 >"$tmp/again" 2>&1
+check generate-greedy-twice-the-same test "$first" = "$(cat "$tmp/again")"
+expect generate-unknown-byte 1 'byte 1 at position 2' err -- generate --resume "$tmp/gpt" --prompt "$(printf 'ok\001')"
+expect generate-needs-model-card 1 'no model.json' err -- generate --resume "$tmp" --prompt x
+expect train-gpt-selective 0 'final loss' out -- train --model gpt --width 16 --depth 1 --heads 2 --context 16 \
+  --batch 8 --steps 2 --no-eval -q --selective-recompute --dropout 0.1
+expect train-gpt-bad-heads 1 'not a multiple of its 3 heads' err -- train --model gpt --width 16 --heads 3 --steps 1 --no-eval
+else
+  echo "skip gpt checks: Debian's jargon-text is not installed"
+fi
+expect generate-needs-resume 2 'resume' err -- generate --prompt x
 
 # Data parallel: two ranks of batch 16 train like one process of batch 32.
 port=$((20000 + $$ % 20000))

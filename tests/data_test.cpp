@@ -1,5 +1,7 @@
 #include "memfit/data.h"
 
+#include "memfit/memory.h"
+
 #include "test_util.h"
 
 #include <cstdlib>
@@ -80,6 +82,54 @@ TEST_F(FashionMnist, MissingFilesNameTheDebianPackage) {
     const std::string msg = e.msg();
     EXPECT_NE(msg.find("dataset-fashion-mnist"), std::string::npos) << msg;
     EXPECT_NE(msg.find("/nonexistent/fashion"), std::string::npos) << msg;
+  }
+}
+
+class JargonFile : public testing::Seeded {
+ protected:
+  void SetUp() override {
+    Seeded::SetUp();
+    if (!fs::exists(JargonOptions().path())) {
+      GTEST_SKIP() << "Debian's jargon-text is not installed (scripts/install-deps.sh installs it)";
+    }
+  }
+};
+
+TEST_F(JargonFile, ReadsTheTextAsByteTokens) {
+  const int64_t before = memory_allocated(torch::kCPU);
+  const auto corpus = load_jargon_file();
+  EXPECT_EQ(corpus.tokens.numel(), 1681817);
+  EXPECT_EQ(corpus.vocab_size(), 146);
+  EXPECT_EQ(corpus.decode(corpus.tokens.narrow(0, 0, 200)).find("The Jargon File"), 32u);
+  EXPECT_EQ(corpus.decode(corpus.encode("hax0r")), "hax0r");
+  EXPECT_EQ(memory_allocated(torch::kCPU), before) << "a data set in host memory, outside the budget";
+  try {
+    corpus.encode(std::string("ok\x01"));
+    ADD_FAILURE() << "byte 1 is not in the Jargon File";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.msg()).find("byte 1 at position 2"), std::string::npos) << e.msg();
+  }
+}
+
+TEST_F(JargonFile, WindowsAreFollowedByTheirLabelsAndSplitNinetyTen) {
+  const auto corpus = load_jargon_file();
+  const auto train = text_windows(corpus, 64, Split::kTrain);
+  const auto test = text_windows(corpus, 64, Split::kTest);
+  EXPECT_EQ(train.size(), (1681817 * 9 / 10 - 1) / 64);
+  EXPECT_EQ(test.size(), (1681817 - 1681817 * 9 / 10 - 1) / 64);
+  EXPECT_EQ(train.num_classes, 146);
+  EXPECT_TRUE(train.images.narrow(1, 1, 63).equal(train.labels.narrow(1, 0, 63)));
+  EXPECT_TRUE(train.images.select(1, 0).narrow(0, 1, 10).equal(train.labels.select(1, 63).narrow(0, 0, 10)))
+      << "each window's last label is the next window's first token";
+  EXPECT_TRUE(test.images[0].equal(corpus.tokens.narrow(0, 1681817 * 9 / 10, 64)));
+}
+
+TEST(JargonFileMissing, NamesTheDebianPackage) {
+  try {
+    load_jargon_file(JargonOptions().path("/nonexistent/jargon.txt.gz"));
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.msg()).find("apt-get install jargon-text"), std::string::npos) << e.msg();
   }
 }
 

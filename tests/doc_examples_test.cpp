@@ -132,8 +132,25 @@ TEST_F(DocExamples, ModelsHeader) {
     auto logits = net->forward(torch::zeros({2, 1, 28, 28}));
     EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 10}));
   }
+  {
+    auto gpt = memfit::make_gpt(memfit::ModelOptions().num_classes(50).width(32).depth(2).heads(2).context(16));
+    auto logits = gpt->forward(torch::zeros({2, 16}, torch::kLong));  // [2, 16, 50]
+    EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 16, 50}));
+  }
   auto net = memfit::make_model(memfit::ModelKind::kMlp);
   EXPECT_FALSE(net.is_empty());
+}
+
+TEST_F(DocExamples, TextData) {
+  if (!std::filesystem::exists(memfit::JargonOptions().path())) {
+    GTEST_SKIP() << "Debian's jargon-text is not installed";
+  }
+  auto corpus = memfit::load_jargon_file();
+  assert(corpus.decode(corpus.encode("hacker")) == "hacker");
+  EXPECT_EQ(corpus.decode(corpus.encode("hacker")), "hacker");
+  auto train = memfit::text_windows(corpus, 64, memfit::Split::kTrain);
+  // train.images[i][j + 1] == train.labels[i][j]
+  EXPECT_EQ(train.images[3][5].item<int64_t>(), train.labels[3][4].item<int64_t>());
 }
 
 TEST_F(DocExamples, CheckpointHeader) {
@@ -354,6 +371,9 @@ TEST_F(DocExamples, DataAndTrainerHeaders) {
     second.resume(dir);
     auto rest = second.fit(data);  // steps 4, 5 and 6
     EXPECT_EQ(rest.steps.front().step, 4);
+    auto net = memfit::make_mlp();  // load_trainer_model
+    memfit::load_trainer_model(*net, dir);
+    EXPECT_TRUE(net->parameters()[0].equal(first.model()->parameters()[0]));
     // remove(), not remove_all(): with pip's LibTorch 2.x the latter binds
     // to libtorch.so's own incompatible copy and crashes.
     std::filesystem::remove(dir + "/checkpoint.pt");

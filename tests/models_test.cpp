@@ -1,5 +1,7 @@
 #include "memfit/models.h"
 
+#include "memfit/memory.h"
+
 #include "test_util.h"
 
 namespace memfit {
@@ -45,10 +47,54 @@ TEST_F(Models, BadNamesAndSizesAreClearErrors) {
     parse_model_kind("vgg");
     FAIL();
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.msg()).find("expected mlp or resnet"), std::string::npos);
+    EXPECT_NE(std::string(e.msg()).find("expected mlp, resnet or gpt"), std::string::npos);
   }
   EXPECT_THROW(make_mlp(ModelOptions().num_classes(0)), c10::Error);
   EXPECT_THROW(make_resnet(ModelOptions().width(-1)), c10::Error);
+}
+
+ModelOptions small_gpt() { return ModelOptions().num_classes(40).width(32).depth(2).heads(4).context(24); }
+
+TEST_F(Models, GptMapsTokenIdsToNextTokenLogitsAndIsCausal) {
+  auto gpt = make_gpt(small_gpt());
+  EXPECT_EQ(gpt->size(), 4u) << "embedding, 2 blocks, head";
+  auto ids = torch::randint(0, 40, {3, 24});
+  auto y = gpt->forward(ids);
+  EXPECT_EQ(y.sizes(), (std::vector<int64_t>{3, 24, 40}));
+  // Changing token 10 changes no logit before position 10.
+  auto changed = ids.clone();
+  changed.select(1, 10).add_(1).remainder_(40);
+  auto z = gpt->forward(changed);
+  EXPECT_TRUE(y.narrow(1, 0, 10).equal(z.narrow(1, 0, 10)));
+  EXPECT_FALSE(y.narrow(1, 10, 1).equal(z.narrow(1, 10, 1)));
+  EXPECT_THROW(gpt->forward(torch::randint(0, 40, {1, 25})), c10::Error) << "longer than the context";
+  EXPECT_THROW(make_gpt(small_gpt().heads(5)), c10::Error) << "32 is not a multiple of 5 heads";
+}
+
+TEST_F(Models, GptSelectiveRecomputationKeepsGradientsAndDropsTheAttentionScores) {
+  // With dropout on the attention weights: recomputation must redraw the same masks.
+  auto run = [&](bool selective, int64_t* peak) {
+    torch::manual_seed(3);
+    auto gpt = make_gpt(small_gpt().dropout(0.1).selective_recompute(selective));
+    auto ids = torch::randint(0, 40, {8, 24});
+    const int64_t before = memory_allocated(torch::kCPU);
+    PeakMeter meter(torch::kCPU);
+    auto loss = gpt->forward(ids).logsumexp(-1).mean();
+    *peak = meter.peak() - before;  // forward: what is kept for backward, and transients
+    loss.backward();
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : gpt->parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  int64_t plain_peak = 0, selective_peak = 0;
+  const auto plain = run(false, &plain_peak);
+  const auto selective = run(true, &selective_peak);
+  ASSERT_EQ(plain.size(), selective.size());
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(plain[i].equal(selective[i])) << "parameter " << i;
+  // Each block keeps its scores' softmax and dropout mask and output (3 of
+  // B·heads·T² floats, the mask as bytes) only without recomputation.
+  const int64_t scores = 8 * 4 * 24 * 24;
+  EXPECT_GE(plain_peak - selective_peak, 2 * (2 * scores * 4)) << plain_peak << " vs " << selective_peak;
 }
 
 } // namespace

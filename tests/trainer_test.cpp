@@ -540,5 +540,38 @@ TEST_F(CudaTrainer, EveryPrecisionLearnsAndLowPrecisionHalvesDeviceBytes) {
   EXPECT_EQ(reports[3].step_memory.optimizer_state, 0);
 }
 
+// The GPT on the Jargon File: next-byte cross-entropy over every token.
+class TrainerGptTest : public testing::Seeded {
+ protected:
+  void SetUp() override {
+    Seeded::SetUp();
+    if (!std::filesystem::exists(JargonOptions().path())) {
+      GTEST_SKIP() << "Debian's jargon-text is not installed (scripts/install-deps.sh installs it)";
+    }
+  }
+};
+
+TEST_F(TrainerGptTest, LearnsTheJargonFileAndMicroBatchesGiveTheSameModel) {
+  const auto corpus = load_jargon_file();
+  const auto train = text_windows(corpus, 32, Split::kTrain);
+  const auto test = text_windows(corpus, 32, Split::kTest);
+  const auto model = ModelOptions().num_classes(corpus.vocab_size()).width(32).depth(1).heads(2).context(32);
+  auto run = [&](int64_t micro, OptimizerKind optimizer, double lr) {
+    torch::manual_seed(5);
+    Trainer t(make_gpt(model), TrainerOptions().batch_size(16).steps(25).optimizer(optimizer).lr(lr).seed(1)
+                                   .micro_batch_size(micro).eval_batch_size(512));
+    return std::make_pair(t.fit(train), std::move(t));
+  };
+  auto [whole, whole_trainer] = run(0, OptimizerKind::kAdam, 3e-3);
+  auto [sgd_whole, sgd_whole_trainer] = run(0, OptimizerKind::kSGD, 0.3);
+  auto [sgd_micro, micro_trainer] = run(5, OptimizerKind::kSGD, 0.3);  // 16 = 5 + 5 + 5 + 1
+  EXPECT_NEAR(whole.steps.front().loss, std::log(double(corpus.vocab_size())), 0.3) << "a fresh model guesses evenly";
+  EXPECT_LT(whole.final_loss, 3.6) << "25 steps learn the byte frequencies at least (log 146 = 4.98)";
+  const auto eval = whole_trainer.evaluate(test);
+  EXPECT_GT(eval.accuracy, 0.15) << "per next byte; the most frequent byte (space) alone scores about 0.15";
+  EXPECT_LT(testing::max_relative_difference(sgd_whole_trainer.model()->parameters(), micro_trainer.model()->parameters()),
+            1e-5);
+}
+
 } // namespace
 } // namespace memfit

@@ -11,8 +11,9 @@
 #include "memfit/schedule.h"
 #include "memfit/state.h"
 #include "memfit/trainer.h"
-#include "progress.h"
+#include "generate.h"
 #include "launch.h"
+#include "progress.h"
 #include "report.h"
 
 #include <CLI/CLI.hpp>
@@ -49,10 +50,20 @@ CLI::Validator memory_size_validator() {
       "SIZE");
 }
 
-struct TrainArgs {
+// The model and its data, shared by train, plan, profile and find-batch.
+struct ModelArgs {
   std::string model = "resnet";
   int64_t width = 0;
   int64_t depth = 0;
+  int64_t heads = 4;
+  int64_t context = 128;
+  double dropout = 0.0;
+  bool selective_recompute = false;
+  std::string data = memfit::FashionMnistOptions().root();
+  std::string text = memfit::JargonOptions().path();
+};
+
+struct TrainArgs : ModelArgs {
   int64_t batch = 64;
   int64_t steps = 300;
   int64_t epochs = 0;
@@ -60,7 +71,6 @@ struct TrainArgs {
   std::string optimizer = "adam";
   uint64_t seed = 0;
   std::string budget;
-  std::string data = memfit::FashionMnistOptions().root();
   std::string report;
   int64_t eval_batch = 256;
   bool no_eval = false;
@@ -89,16 +99,12 @@ struct TrainArgs {
 };
 
 // memfit plan / memfit profile.
-struct PlanArgs {
-  std::string model = "resnet";
-  int64_t width = 0;
-  int64_t depth = 0;
+struct PlanArgs : ModelArgs {
   int64_t batch = 64;
   std::string budget;
   std::string optimizer = "adam";
   std::string precision = "fp32";
   std::string device = "cpu";
-  std::string data = memfit::FashionMnistOptions().root();
   bool json = false;
   int threads = 0;
   bool no_verify = false;
@@ -119,20 +125,79 @@ memfit::CheckpointedSequentialOptions parse_checkpoint(const std::string& spec) 
   return o;
 }
 
+// --model and its shape, --data and --text.
+void add_model_shape_options(CLI::App* cmd, ModelArgs& a) {
+  cmd->add_option("--model", a.model,
+                  "Model: mlp, resnet (a ResNet-style CNN), both on Fashion-MNIST, or gpt (a "
+                  "decoder-only transformer on the Jargon File's characters)")
+      ->check(CLI::IsMember({"mlp", "resnet", "gpt"}))
+      ->capture_default_str();
+  cmd->add_option("--width", a.width,
+                  "MLP hidden width, ResNet first-stage channels or GPT embedding width (0: "
+                  "default, 512 / 16 / 128)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--depth", a.depth,
+                  "MLP hidden layers, ResNet blocks per stage or GPT blocks (0: default, 2 / 2 / 4)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--heads", a.heads, "GPT: attention heads per block (dividing the width)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--context", a.context, "GPT: tokens per training sequence")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--dropout", a.dropout, "GPT: dropout probability")
+      ->check(CLI::Range(0.0, 0.99))
+      ->capture_default_str();
+  cmd->add_flag("--selective-recompute", a.selective_recompute,
+                "GPT: recompute attention scores, softmax and attention dropout in backward "
+                "instead of keeping them (Korthikanti et al. 2022)");
+  cmd->add_option("--data", a.data,
+                  "Folder with Fashion-MNIST's *-ubyte.gz files (Debian: dataset-fashion-mnist)")
+      ->capture_default_str();
+  cmd->add_option("--text", a.text, "The Jargon File for --model gpt (Debian: jargon-text)")
+      ->capture_default_str();
+}
+
+// The model --model names and its data: Fashion-MNIST for mlp and resnet,
+// windows of the Jargon File's bytes for gpt.
+struct Workload {
+  memfit::ModelKind kind = memfit::ModelKind::kMlp;
+  memfit::ModelOptions options;
+  memfit::ImageDataset train, test;
+  std::string vocab;  // gpt: the bytes, by token id
+
+  torch::nn::Sequential make() const { return memfit::make_model(kind, options); }
+};
+
+Workload load_workload(const ModelArgs& a, bool with_test) {
+  Workload w;
+  w.kind = memfit::parse_model_kind(a.model);
+  w.options.width(a.width).depth(a.depth);
+  if (w.kind == memfit::ModelKind::kGpt) {
+    const auto corpus = memfit::load_jargon_file(memfit::JargonOptions().path(a.text));
+    w.options.num_classes(corpus.vocab_size())
+        .heads(a.heads)
+        .context(a.context)
+        .dropout(a.dropout)
+        .selective_recompute(a.selective_recompute);
+    w.vocab = corpus.vocab;
+    w.train = memfit::text_windows(corpus, a.context, memfit::Split::kTrain);
+    if (with_test) w.test = memfit::text_windows(corpus, a.context, memfit::Split::kTest);
+    return w;
+  }
+  memfit::FashionMnistOptions o;
+  o.root(a.data);
+  w.train = memfit::load_fashion_mnist(memfit::Split::kTrain, o);
+  if (with_test) w.test = memfit::load_fashion_mnist(memfit::Split::kTest, o);
+  return w;
+}
+
 void add_train_command(CLI::App& app, TrainArgs& a) {
   auto* train = app.add_subcommand(
-      "train", "Train a model on Fashion-MNIST and report loss, test accuracy and peak memory");
-  train->add_option("--model", a.model, "Model: mlp or resnet (a ResNet-style CNN)")
-      ->check(CLI::IsMember({"mlp", "resnet"}))
-      ->capture_default_str();
-  train->add_option("--width", a.width,
-                    "MLP hidden width or ResNet first-stage channels (0: default, 512 / 16)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  train->add_option("--depth", a.depth,
-                    "MLP hidden layers or ResNet blocks per stage (0: default, 2 / 2)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
+      "train", "Train a model on Fashion-MNIST or the Jargon File and report loss, test accuracy and peak memory");
+  add_model_shape_options(train, a);
   train->add_option("--batch", a.batch, "Examples per optimizer step (positive)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -155,9 +220,6 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                     "Memory budget for tensors, e.g. 512MiB, 2GiB, 1.5GB or bytes; "
                     "a step over it fails with an out-of-memory error (exit 1)")
       ->check(memory_size_validator());
-  train->add_option("--data", a.data,
-                    "Folder with Fashion-MNIST's *-ubyte.gz files (Debian: dataset-fashion-mnist)")
-      ->capture_default_str();
   train->add_option("--report", a.report,
                     "Write per-step loss, seconds and peak bytes and a summary as JSON to FILE");
   train->add_option("--eval-batch", a.eval_batch, "Examples per evaluation forward (positive)")
@@ -261,13 +323,7 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
 }
 
 void add_model_options(CLI::App* cmd, PlanArgs& a) {
-  cmd->add_option("--model", a.model, "Model: mlp or resnet")
-      ->check(CLI::IsMember({"mlp", "resnet"}))
-      ->capture_default_str();
-  cmd->add_option("--width", a.width, "MLP hidden width or ResNet first-stage channels (0: default)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--depth", a.depth, "MLP hidden layers or ResNet blocks per stage (0: default)")
-      ->check(CLI::NonNegativeNumber);
+  add_model_shape_options(cmd, a);
   cmd->add_option("--batch", a.batch, "Examples per optimizer step (positive)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -280,8 +336,6 @@ void add_model_options(CLI::App* cmd, PlanArgs& a) {
       ->check(CLI::IsMember({"fp32", "bf16", "fp16", "auto", "any"}))
       ->capture_default_str();
   cmd->add_option("--device", a.device, "Device: cpu, cuda or cuda:N")->capture_default_str();
-  cmd->add_option("--data", a.data, "Folder with Fashion-MNIST (for the example's shape)")
-      ->capture_default_str();
   cmd->add_flag("--json", a.json, "Print JSON instead of a table");
   cmd->add_option("--threads", a.threads, "CPU threads (0: every hardware thread)")
       ->check(CLI::NonNegativeNumber);
@@ -342,14 +396,6 @@ std::vector<memfit::Precision> plan_precisions(const std::string& text, const to
   return {text == "auto" ? memfit::auto_precision(device) : memfit::parse_precision(text)};
 }
 
-// One example of the data set, on `device`, for profiling.
-torch::Tensor one_example(const std::string& data_root, const torch::Device& device) {
-  memfit::FashionMnistOptions o;
-  o.root(data_root);
-  const auto test = memfit::load_fashion_mnist(memfit::Split::kTest, o);
-  return test.images.narrow(0, 0, 1).to(device);
-}
-
 void set_threads(int threads) {
   const unsigned hw = std::thread::hardware_concurrency();
   at::set_num_threads(threads > 0 ? threads : static_cast<int>(hw > 0 ? hw : 1));
@@ -363,10 +409,10 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
   memfit::memory_allocated(device);
   set_threads(a.threads);
   torch::manual_seed(0);
-  auto chain = memfit::make_model(memfit::parse_model_kind(a.model),
-                                  memfit::ModelOptions().width(a.width).depth(a.depth));
+  auto workload = load_workload(a, /*with_test=*/false);
+  auto chain = workload.make();
   chain->to(device);
-  const auto example = one_example(a.data, device);
+  const auto example = workload.train.images.narrow(0, 0, 1).to(device);  // one example, for profiling
   memfit::PlanOptions options;
   options.optimizer(memfit::parse_optimizer_kind(a.optimizer))
       .precisions(plan_precisions(a.precision, device));
@@ -424,16 +470,12 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
   }
   if (command == ModelCommand::kFindBatch) {
     const int64_t budget = memfit::parse_memory_size(a.budget);
-    memfit::FashionMnistOptions o;
-    o.root(a.data);
-    const auto train = memfit::load_fashion_mnist(memfit::Split::kTrain, o);
     chain = nullptr;  // only fresh models run from here on
     const auto make = [&] {
       torch::manual_seed(0);
-      return memfit::make_model(memfit::parse_model_kind(a.model),
-                                memfit::ModelOptions().width(a.width).depth(a.depth));
+      return workload.make();
     };
-    const auto found = memfit::find_batch(model, make, train, budget,
+    const auto found = memfit::find_batch(model, make, workload.train, budget,
                                           memfit::FindBatchOptions().verify(!a.no_verify));
     std::optional<memfit::Plan> logical;
     try {
@@ -515,16 +557,13 @@ int run_train(const TrainArgs& a) {
   torch::manual_seed(a.seed);
   set_threads(a.threads);
 
-  memfit::FashionMnistOptions data_options;
-  data_options.root(a.data);
-  const auto train_data = memfit::load_fashion_mnist(memfit::Split::kTrain, data_options);
-  const auto test_data = a.no_eval ? memfit::ImageDataset()
-                                   : memfit::load_fashion_mnist(memfit::Split::kTest, data_options);
+  const auto workload = load_workload(a, /*with_test=*/!a.no_eval);
+  const auto& train_data = workload.train;
+  const auto& test_data = workload.test;
 
   const int64_t budget = a.budget.empty() ? 0 : memfit::parse_memory_size(a.budget);
 
-  auto chain = memfit::make_model(memfit::parse_model_kind(a.model),
-                                  memfit::ModelOptions().width(a.width).depth(a.depth));
+  auto chain = workload.make();
   auto ck_options = parse_checkpoint(a.checkpoint);
   if (ck_options.kind() == memfit::ScheduleKind::kOptimal) {
     ck_options.budget(memfit::parse_memory_size(a.checkpoint_budget));
@@ -615,6 +654,17 @@ int run_train(const TrainArgs& a) {
   const std::string schedule_text =
       pipelined ? "none (pipeline stages)" : checkpointed->schedule().to_string();
   memfit::Trainer trainer(model, options);
+  if (!a.save.empty() && world.rank == 0) {  // what `memfit generate` needs to build the model again
+    nlohmann::json card = {{"model", a.model},     {"width", a.width},     {"depth", a.depth},
+                           {"heads", a.heads},     {"context", a.context}, {"dropout", a.dropout},
+                           {"num_classes", workload.options.num_classes()}};
+    if (workload.kind == memfit::ModelKind::kGpt) {
+      std::vector<int> vocab;
+      for (char c : workload.vocab) vocab.push_back(static_cast<unsigned char>(c));
+      card["vocab"] = vocab;
+    }
+    memfit::tools::write_model_card(a.save, card);
+  }
   if (pipelined) {  // this rank's stage keeps its layers; the others go now
     chain = nullptr;
     model = nullptr;
@@ -678,8 +728,12 @@ int run_train(const TrainArgs& a) {
   fmt::print("final loss {:.4f} | {:.0f} samples/s | {:.1f} s\n", report.final_loss,
              report.samples_per_second, report.seconds);
   if (report.evaluated) {
-    fmt::print("test accuracy {:.2f}% ({} examples, loss {:.4f}, evaluated under no-grad)\n",
-               100.0 * report.test.accuracy, test_data.size(), report.test.loss);
+    const bool text = workload.kind == memfit::ModelKind::kGpt;
+    fmt::print("test accuracy {:.2f}% ({}, loss {:.4f}{}, evaluated under no-grad)\n",
+               100.0 * report.test.accuracy,
+               text ? fmt::format("next byte of {} sequences of {}", test_data.size(), a.context)
+                    : fmt::format("{} examples", test_data.size()),
+               report.test.loss, text ? fmt::format(", perplexity {:.2f}", std::exp(report.test.loss)) : "");
   }
   fmt::print("precision {}{}{}\n", report.precision,
              a.master_weights != "none"
@@ -727,6 +781,8 @@ int main(int argc, char** argv) {
   add_plan_commands(app, plan_args);
   memfit::tools::LaunchArgs launch_args;
   memfit::tools::add_launch_command(app, launch_args);
+  memfit::tools::GenerateArgs generate_args;
+  memfit::tools::add_generate_command(app, generate_args);
   std::string report_in, report_out;
   auto* report = app.add_subcommand(
       "report", "Write one self-contained HTML page from a `memfit train --report` JSON: the "
@@ -770,6 +826,7 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("train")) return run_train(train_args);
     if (app.got_subcommand("launch")) return memfit::tools::run_launch(launch_args);
+    if (app.got_subcommand("generate")) return memfit::tools::run_generate(generate_args);
     if (app.got_subcommand("plan")) return run_model_command(plan_args, ModelCommand::kPlan);
     if (app.got_subcommand("profile")) return run_model_command(plan_args, ModelCommand::kProfile);
     if (app.got_subcommand("find-batch")) {

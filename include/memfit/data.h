@@ -37,10 +37,11 @@ struct FashionMnistOptions {
   TORCH_ARG(bool, normalize) = true;
 };
 
-/// A labelled image data set held in host memory.
+/// A labelled data set held in host memory: images and their classes, or
+/// (text_windows) windows of token ids and their next tokens.
 struct ImageDataset {
-  torch::Tensor images;  ///< [N, 1, 28, 28] float32.
-  torch::Tensor labels;  ///< [N] int64 class indices.
+  torch::Tensor images;  ///< [N, 1, 28, 28] float32 (text: [N, T] int64 token ids).
+  torch::Tensor labels;  ///< [N] int64 class indices (text: [N, T] int64, the next tokens).
   int64_t num_classes = 10;
 
   /// Number of examples.
@@ -59,5 +60,47 @@ struct ImageDataset {
 /// \endcode
 ImageDataset load_fashion_mnist(Split split,
                                 const FashionMnistOptions& options = FashionMnistOptions());
+
+/// Where to read the Jargon File (Debian's `jargon-text`).
+struct JargonOptions {
+  /// The gzipped text.
+  TORCH_ARG(std::string, path) = "/usr/share/doc/jargon-text/jargon.txt.gz";
+};
+
+/// A text as byte-level tokens: every distinct byte of the text is a token,
+/// numbered in byte order.
+struct TextCorpus {
+  std::string vocab;     ///< The bytes, by token id.
+  torch::Tensor tokens;  ///< [L] int64: the whole text's token ids (host memory).
+
+  /// Number of distinct tokens.
+  int64_t vocab_size() const { return static_cast<int64_t>(vocab.size()); }
+  /// The ids of `text`; throws c10::Error naming a byte the corpus lacks.
+  torch::Tensor encode(const std::string& text) const;
+  /// The text of `ids` (any shape, read in order).
+  std::string decode(const torch::Tensor& ids) const;
+};
+
+/// Reads the Jargon File as a byte-level corpus (1,681,817 bytes, 146 distinct).
+/// Throws c10::Error naming the file and the Debian package `jargon-text`
+/// when it is missing.
+///
+/// Example:
+/// \code
+///   auto corpus = memfit::load_jargon_file();
+///   assert(corpus.decode(corpus.encode("hacker")) == "hacker");
+/// \endcode
+TextCorpus load_jargon_file(const JargonOptions& options = JargonOptions());
+
+/// Non-overlapping windows of `context` tokens and the tokens that follow
+/// each (the labels: the window shifted by one) for next-token training. The
+/// first 90% of the text gives the training windows, the rest the test ones.
+///
+/// Example:
+/// \code
+///   auto train = memfit::text_windows(corpus, 64, memfit::Split::kTrain);
+///   // train.images[i][j + 1] == train.labels[i][j]
+/// \endcode
+ImageDataset text_windows(const TextCorpus& corpus, int64_t context, Split split);
 
 } // namespace memfit

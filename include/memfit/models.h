@@ -17,7 +17,7 @@
 namespace memfit {
 
 /// The built-in model families.
-enum class ModelKind { kMlp, kResNet };
+enum class ModelKind { kMlp, kResNet, kGpt };
 
 /// Parses "mlp" or "resnet"; throws c10::Error naming the accepted names.
 ///
@@ -53,6 +53,18 @@ struct ModelOptions {
   /// ReLUs overwrite their input where autograd allows it (the input is not
   /// saved for backward), so an activation and its ReLU share memory.
   TORCH_ARG(bool, inplace) = true;
+  /// GPT: the attention heads of each block (width must be a multiple).
+  TORCH_ARG(int64_t, heads) = 4;
+  /// GPT: the longest sequence (positions learned); num_classes is the vocabulary.
+  TORCH_ARG(int64_t, context) = 128;
+  /// GPT: dropout after the embedding, on the attention weights and after
+  /// each residual branch (GPT-2's places).
+  TORCH_ARG(double, dropout) = 0.0;
+  /// GPT: recompute each block's attention scores, softmax and attention
+  /// dropout during backward instead of keeping them (selective activation
+  /// recomputation, Korthikanti et al. 2022): the B·heads·T² tensors go, the
+  /// rest of the block's activations stay.
+  TORCH_ARG(bool, selective_recompute) = false;
 };
 
 /// A multi-layer perceptron: Flatten, then `depth` × (Linear, ReLU), then Linear.
@@ -76,7 +88,23 @@ torch::nn::Sequential make_mlp(const ModelOptions& options = ModelOptions());
 /// \endcode
 torch::nn::Sequential make_resnet(const ModelOptions& options = ModelOptions());
 
-/// make_mlp or make_resnet by kind; rejects non-positive sizes with c10::Error.
+/// A decoder-only transformer (GPT-2's layout with pre-LayerNorm blocks):
+/// token and position embeddings, `depth` blocks of causal multi-head
+/// self-attention and a 4×width GELU MLP, each a residual branch, then a
+/// final LayerNorm and a linear head over the vocabulary (num_classes). Input
+/// [B, T] token ids (T ≤ context), output [B, T, num_classes] logits. The
+/// embedding, each block and the head are the Sequential's elements, so
+/// checkpoint schedules and the planner work on blocks. Width defaults to 128,
+/// depth to 4.
+///
+/// Example:
+/// \code
+///   auto gpt = memfit::make_gpt(memfit::ModelOptions().num_classes(50).width(32).depth(2).heads(2).context(16));
+///   auto logits = gpt->forward(torch::zeros({2, 16}, torch::kLong));  // [2, 16, 50]
+/// \endcode
+torch::nn::Sequential make_gpt(const ModelOptions& options = ModelOptions());
+
+/// make_mlp, make_resnet or make_gpt by kind; rejects non-positive sizes with c10::Error.
 ///
 /// Example:
 /// \code

@@ -178,8 +178,8 @@ struct PhaseMemory {
 
 /// Accuracy and loss on a data set.
 struct EvalResult {
-  double loss = 0;      ///< Mean cross-entropy.
-  double accuracy = 0;  ///< Fraction of correct top-1 predictions.
+  double loss = 0;      ///< Mean cross-entropy per label (per example, or per token).
+  double accuracy = 0;  ///< Fraction of correct top-1 predictions, per label.
   int64_t peak_bytes = 0;  ///< Peak memory_allocated(device) during evaluation.
 };
 
@@ -203,7 +203,9 @@ struct TrainReport {
   std::string to_json() const;
 };
 
-/// Trains a Sequential classifier with cross-entropy.
+/// Trains a Sequential classifier with cross-entropy: class logits [N, C]
+/// against labels [N], or a language model's per-token logits [N, T, C]
+/// against next-token labels [N, T] (text_windows), the mean over every token.
 ///
 /// Each step cuts a batch from a per-epoch shuffle of the data (seeded by
 /// options.seed), runs forward and backward, steps the optimizer and releases
@@ -331,5 +333,17 @@ class Trainer {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   ZeroRedundancyOptimizer* zero_ = nullptr;  // optimizer_, when it is sharded
 };
+
+/// Reads only the model's tensors from a checkpoint that Trainer::save wrote
+/// (`dir` or the file), into `model` built as the saved one was: for
+/// inference, as `memfit generate` does. Throws c10::Error naming the first
+/// tensor that does not match.
+///
+/// Example:
+/// \code
+///   auto net = memfit::make_mlp();
+///   memfit::load_trainer_model(*net, dir);
+/// \endcode
+void load_trainer_model(torch::nn::Module& model, const std::string& path);
 
 } // namespace memfit
