@@ -9,6 +9,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
   dataset-fashion-mnist jargon-text
+  python3-torch python3-torchvision
   chromium
 )
 

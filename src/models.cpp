@@ -3,9 +3,11 @@
 #include "memfit/checkpoint.h"
 
 #include <torch/nn.h>
+#include <torch/script.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <filesystem>
 #include <limits>
 
 namespace memfit {
@@ -157,6 +159,32 @@ struct GptHeadImpl : nn::Module {
 };
 TORCH_MODULE(GptHead);
 
+// A plain module holding a TorchScript module's own parameters and buffers
+// (the same tensors) under their names, recursively.
+std::shared_ptr<nn::Module> mirror(const torch::jit::Module& m) {
+  auto holder = std::make_shared<nn::Module>("TorchScript");
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) holder->register_parameter(p.name, p.value, p.value.requires_grad());
+  for (const auto& b : m.named_buffers(/*recurse=*/false)) holder->register_buffer(b.name, b.value);
+  for (const auto& c : m.named_children()) holder->register_module(c.name, mirror(c.value));
+  return holder;
+}
+
+// One top-level child of a TorchScript module as a Sequential element.
+struct ScriptedChildImpl : nn::Module {
+  explicit ScriptedChildImpl(torch::jit::Module m) : nn::Module("ScriptedChild"), module(std::move(m)) {
+    for (const auto& p : module.named_parameters(/*recurse=*/false)) register_parameter(p.name, p.value, p.value.requires_grad());
+    for (const auto& b : module.named_buffers(/*recurse=*/false)) register_buffer(b.name, b.value);
+    for (const auto& c : module.named_children()) register_module(c.name, mirror(c.value));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return module.forward({x}).toTensor(); }
+  void train(bool on = true) override {
+    nn::Module::train(on);
+    module.train(on);
+  }
+  torch::jit::Module module;
+};
+TORCH_MODULE(ScriptedChild);
+
 void check_positive(const char* what, int64_t value) {
   TORCH_CHECK(value > 0, "model option ", what, " must be positive, got ", value);
 }
@@ -187,6 +215,46 @@ std::string to_string(ModelKind kind) {
     case ModelKind::kGpt: return "gpt";
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled model kind");
+}
+
+torch::nn::Sequential load_torchscript(const std::string& path, const torch::Tensor& check_input) {
+  TORCH_CHECK(std::filesystem::exists(path), "no TorchScript file at ", path,
+              ": save one from Python with torch.jit.script(model).save(path)");
+  torch::jit::Module script;
+  try {
+    script = torch::jit::load(path, torch::kCPU);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, path, " is not a TorchScript module (torch.jit.script(model).save(path) writes one): ",
+                e.what_without_backtrace());
+  }
+  nn::Sequential seq;
+  for (const auto& child : script.named_children()) seq->push_back(std::string(child.name), ScriptedChild(child.value));
+  TORCH_CHECK(seq->size() > 0, path, " holds a TorchScript module without children: memfit runs modules "
+              "whose forward is their children in order (script an nn.Sequential)");
+  TORCH_CHECK(script.named_parameters(/*recurse=*/true).size() == seq->parameters().size(), path,
+              " holds parameters outside its children: memfit runs modules whose forward is their children "
+              "in order (script an nn.Sequential)");
+  if (check_input.defined()) {
+    torch::NoGradGuard no_grad;
+    script.eval();
+    seq->eval();
+    const auto whole = script.forward({check_input}).toTensor();
+    torch::Tensor chained;
+    std::string failure;
+    try {
+      chained = seq->forward(check_input);
+    } catch (const std::exception& e) {  // TorchScript's errors end with the exception's line
+      std::string what = e.what();
+      while (!what.empty() && what.back() == '\n') what.pop_back();
+      failure = what.substr(what.find_last_of('\n') + 1);
+    }
+    seq->train();
+    TORCH_CHECK(failure.empty() && whole.sizes() == chained.sizes() && torch::allclose(whole, chained, 1e-5, 1e-6),
+                path, "'s forward is not its children run in order (",
+                failure.empty() ? "an input gives other values through the children" : "the children fail: " + failure,
+                "): script an nn.Sequential, e.g. nn.Sequential(*list(resnet.children())[:-1], nn.Flatten(), resnet.fc)");
+  }
+  return seq;
 }
 
 torch::nn::Sequential make_gpt(const ModelOptions& o) {

@@ -37,7 +37,8 @@ for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --
             --data --report --eval-batch --no-eval --quiet --threads --checkpoint \
             --checkpoint-budget --offload-checkpoints --precision --master-weights --device --clip-grad-norm --skip-nonfinite \
             --micro-batch --freeze --offload --save --save-every --resume --plan --dist-timeout \
-            --zero-stage --parallel --chunks --schedule --heads --context --dropout --selective-recompute --text; do
+            --zero-stage --parallel --chunks --schedule --heads --context --dropout --selective-recompute --text \
+            --torchscript; do
   expect "train-help-documents$flag" 0 "$flag" out -- train --help
 done
 expect version 0 'memfit 0\.' out -- --version
@@ -187,6 +188,17 @@ else
   echo "skip gpt checks: Debian's jargon-text is not installed"
 fi
 expect generate-needs-resume 2 'resume' err -- generate --prompt x
+
+# A TorchScript model from Python (Debian's python3-torch and python3-torchvision).
+if /usr/bin/python3 "$(dirname "$0")/make_torchscript.py" "$tmp/ts" >/dev/null 2>&1; then
+expect train-torchscript 0 'TorchScript .*11175370 parameters' out -- train --torchscript "$tmp/ts/resnet18.pt" \
+  --steps 2 --batch 8 --no-eval -q --checkpoint sqrt --threads 1
+expect train-torchscript-not-a-chain 1 'is not its children run in order' err -- \
+  train --torchscript "$tmp/ts/resnet18_whole.pt" --steps 1 --no-eval
+else
+  echo "skip torchscript checks: /usr/bin/python3 has no torch and torchvision (Debian's python3-torch)"
+fi
+expect train-torchscript-missing 2 'torchscript' err -- train --torchscript "$tmp/none.pt" --steps 1
 
 # Data parallel: two ranks of batch 16 train like one process of batch 32.
 port=$((20000 + $$ % 20000))

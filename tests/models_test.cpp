@@ -1,8 +1,18 @@
 #include "memfit/models.h"
 
 #include "memfit/memory.h"
+#include "memfit/schedule.h"
 
 #include "test_util.h"
+
+#include <torch/script.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 
 namespace memfit {
 namespace {
@@ -95,6 +105,84 @@ TEST_F(Models, GptSelectiveRecomputationKeepsGradientsAndDropsTheAttentionScores
   // B·heads·T² floats, the mask as bytes) only without recomputation.
   const int64_t scores = 8 * 4 * 24 * 24;
   EXPECT_GE(plain_peak - selective_peak, 2 * (2 * scores * 4)) << plain_peak << " vs " << selective_peak;
+}
+
+// TorchScript modules written by Debian's python3-torch (tests/make_torchscript.py).
+class TorchScript : public testing::Seeded {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = ::testing::TempDir() + "memfit_torchscript_" + std::to_string(::getpid());
+    // Beside this file (CMake compiles it by its absolute path).
+    const std::string script = (std::filesystem::path(__FILE__).parent_path() / "make_torchscript.py").string();
+    const std::string command = "/usr/bin/python3 " + script + " " + dir_ + " > /dev/null 2>&1";
+    made_ = std::system(command.c_str()) == 0;
+  }
+  static void TearDownTestSuite() {
+    for (const char* f : {"/resnet18.pt", "/resnet18_whole.pt"}) std::remove((dir_ + f).c_str());
+    std::remove(dir_.c_str());
+  }
+  void SetUp() override {
+    Seeded::SetUp();
+    if (!made_) {
+      GTEST_SKIP() << "Debian's python3-torch and python3-torchvision are not installed (/usr/bin/python3 "
+                      "cannot script torchvision's resnet18)";
+    }
+  }
+  static std::string dir_;
+  static bool made_;
+};
+std::string TorchScript::dir_;
+bool TorchScript::made_ = false;
+
+TEST_F(TorchScript, ResNet18FromPythonRunsAsAChainOfItsChildren) {
+  const auto x = torch::randn({4, 1, 28, 28});
+  auto chain = load_torchscript(dir_ + "/resnet18.pt", x);
+  EXPECT_EQ(chain->size(), 11u) << "conv1 bn1 relu maxpool layer1..4 avgpool flatten fc";
+  int64_t params = 0;
+  for (const auto& p : chain->parameters()) params += p.numel();
+  EXPECT_EQ(params, 11175370) << "resnet18 with one input channel and 10 classes";
+  const auto names = chain->named_parameters().keys();
+  EXPECT_NE(std::find(names.begin(), names.end(), "4.0.conv1.weight"), names.end()) << "Python's names";
+  // Gradients through the chain equal those through a second load of the
+  // same file run whole by TorchScript (same kernels, same order).
+  auto whole = torch::jit::load(dir_ + "/resnet18.pt");
+  chain->forward(x).pow(2).sum().backward();
+  whole.forward({x}).toTensor().pow(2).sum().backward();
+  std::vector<torch::Tensor> a = chain->parameters(), b;
+  for (const auto& p : whole.parameters()) b.push_back(p.grad());
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].grad().equal(b[i])) << "parameter " << i;
+  // The optimizer's in-place step reaches the TorchScript module's tensors.
+  torch::optim::SGD sgd(chain->parameters(), torch::optim::SGDOptions(0.1));
+  sgd.step();
+  EXPECT_FALSE(chain->parameters()[0].equal(whole.parameters().begin().operator*()));
+  // eval() reaches TorchScript's BatchNorm: running statistics stop moving.
+  chain->eval();
+  const auto mean = chain->named_buffers()["1.running_mean"].clone();
+  chain->forward(x);
+  EXPECT_TRUE(chain->named_buffers()["1.running_mean"].equal(mean));
+}
+
+TEST_F(TorchScript, CheckpointedChainGivesTheSameGradients) {
+  const auto x = torch::randn({4, 1, 28, 28});
+  auto plain = load_torchscript(dir_ + "/resnet18.pt");
+  CheckpointedSequential checkpointed(load_torchscript(dir_ + "/resnet18.pt"),
+                                      CheckpointedSequentialOptions().kind(ScheduleKind::kSqrt));
+  plain->forward(x).pow(2).sum().backward();
+  checkpointed->forward(x).pow(2).sum().backward();
+  const auto a = plain->parameters(), b = checkpointed->parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].grad().equal(b[i].grad())) << "parameter " << i;
+}
+
+TEST_F(TorchScript, AModuleWhoseForwardIsNotItsChildrenIsAClearError) {
+  try {
+    load_torchscript(dir_ + "/resnet18_whole.pt", torch::randn({2, 1, 28, 28}));
+    ADD_FAILURE() << "resnet18's forward flattens between avgpool and fc";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.msg()).find("is not its children run in order"), std::string::npos) << e.msg();
+  }
+  EXPECT_THROW(load_torchscript(dir_ + "/none.pt"), c10::Error);
 }
 
 } // namespace

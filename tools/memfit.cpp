@@ -61,6 +61,7 @@ struct ModelArgs {
   bool selective_recompute = false;
   std::string data = memfit::FashionMnistOptions().root();
   std::string text = memfit::JargonOptions().path();
+  std::string torchscript;
 };
 
 struct TrainArgs : ModelArgs {
@@ -158,6 +159,11 @@ void add_model_shape_options(CLI::App* cmd, ModelArgs& a) {
       ->capture_default_str();
   cmd->add_option("--text", a.text, "The Jargon File for --model gpt (Debian: jargon-text)")
       ->capture_default_str();
+  cmd->add_option("--torchscript", a.torchscript,
+                  "Instead of --model: a TorchScript nn.Sequential saved from Python "
+                  "(torch.jit.script(model).save(FILE)) taking Fashion-MNIST images; its top-level "
+                  "children are the chain that checkpointing and the planner work on")
+      ->check(CLI::ExistingFile);
 }
 
 // The model --model names and its data: Fashion-MNIST for mlp and resnet,
@@ -166,14 +172,19 @@ struct Workload {
   memfit::ModelKind kind = memfit::ModelKind::kMlp;
   memfit::ModelOptions options;
   memfit::ImageDataset train, test;
-  std::string vocab;  // gpt: the bytes, by token id
+  std::string vocab;        // gpt: the bytes, by token id
+  std::string torchscript;  // a TorchScript file instead of a built-in model
 
-  torch::nn::Sequential make() const { return memfit::make_model(kind, options); }
+  torch::nn::Sequential make() const {
+    return torchscript.empty() ? memfit::make_model(kind, options) : memfit::load_torchscript(torchscript);
+  }
 };
 
 Workload load_workload(const ModelArgs& a, bool with_test) {
   Workload w;
   w.kind = memfit::parse_model_kind(a.model);
+  TORCH_CHECK(a.torchscript.empty() || w.kind != memfit::ModelKind::kGpt,
+              "--torchscript models take Fashion-MNIST images: leave out --model gpt");
   w.options.width(a.width).depth(a.depth);
   if (w.kind == memfit::ModelKind::kGpt) {
     const auto corpus = memfit::load_jargon_file(memfit::JargonOptions().path(a.text));
@@ -191,6 +202,10 @@ Workload load_workload(const ModelArgs& a, bool with_test) {
   o.root(a.data);
   w.train = memfit::load_fashion_mnist(memfit::Split::kTrain, o);
   if (with_test) w.test = memfit::load_fashion_mnist(memfit::Split::kTest, o);
+  if (!a.torchscript.empty()) {
+    memfit::load_torchscript(a.torchscript, w.train.images.narrow(0, 0, 2));  // checks that it is a chain
+    w.torchscript = a.torchscript;
+  }
   return w;
 }
 
@@ -677,7 +692,8 @@ int run_train(const TrainArgs& a) {
 
   fmt::print("memfit train: model {} ({} parameters{}), {} training examples, batch {}{}, {} "
              "steps, budget {}\n",
-             a.model, params, frozen > 0 ? fmt::format(", {} frozen", frozen) : std::string(),
+             a.torchscript.empty() ? a.model : "TorchScript " + a.torchscript, params,
+             frozen > 0 ? fmt::format(", {} frozen", frozen) : std::string(),
              train_data.size(),
              !group ? std::to_string(a.batch)
              : pipelined

@@ -104,6 +104,24 @@ torch::nn::Sequential make_resnet(const ModelOptions& options = ModelOptions());
 /// \endcode
 torch::nn::Sequential make_gpt(const ModelOptions& options = ModelOptions());
 
+/// Loads a TorchScript module saved from Python (`torch.jit.script(m).save(path)`)
+/// as a Sequential of its top-level children, so that checkpoint schedules,
+/// the planner and the Trainer work on it: each element runs one child
+/// through TorchScript and holds that child's parameters and buffers under
+/// their Python names ("4.0.conv1.weight"); the optimizer updates the
+/// TorchScript module's own tensors in place, and train()/eval() reach it.
+/// The module's forward must be its children in order, as an nn.Sequential's
+/// is (script `nn.Sequential(*list(resnet.children())[:-1], nn.Flatten(),
+/// resnet.fc)` rather than the ResNet itself); with `check_input` defined,
+/// the chain's output is compared with the module's forward on it (eval
+/// mode, no grad) and a mismatch is a c10::Error saying so.
+///
+/// Example:
+/// \code
+///   auto chain = memfit::load_torchscript("resnet18.pt", torch::zeros({1, 1, 28, 28}));
+/// \endcode
+torch::nn::Sequential load_torchscript(const std::string& path, const torch::Tensor& check_input = torch::Tensor());
+
 /// make_mlp, make_resnet or make_gpt by kind; rejects non-positive sizes with c10::Error.
 ///
 /// Example:
