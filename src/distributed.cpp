@@ -678,16 +678,10 @@ std::vector<std::string> ZeroRedundancyOptimizer::consolidate_state_dict(int64_t
   TORCH_CHECK(to >= 0 && to < group_->size(), "consolidate_state_dict: rank ", to, " is not in [0, ",
               group_->size(), ")");
   UntrackedGuard host;  // serialized state is host bytes
-  torch::Tensor bytes;
-  {
-    torch::serialize::OutputArchive a;
-    save(a);
-    const std::string s = detail::archive_bytes(a);
-    bytes = torch::empty({static_cast<int64_t>(s.size())}, torch::kUInt8);
-    std::memcpy(bytes.data_ptr(), s.data(), s.size());
-  }
+  torch::serialize::OutputArchive a;
+  save(a);
   std::vector<std::string> out;
-  for (const auto& t : group_->gather(bytes, to)) {
+  for (const auto& t : group_->gather(detail::bytes_tensor(detail::archive_bytes(a)), to)) {
     out.emplace_back(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel()));
   }
   return out;

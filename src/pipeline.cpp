@@ -79,6 +79,39 @@ torch::Tensor header_of(const torch::Tensor& t) {
   return h;
 }
 
+// A host copy of `t` that stays valid while it is sent (its own storage).
+torch::Tensor host_copy(const torch::Tensor& t) {
+  UntrackedGuard untracked;  // in flight, not the stage's memory
+  auto host = t.detach().to(torch::kCPU).contiguous();
+  return host.data_ptr() == t.data_ptr() ? host.clone() : host;
+}
+
+// Sends `t` to `dst` as an activation: its header with `tag`, its data with
+// tag + 1; the handles in `sends` finish them.
+void send_activation(ProcessGroup& g, const torch::Tensor& t, int64_t dst, int64_t tag,
+                     std::vector<ProcessGroup::Pending>& sends) {
+  UntrackedGuard untracked;
+  sends.push_back(g.send(header_of(t), dst, tag));
+  sends.push_back(g.send(host_copy(t), dst, tag + 1));
+}
+
+// Receives what send_activation sent and returns it on `device`, counted as
+// the stage's memory.
+torch::Tensor recv_activation(ProcessGroup& g, int64_t src, int64_t tag, const torch::Device& device) {
+  torch::Tensor host;
+  {
+    UntrackedGuard untracked;
+    auto header = torch::empty({kMaxDims + 2}, torch::kInt64);
+    g.recv_(header, src, tag);
+    const auto* h = header.data_ptr<int64_t>();
+    host = torch::empty(std::vector<int64_t>(h + 2, h + 2 + h[0]),
+                        torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[1])));
+    g.recv_(host, src, tag + 1);
+  }
+  auto x = host.to(device);
+  return x.data_ptr() == host.data_ptr() ? x.clone() : x;
+}
+
 // Tags: three messages per chunk (header, activation, gradient); forward()'s
 // two messages take tags no chunk has.
 int64_t tag(int64_t chunk, int64_t kind) { return 3 * chunk + kind; }
@@ -162,35 +195,12 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
   torch::NoGradGuard no_grad;
   const auto params = impl_->stage->parameters();
   const torch::Device device = params.empty() ? input.device() : params.front().device();
-  torch::Tensor x;
-  if (s == 0) {
-    x = input.to(device);
-  } else {
-    torch::Tensor header = torch::empty({kMaxDims + 2}, torch::kInt64);
-    torch::Tensor host;
-    {
-      UntrackedGuard untracked;
-      g.recv_(header, s - 1, kForwardTag);
-      const auto* h = header.data_ptr<int64_t>();
-      host = torch::empty(std::vector<int64_t>(h + 2, h + 2 + h[0]),
-                          torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[1])));
-      g.recv_(host, s - 1, kForwardTag + 1);
-    }
-    x = host.to(device);
-    if (x.data_ptr() == host.data_ptr()) x = x.clone();
-  }
+  const torch::Tensor x = s == 0 ? input.to(device) : recv_activation(g, s - 1, kForwardTag, device);
   torch::Tensor y = impl_->stage->forward(x);
   if (s == stages - 1) return y;
-  torch::Tensor host;
-  {
-    UntrackedGuard untracked;
-    host = y.to(torch::kCPU).contiguous();
-    auto header = header_of(y);
-    auto a = g.send(header, s + 1, kForwardTag);
-    auto b = g.send(host, s + 1, kForwardTag + 1);
-    a.wait();
-    b.wait();
-  }
+  std::vector<ProcessGroup::Pending> sends;
+  send_activation(g, y, s + 1, kForwardTag, sends);
+  for (auto& p : sends) p.wait();
   return torch::Tensor();
 }
 
@@ -221,16 +231,6 @@ PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch:
   int64_t in_flight = 0, max_in_flight = 0;
   double loss_sum = 0;
 
-  auto send_host = [&](const torch::Tensor& t, int64_t dst, int64_t tg) {
-    torch::Tensor host;
-    {
-      UntrackedGuard untracked;  // the host copy in flight, not the stage's memory
-      host = t.detach().to(torch::kCPU).contiguous();
-      if (host.data_ptr() == t.data_ptr()) host = host.clone();  // the sender may free or reuse t
-    }
-    sends.push_back(g.send(host, dst, tg));
-  };
-
   auto forward = [&](int64_t m) {
     const int64_t len = std::min(micro, batch - m * micro);
     torch::Tensor x;
@@ -238,21 +238,7 @@ PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch:
     if (first) {
       x = input.narrow(0, m * micro, len).to(device);
     } else {
-      torch::Tensor header = torch::empty({kMaxDims + 2}, torch::kInt64);
-      {
-        UntrackedGuard untracked;
-        g.recv_(header, s - 1, tag(m, 0));
-      }
-      const auto* h = header.data_ptr<int64_t>();
-      std::vector<int64_t> sizes(h + 2, h + 2 + h[0]);
-      torch::Tensor host;
-      {
-        UntrackedGuard untracked;
-        host = torch::empty(sizes, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[1])));
-        g.recv_(host, s - 1, tag(m, 1));
-      }
-      x = host.to(device);
-      if (x.data_ptr() == host.data_ptr()) x = x.clone();  // counted as the stage's memory
+      x = recv_activation(g, s - 1, tag(m, 0), device);
       if (torch::is_floating_point(x)) {
         grad = std::make_unique<torch::Tensor>();
         x = ReceivedActivation::apply(anchor, reinterpret_cast<int64_t>(&x), reinterpret_cast<int64_t>(grad.get()));
@@ -265,11 +251,7 @@ PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch:
       loss_sum += l.item<double>();
       y = l;
     } else {
-      {
-        UntrackedGuard untracked;
-        sends.push_back(g.send(header_of(y), s + 1, tag(m, 0)));
-      }
-      send_host(y, s + 1, tag(m, 1));
+      send_activation(g, y, s + 1, tag(m, 0), sends);
     }
     live[m] = Chunk{y, std::move(grad), x.sizes().vec(), x.options().requires_grad(false)};
     max_in_flight = std::max(max_in_flight, ++in_flight);
@@ -291,7 +273,7 @@ PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch:
     if (c.grad) {
       // An input the stage did not use has a zero gradient.
       if (!c.grad->defined()) *c.grad = torch::zeros(c.in_sizes, c.in_options);
-      send_host(*c.grad, s - 1, tag(m, 2));
+      sends.push_back(g.send(host_copy(*c.grad), s - 1, tag(m, 2)));
     }
     c = Chunk{};
     --in_flight;

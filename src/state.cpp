@@ -159,6 +159,23 @@ std::string archive_bytes(torch::serialize::OutputArchive& archive) {
   return bytes;
 }
 
+torch::Tensor bytes_tensor(const std::string& bytes) {
+  UntrackedGuard host;
+  auto t = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+void load_archive(torch::serialize::InputArchive& archive, const torch::Tensor& bytes, const std::string& what) {
+  UntrackedGuard host;
+  try {
+    archive.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()),
+                      torch::Device(torch::kCPU));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, what, " cannot be read: ", e.what_without_backtrace());
+  }
+}
+
 } // namespace detail
 
 void save_module(const torch::nn::Module& module, const std::string& path) {

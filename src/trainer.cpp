@@ -13,7 +13,6 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
-#include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <optional>
@@ -368,39 +367,40 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
       skip = !std::isfinite(loss_value);
       if (skip) check_loss(loss_value, "");
       mark("forward and backward");
-    }
-    for (int64_t start = 0; start < batch && !skip && !pipeline_; start += micro) {
-      const int64_t len = std::min(micro, batch - start);
-      torch::Tensor idx = mine.narrow(0, start, len);
-      auto x = data.images.index_select(0, idx).to(device);
-      auto y = data.labels.index_select(0, idx).to(device);
-      torch::Tensor logits;
-      {
-        AutocastGuard autocast(device, options_.precision());
-        logits = model_->forward(x);
-      }
-      auto loss = cross_entropy(logits, y);
-      // Each micro-batch's mean loss weighted by its share of the step's
-      // examples (times the ranks, whose gradients are averaged): the
-      // gradients add up to the mean-loss gradient over all of them.
-      if (len * world != global) loss = loss * (double(len * world) / double(global));
-      const double value = loss.item<double>();
-      loss_value += value;
-      // Without a GradScaler a non-finite loss stops the run or skips the
-      // step; with one, the scaler finds the non-finite gradients and skips
-      // it. With data parallelism every rank decides on the ranks' sum below.
-      if (world == 1) {
-        skip = !std::isfinite(value) && !scaler_->is_enabled();
-        if (skip) check_loss(value, "");
-      }
-      const std::string k = std::to_string(start / micro + 1);
-      mark("forward " + k);
-      if (!skip) {
-        // Gradients are all-reduced during the last micro-batch's backward only.
-        std::optional<DistributedDataParallel::NoSync> no_sync;
-        if (ddp_ && start + micro < batch) no_sync.emplace(*ddp_);
-        scaler_->scale(loss).backward();
-        mark("backward " + k);
+    } else {
+      for (int64_t start = 0; start < batch && !skip; start += micro) {
+        const int64_t len = std::min(micro, batch - start);
+        torch::Tensor idx = mine.narrow(0, start, len);
+        auto x = data.images.index_select(0, idx).to(device);
+        auto y = data.labels.index_select(0, idx).to(device);
+        torch::Tensor logits;
+        {
+          AutocastGuard autocast(device, options_.precision());
+          logits = model_->forward(x);
+        }
+        auto loss = cross_entropy(logits, y);
+        // Each micro-batch's mean loss weighted by its share of the step's
+        // examples (times the ranks, whose gradients are averaged): the
+        // gradients add up to the mean-loss gradient over all of them.
+        if (len * world != global) loss = loss * (double(len * world) / double(global));
+        const double value = loss.item<double>();
+        loss_value += value;
+        // Without a GradScaler a non-finite loss stops the run or skips the
+        // step; with one, the scaler finds the non-finite gradients and skips
+        // it. With data parallelism every rank decides on the ranks' sum below.
+        if (world == 1) {
+          skip = !std::isfinite(value) && !scaler_->is_enabled();
+          if (skip) check_loss(value, "");
+        }
+        const std::string k = std::to_string(start / micro + 1);
+        mark("forward " + k);
+        if (!skip) {
+          // Gradients are all-reduced during the last micro-batch's backward only.
+          std::optional<DistributedDataParallel::NoSync> no_sync;
+          if (ddp_ && start + micro < batch) no_sync.emplace(*ddp_);
+          scaler_->scale(loss).backward();
+          mark("backward " + k);
+        }
       }
     }
     if (ddp_) {
@@ -553,24 +553,6 @@ torch::Tensor read_tensor(torch::serialize::InputArchive& a, const std::string& 
   return t;
 }
 
-// Bytes as a host uint8 tensor, and back as an archive.
-torch::Tensor bytes_tensor(const std::string& bytes) {
-  UntrackedGuard host;
-  auto t = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
-  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-  return t;
-}
-
-void load_archive(torch::serialize::InputArchive& archive, const torch::Tensor& bytes, const std::string& what) {
-  UntrackedGuard host;
-  try {
-    archive.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()),
-                      torch::Device(torch::kCPU));
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, what, " cannot be read: ", e.what_without_backtrace());
-  }
-}
-
 } // namespace
 
 void Trainer::save(const std::string& dir) {
@@ -582,7 +564,7 @@ void Trainer::save(const std::string& dir) {
   if (pipeline_) {
     torch::serialize::OutputArchive part;
     write_state(part, shards);
-    stages = options_.process_group()->gather(bytes_tensor(detail::archive_bytes(part)));
+    stages = options_.process_group()->gather(detail::bytes_tensor(detail::archive_bytes(part)));
   }
   // Each rank's random generators (their dropout masks differ when their
   // shares of a batch do), gathered on rank 0.
@@ -652,7 +634,7 @@ void Trainer::write_state(torch::serialize::OutputArchive& a, const std::vector<
   if (zero_ != nullptr) {
     torch::serialize::OutputArchive sharded;
     sharded.write("world", c10::IValue(static_cast<int64_t>(shards.size())));
-    for (size_t r = 0; r < shards.size(); ++r) sharded.write("rank" + std::to_string(r), bytes_tensor(shards[r]));
+    for (size_t r = 0; r < shards.size(); ++r) sharded.write("rank" + std::to_string(r), detail::bytes_tensor(shards[r]));
     a.write("optimizer_shards", sharded);
   } else {
     torch::serialize::OutputArchive optimizer;
@@ -680,7 +662,7 @@ void Trainer::resume(const std::string& path_or_dir) {
     const int64_t saved_world = read_int(parts, "world", path);
     TORCH_CHECK(saved_world == world_size(), path, " holds a pipeline of ", saved_world,
                 " stages, but this job has ", world_size(), " ranks: resume with the world size that saved it");
-    load_archive(stage, read_tensor(parts, "rank" + std::to_string(rank()), path),
+    detail::load_archive(stage, read_tensor(parts, "rank" + std::to_string(rank()), path),
                  path + "'s stage " + std::to_string(rank()));
     src = &stage;
   } else {
@@ -713,7 +695,7 @@ void Trainer::resume(const std::string& path_or_dir) {
     TORCH_CHECK(saved_world == world_size(), path, " holds the optimizer state of ", saved_world,
                 " ranks (zero_stage 1), but this job has ", world_size(),
                 ": resume with the world size that saved it");
-    load_archive(optimizer, read_tensor(sharded, "rank" + std::to_string(rank()), path),
+    detail::load_archive(optimizer, read_tensor(sharded, "rank" + std::to_string(rank()), path),
                  path + "'s optimizer shard of rank " + std::to_string(rank()));
   } else {
     TORCH_CHECK(!was_sharded, path, " holds optimizer state sharded over ranks (zero_stage 1): resume "

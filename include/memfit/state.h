@@ -67,6 +67,10 @@ void copy_into_module(torch::serialize::InputArchive& archive, torch::nn::Module
 torch::serialize::InputArchive read_archive(const std::string& path);
 /// The bytes of `archive` as a file.
 std::string archive_bytes(torch::serialize::OutputArchive& archive);
+/// `bytes` as a 1-D uint8 host tensor (for collectives and nested archives).
+torch::Tensor bytes_tensor(const std::string& bytes);
+/// Reads `archive` from what bytes_tensor gave; throws naming `what` when it cannot.
+void load_archive(torch::serialize::InputArchive& archive, const torch::Tensor& bytes, const std::string& what);
 } // namespace detail
 
 } // namespace memfit
