@@ -2,8 +2,9 @@
 """memfit against PyTorch's own memory tools, side by side, in one go.
 
 The same model (a ResNet-style chain of 15 layers on Fashion-MNIST, built here
-and handed to memfit as TorchScript), the same batch, seed, optimizer (Adam)
-and thread count, trained for a few steps by
+and handed to memfit as TorchScript; or, with --model gpt, memfit's GPT built
+layer for layer in Python, on the Jargon File), the same batch, seed,
+optimizer (Adam) and thread count, trained for a few steps by
 
   PyTorch (Debian's python3-torch 1.13, the kernels memfit's LibTorch has):
     plain; torch.utils.checkpoint.checkpoint_sequential with each segment
@@ -18,7 +19,8 @@ allocator, loaded into this Python process from build/bench/libmemfit_meter.so
 Step time is the median over the steps after the first.
 
 Usage (after `make`):
-  /usr/bin/python3 bench/peers.py [--build build] [--batch 128] [--steps 6] [--threads 2] [--repeats 1]
+  /usr/bin/python3 bench/peers.py [--model cnn|gpt] [--build build] [--batch 128] [--steps 6] [--threads 2]
+                                  [--repeats 1]
 """
 import argparse
 import ctypes
@@ -74,6 +76,83 @@ def make_chain(width=16):
     return nn.Sequential(*layers)
 
 
+class GptEmbedding(nn.Module):
+    """memfit's GPT, layer for layer (src/models.cpp): token and position embeddings."""
+
+    def __init__(self, vocab, context, width):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(context, width)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], dtype=torch.long)
+        return self.drop(self.tokens(ids) + self.positions(pos))
+
+
+class GptBlock(nn.Module):
+    """A pre-LayerNorm block: causal attention, then a 4×width GELU MLP."""
+
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / (q.shape[-1] ** 0.5))
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        weights = torch.dropout(torch.softmax(scores.masked_fill(mask, float("-inf")), -1), 0.0, self.training)
+        y = torch.matmul(weights, v).transpose(1, 2).reshape(b, t, c)
+        h = x + self.drop(self.proj(y))
+        return h + self.drop(self.out(nn.functional.gelu(self.fc(self.ln2(h)))))
+
+
+class GptHead(nn.Module):
+    def __init__(self, width, vocab):
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.logits = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, x):
+        return self.logits(self.ln(x))
+
+
+GPT = {"width": 64, "depth": 4, "heads": 4, "context": 128}
+
+
+def make_gpt(vocab):
+    g = GPT
+    return nn.Sequential(GptEmbedding(vocab, g["context"], g["width"]),
+                         *[GptBlock(g["width"], g["heads"]) for _ in range(g["depth"])],
+                         GptHead(g["width"], vocab))
+
+
+def read_jargon(context, n):
+    """The first n training windows of memfit's text_windows: byte ids and the next bytes."""
+    with gzip.open("/usr/share/doc/jargon-text/jargon.txt.gz", "rb") as f:
+        text = np.frombuffer(f.read(), dtype=np.uint8)
+    vocab = np.unique(text)
+    ids = np.searchsorted(vocab, text).astype(np.int64)
+    x = torch.from_numpy(ids[:n * context].reshape(n, context).copy())
+    y = torch.from_numpy(ids[1:n * context + 1].reshape(n, context).copy())
+    return x, y, len(vocab)
+
+
+def loss_of(out, y):
+    """Cross-entropy as memfit's Trainer takes it: per class, or per token (mean over all)."""
+    if out.dim() > 2:
+        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    return nn.functional.cross_entropy(out.float(), y)
+
+
 def read_idx(name):
     with gzip.open(os.path.join(FASHION, name + ".gz"), "rb") as f:
         data = f.read()
@@ -100,15 +179,16 @@ def mib(b):
     return f"{b / 2**20:.2f} MiB"
 
 
-def run_pytorch(name, step_fn, initial, images, labels, batch, steps, meter, repeats=1):
+def run_pytorch(name, step_fn, make, initial, images, labels, batch, steps, meter, repeats=1):
     """The run with the least median step time of `repeats` (the peak is the same each time)."""
-    runs = [run_pytorch_once(name, step_fn, initial, images, labels, batch, steps, meter) for _ in range(repeats)]
+    runs = [run_pytorch_once(name, step_fn, make, initial, images, labels, batch, steps, meter)
+            for _ in range(repeats)]
     return min(runs, key=lambda r: r["seconds"])
 
 
-def run_pytorch_once(name, step_fn, initial, images, labels, batch, steps, meter):
+def run_pytorch_once(name, step_fn, make, initial, images, labels, batch, steps, meter):
     torch.manual_seed(0)
-    model = make_chain()
+    model = make()
     model.load_state_dict(initial)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -130,15 +210,19 @@ def run_pytorch_once(name, step_fn, initial, images, labels, batch, steps, meter
 
 
 def plain(model, x, y):
-    loss = nn.functional.cross_entropy(model(x), y)
+    loss = loss_of(model(x), y)
     loss.backward()
     return loss.detach()
 
 
 def checkpointed(segments):
     def step(model, x, y):
-        x.requires_grad_(True)  # use_reentrant checkpointing needs an input that requires grad
-        loss = nn.functional.cross_entropy(checkpoint_sequential(model, segments, x), y)
+        if x.is_floating_point():
+            x.requires_grad_(True)  # use_reentrant checkpointing needs an input that requires grad
+            out = checkpoint_sequential(model, segments, x)
+        else:  # token ids: the embedding runs first, as GPT code does, and the rest is checkpointed
+            out = checkpoint_sequential(model[1:], segments, model[0](x))
+        loss = loss_of(out, y)
         loss.backward()
         return loss.detach()
     return step
@@ -147,7 +231,7 @@ def checkpointed(segments):
 def bf16(model, x, y):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
-    loss = nn.functional.cross_entropy(out.float(), y)
+    loss = loss_of(out, y)
     loss.backward()
     return loss.detach()
 
@@ -156,19 +240,18 @@ def accumulated(k):
     def step(model, x, y):
         total = 0.0
         for xs, ys in zip(x.chunk(k), y.chunk(k)):
-            loss = nn.functional.cross_entropy(model(xs), ys) * (len(xs) / len(x))
+            loss = loss_of(model(xs), ys) * (len(xs) / len(x))
             loss.backward()
             total += float(loss)
         return torch.tensor(total)
     return step
 
 
-def run_memfit(exe, script, budget, batch, steps, threads, data_dir):
+def run_memfit(exe, model_args, budget, batch, steps, threads):
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "run.json")
-        cmd = [exe, "train", "--torchscript", script, "--batch", str(batch), "--steps", str(steps),
-               "--budget", str(budget), "--no-eval", "-q", "--threads", str(threads), "--report", report,
-               "--data", data_dir]
+        cmd = [exe, "train", *model_args, "--batch", str(batch), "--steps", str(steps),
+               "--budget", str(budget), "--no-eval", "-q", "--threads", str(threads), "--report", report]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             return {"side": "memfit", "config": f"--budget {mib(budget)}", "error": done.stderr.strip()}
@@ -197,6 +280,7 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration; the fastest is kept")
+    p.add_argument("--model", choices=["cnn", "gpt"], default="cnn")
     a = p.parse_args()
     exe = os.path.join(a.build, "memfit")
     meter_lib = os.path.join(a.build, "bench", "libmemfit_meter.so")
@@ -204,29 +288,40 @@ def main():
         if not os.path.exists(f):
             sys.exit(f"peers.py: {f} is missing: build memfit first (make)")
     torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    model = make_chain()
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
     tmp = tempfile.mkdtemp()
-    script = os.path.join(tmp, "chain.pt")
-    torch.jit.script(model).save(script)
-    del model
-
-    n = a.batch * a.steps
-    images = torch.from_numpy(read_idx("train-images-idx3-ubyte")[:n].copy()).float().div_(255)
-    images = images.sub_(0.2860).div_(0.3530).unsqueeze(1)
-    labels = torch.from_numpy(read_idx("train-labels-idx1-ubyte")[:n].astype(np.int64))
+    if a.model == "gpt":
+        n = a.batch * a.steps
+        images, labels, vocab = read_jargon(GPT["context"], n)
+        make = lambda: make_gpt(vocab)  # noqa: E731
+        model_args = ["--model", "gpt", *[f"--{k}={v}" for k, v in GPT.items()]]
+        description = (f"the GPT of width {GPT['width']}, {GPT['depth']} blocks, {GPT['heads']} heads and context "
+                       f"{GPT['context']} (memfit's make_gpt, layer for layer) on the Jargon File; PyTorch's "
+                       f"checkpoint_sequential runs the embedding first and checkpoints the blocks and the head")
+    else:
+        make = make_chain
+        torch.manual_seed(0)
+        script = os.path.join(tmp, "chain.pt")
+        torch.jit.script(make_chain()).save(script)
+        model_args = ["--torchscript", script, "--data", FASHION]
+        n = a.batch * a.steps
+        images = torch.from_numpy(read_idx("train-images-idx3-ubyte")[:n].copy()).float().div_(255)
+        images = images.sub_(0.2860).div_(0.3530).unsqueeze(1)
+        labels = torch.from_numpy(read_idx("train-labels-idx1-ubyte")[:n].astype(np.int64))
+        description = "a ResNet-style chain of 15 layers (width 16, 3 stages of 3 blocks) on Fashion-MNIST"
+    torch.manual_seed(0)
+    initial = {k: v.clone() for k, v in make().state_dict().items()}
     meter = Meter(meter_lib)  # from here on every CPU tensor byte is counted
 
-    rows = [run_pytorch("plain", plain, initial, images, labels, a.batch, a.steps, meter, a.repeats)]
-    n_layers = len(make_chain())
-    for segments in (2, 3, 4, 5, 8, n_layers):
-        rows.append(run_pytorch(f"checkpoint_sequential, {segments} segments", checkpointed(segments), initial,
-                                images, labels, a.batch, a.steps, meter, a.repeats))
-    rows.append(run_pytorch("bf16 autocast", bf16, initial, images, labels, a.batch, a.steps, meter, a.repeats))
+    def pytorch(name, fn):
+        return run_pytorch(name, fn, make, initial, images, labels, a.batch, a.steps, meter, a.repeats)
+
+    rows = [pytorch("plain", plain)]
+    n_layers = len(make()) - (1 if a.model == "gpt" else 0)
+    for segments in sorted({2, 3, 4, 5, 8, n_layers} & set(range(2, n_layers + 1))):
+        rows.append(pytorch(f"checkpoint_sequential, {segments} segments", checkpointed(segments)))
+    rows.append(pytorch("bf16 autocast", bf16))
     for k in (2, 4, 8):
-        rows.append(run_pytorch(f"accumulation, {k} micro-batches", accumulated(k), initial, images, labels,
-                                a.batch, a.steps, meter, a.repeats))
+        rows.append(pytorch(f"accumulation, {k} micro-batches", accumulated(k)))
     base = rows[0]
     # One budget per distinct peak (to the KiB), and 1/2, 1/4, 1/8 of plain.
     peaks = {}
@@ -235,12 +330,12 @@ def main():
             peaks.setdefault(r["peak"] // 1024, r["peak"])
     budgets = sorted(set(peaks.values()) | {base["peak"] // 2, base["peak"] // 4, base["peak"] // 8}, reverse=True)
     for b in budgets:
-        runs = [run_memfit(exe, script, b, a.batch, a.steps, a.threads, FASHION) for _ in range(a.repeats)]
+        runs = [run_memfit(exe, model_args, b, a.batch, a.steps, a.threads) for _ in range(a.repeats)]
         ok = [r for r in runs if "error" not in r]
         rows.append(min(ok, key=lambda r: r["seconds"]) if ok else runs[0])
 
-    print(f"Model: a ResNet-style chain of {n_layers} layers (width 16, 3 stages of 3 blocks), Fashion-MNIST, "
-          f"batch {a.batch}, Adam, {a.steps} steps, {a.threads} threads; peak from memfit's byte-exact meter on "
+    print(f"Model: {description}; batch {a.batch}, Adam, {a.steps} steps, {a.threads} threads; peak from memfit's "
+          f"byte-exact meter on "
           f"both sides; step time the median of steps 2..{a.steps}, the fastest of {a.repeats} run(s).\n")
     print("| side | configuration | peak | vs plain peak | step time | vs plain time |")
     print("|---|---|---:|---:|---:|---:|")
