@@ -20,11 +20,9 @@ import subprocess
 import sys
 import tempfile
 
+from run_report import mib, plan_knobs
+
 SHAPE = ["--model", "gpt", "--width", "64", "--depth", "4", "--heads", "4", "--context", "128"]
-
-
-def mib(b):
-    return f"{b / 2**20:.2f} MiB"
 
 
 def train(exe, args, extra, tmp, name):
@@ -37,18 +35,8 @@ def train(exe, args, extra, tmp, name):
     with open(report) as f:
         r = json.load(f)
     steps = r["steps"]
-    plan = r.get("plan", {})
-    knobs = []
-    if plan:
-        if plan["micro_batch"] < args.batch:
-            knobs.append(f"micro-batch {plan['micro_batch']}")
-        if plan["checkpoint"] != "none":
-            knobs.append(f"checkpoint {plan['checkpoint']}")
-        if plan["precision"] != "fp32":
-            knobs.append(plan["precision"])
-        if plan["offload"] != "none":
-            knobs.append("offload " + plan["offload"])
-    return {"peak": max(s["peak_bytes"] for s in steps), "run_peak": r["summary"]["peak_bytes"],
+    knobs = plan_knobs(r.get("plan", {}), args.batch)
+    return {"peak": max(s["peak_bytes"] for s in steps),
             "seconds": statistics.median(s["seconds"] for s in steps[1:]), "test_loss": r["summary"]["test_loss"],
             "knobs": ", ".join(knobs) or "none"}
 

@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from run_report import mib, plan_knobs
+
 try:
     import numpy as np
     import torch
@@ -175,10 +177,6 @@ class Meter:
         return self.lib.memfit_meter_peak()
 
 
-def mib(b):
-    return f"{b / 2**20:.2f} MiB"
-
-
 def run_pytorch(name, step_fn, make, initial, images, labels, batch, steps, meter, repeats=1):
     """The run with the least median step time of `repeats` (the peak is the same each time)."""
     runs = [run_pytorch_once(name, step_fn, make, initial, images, labels, batch, steps, meter)
@@ -257,16 +255,7 @@ def run_memfit(exe, model_args, budget, batch, steps, threads):
             return {"side": "memfit", "config": f"--budget {mib(budget)}", "error": done.stderr.strip()}
         with open(report) as f:
             r = json.load(f)
-        plan = r.get("plan", {})
-        knobs = []
-        if plan.get("micro_batch", 0) and plan["micro_batch"] < batch:
-            knobs.append(f"micro-batch {plan['micro_batch']}")
-        if plan.get("checkpoint", "none") not in ("none", ""):
-            knobs.append(f"checkpoint {plan['checkpoint']}")
-        if plan.get("precision", "fp32") != "fp32":
-            knobs.append(plan["precision"])
-        if plan.get("offload", "none") != "none":
-            knobs.append("offload " + plan["offload"])
+        knobs = plan_knobs(r.get("plan", {}), batch)
         steps_ = r["steps"]
         return {"side": "memfit", "config": f"--budget {mib(budget)}: " + (", ".join(knobs) or "plain"),
                 "peak": max(s["peak_bytes"] for s in steps_), "seconds": statistics.median(s["seconds"] for s in steps_[1:]),

@@ -36,16 +36,7 @@ class Distributed : public testing::Seeded {
   }
 };
 
-// `f` throws a c10::Error whose message holds `text`.
-void expect_error(const std::function<void()>& f, const std::string& text) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one saying: " << text;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find(text), std::string::npos)
-        << e.what_without_backtrace();
-  }
-}
+using testing::expect_error;
 
 // Sets environment variables for the scope of a test and restores them.
 class EnvGuard {
@@ -390,22 +381,16 @@ TEST(DistributedWorker, Run) {
   torch::save(params, out + ".rank" + std::to_string(world.rank) + ".pt");
 }
 
-std::vector<torch::Tensor> load_rank(const std::string& out, int r) {
-  std::vector<torch::Tensor> v;
-  torch::load(v, out + ".rank" + std::to_string(r) + ".pt");
-  return v;
-}
-
 void expect_ranks_match_one_process(int world, const std::string& mode) {
   const std::string out = ::testing::TempDir() + "memfit_ddp_" + mode + "_" + std::to_string(::getpid());
   const auto statuses = testing::run_ranks("DistributedWorker.Run", world, mode, out);
   for (int r = 0; r < world; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
   const auto reference = single_process(world);
-  const auto rank0 = load_rank(out, 0);
+  const auto rank0 = testing::load_rank(out, 0);
   int64_t grad_bytes = 0;
   for (const auto& p : reference) grad_bytes += p.numel() * 4;
   for (int r = 0; r < world; ++r) {
-    const auto mine = load_rank(out, r);
+    const auto mine = testing::load_rank(out, r);
     ASSERT_EQ(mine.size(), reference.size() + 1);
     for (size_t i = 0; i < reference.size(); ++i) {
       EXPECT_TRUE(mine[i].equal(rank0[i])) << "rank " << r << " parameter " << i << " differs from rank 0's";
@@ -433,8 +418,7 @@ TEST_F(Distributed, ARankThatDiesStopsTheOthersWithAnErrorNamingThem) {
   const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "die", out);
   EXPECT_EQ(statuses[1], 3);
   EXPECT_EQ(statuses[0], 7) << "rank 0 must stop with an error, not hang or succeed";
-  std::ifstream in(out + ".rank0.txt");
-  std::string message((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string message = testing::read_text(out + ".rank0.txt");
   EXPECT_NE(message.find("rank 0 of 2: all-reduce failed"), std::string::npos) << message;
   ::unlink((out + ".rank0.txt").c_str());
 }
@@ -450,9 +434,9 @@ TEST_F(Distributed, TrainersOnThreeRanksTrainLikeOneTrainerWithTheTripleBatch) {
   Trainer single(make_mlp(ModelOptions().width(32).depth(1)), trainer_options().batch_size(24));
   const auto report = single.fit(synthetic_images());
   const auto reference = single.model()->parameters();
-  const auto rank0 = load_rank(out, 0);
+  const auto rank0 = testing::load_rank(out, 0);
   for (int r = 0; r < 3; ++r) {
-    const auto mine = load_rank(out, r);
+    const auto mine = testing::load_rank(out, r);
     ASSERT_EQ(mine.size(), reference.size() + 1);
     for (size_t i = 0; i < reference.size(); ++i) {
       EXPECT_TRUE(mine[i].equal(rank0[i])) << "rank " << r << " parameter " << i;
@@ -479,7 +463,7 @@ TEST_F(Distributed, ZeroStageOneShardsAdamStateAndTrainsLikeTheWholeState) {
     largest = std::max<int64_t>(largest, p.numel() * 4);
   }
   for (int r = 0; r < 2; ++r) {
-    const auto mine = load_rank(out, r);
+    const auto mine = testing::load_rank(out, r);
     ASSERT_EQ(mine.size(), 2 * n + 1);
     for (size_t i = 0; i < n; ++i) {
       EXPECT_TRUE(mine[i].equal(mine[n + i])) << "rank " << r << " parameter " << i
@@ -504,7 +488,7 @@ TEST_F(Distributed, ResumedRanksContinueBitIdenticallyWithWholeAndShardedState) 
   for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
   const size_t n = dropout_mlp()->parameters().size();
   for (int r = 0; r < 2; ++r) {
-    const auto mine = load_rank(out, r);
+    const auto mine = testing::load_rank(out, r);
     ASSERT_EQ(mine.size(), 2 * (2 * n + 1));
     for (int stage = 0; stage < 2; ++stage) {
       const size_t base = stage * (2 * n + 1);
@@ -547,7 +531,7 @@ TEST_F(Distributed, PipelinedTrainersTrainLikeOneTrainerAndResumeBitIdentically)
   const size_t stage_params[2] = {2, 4};
   size_t offset = 0;
   for (int r = 0; r < 2; ++r) {
-    const auto mine = load_rank(out, r);
+    const auto mine = testing::load_rank(out, r);
     const size_t n = stage_params[r];
     ASSERT_EQ(mine.size(), 2 * n + 1) << "rank " << r;
     for (size_t i = 0; i < n; ++i) {

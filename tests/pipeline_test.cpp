@@ -20,16 +20,7 @@
 namespace memfit {
 namespace {
 
-// `f` throws a c10::Error whose message holds `text`.
-void expect_error(const std::function<void()>& f, const std::string& text) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one saying: " << text;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find(text), std::string::npos)
-        << e.what_without_backtrace();
-  }
-}
+using testing::expect_error;
 
 // The least largest stage cost over every split, by enumeration.
 double brute_force(const std::vector<double>& costs, int64_t stages, size_t from = 0) {
@@ -185,13 +176,6 @@ TEST(PipelineWorker, Run) {
   torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
 }
 
-std::vector<torch::Tensor> load_rank(const std::string& out, int r) {
-  std::vector<torch::Tensor> v;
-  torch::load(v, out + ".rank" + std::to_string(r) + ".pt");
-  ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
-  return v;
-}
-
 // Parameters of layers [first, first + layers) of the chain, by index into
 // its parameter list (Linear layers hold two, the others none).
 std::vector<size_t> parameter_indices(int64_t first, int64_t layers) {
@@ -217,7 +201,8 @@ void expect_stages_match_one_process(int stages) {
   const std::vector<int64_t> balance = stages == 2 ? std::vector<int64_t>{5, 2} : std::vector<int64_t>{2, 3, 2};
   std::vector<int64_t> peaks[2];
   for (int r = 0; r < stages; ++r) {
-    const auto mine = load_rank(out, r);
+    const auto mine = testing::load_rank(out, r);
+    ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
     size_t at = 0;
     int64_t first = 0;
     for (int s = 0; s < r; ++s) first += balance[s];
@@ -252,8 +237,7 @@ TEST_F(PipelineTest, AStageThatDiesStopsItsNeighbourWithAnErrorNamingIt) {
   const auto statuses = testing::run_ranks("PipelineWorker.Run", 2, "die", out);
   EXPECT_EQ(statuses[1], 3);
   EXPECT_EQ(statuses[0], 7) << "rank 0 must stop with an error, not hang or succeed";
-  std::ifstream in(out + ".rank0.txt");
-  std::string message((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string message = testing::read_text(out + ".rank0.txt");
   EXPECT_NE(message.find("rank 0 of 2"), std::string::npos) << message;
   EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
   ::unlink((out + ".rank0.txt").c_str());

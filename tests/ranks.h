@@ -11,6 +11,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <torch/torch.h>
+
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -71,6 +75,19 @@ inline std::vector<int> run_ranks(const std::string& worker, int n, const std::s
     statuses.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
   }
   return statuses;
+}
+
+// What rank `r` saved to `out`.rank`r`.pt (torch::save of a tensor list).
+inline std::vector<torch::Tensor> load_rank(const std::string& out, int r) {
+  std::vector<torch::Tensor> v;
+  torch::load(v, out + ".rank" + std::to_string(r) + ".pt");
+  return v;
+}
+
+// The whole text of the file at `path` (what a rank wrote, e.g. its error).
+inline std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 } // namespace testing

@@ -10,11 +10,24 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <map>
+#include <string>
 #include <vector>
 
 namespace memfit {
 namespace testing {
+
+/// Expects `f` to throw a c10::Error whose message holds `text`.
+inline void expect_error(const std::function<void()>& f, const std::string& text) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one saying: " << text;
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find(text), std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
 
 /// The relative difference ||a - b|| / ||b|| of two tensors.
 inline double relative_difference(const torch::Tensor& a, const torch::Tensor& b) {
