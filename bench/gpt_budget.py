@@ -73,8 +73,9 @@ def main():
         a, b = f["plain"], f["with_techniques"]
         print(f"\nLargest batch in one pass under {mib(plain['peak'])} (the plain step's peak at batch "
               f"{args.batch}), `memfit find-batch --precision any`: plain {a['batch']}, with techniques "
-              f"{b['batch']} ({b['precision']}, checkpoint {b['checkpoint']}, offload {b['offload']}; measured "
-              f"{mib(b['measured_peak_bytes'])}): {b['batch'] / max(a['batch'], 1):.1f}×.")
+              f"{b['batch']} ({b['precision']}, checkpoint {b['checkpoint']}"
+              f"{', selective recompute' if b.get('selective_recompute') else ''}, offload {b['offload']}; "
+              f"measured {mib(b['measured_peak_bytes'])}): {b['batch'] / max(a['batch'], 1):.2f}×.")
     else:
         print(f"\nfind-batch failed: {found.stderr.strip()}")
 

@@ -12,6 +12,8 @@ def plan_knobs(plan, batch):
         knobs.append(f"micro-batch {plan['micro_batch']}")
     if plan.get("checkpoint", "none") not in ("none", ""):
         knobs.append(f"checkpoint {plan['checkpoint']}")
+    if plan.get("selective_recompute", False):
+        knobs.append("selective recompute")
     if plan.get("precision", "fp32") != "fp32":
         knobs.append(plan["precision"])
     if plan.get("offload", "none") != "none":

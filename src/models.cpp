@@ -6,6 +6,7 @@
 #include <torch/script.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -325,6 +326,30 @@ torch::nn::Sequential make_resnet(const ModelOptions& o) {
   seq->push_back("flatten", nn::Flatten());
   seq->push_back("head", nn::Linear(channels, o.num_classes()));
   return seq;
+}
+
+namespace {
+// make_gpt's blocks inside `model`, at any depth.
+std::vector<GptBlockImpl*> gpt_blocks(const torch::nn::Sequential& model) {
+  std::vector<GptBlockImpl*> blocks;
+  if (model.is_empty()) return blocks;
+  for (const auto& m : model->modules(/*include_self=*/false)) {
+    if (auto* block = dynamic_cast<GptBlockImpl*>(m.get())) blocks.push_back(block);
+  }
+  return blocks;
+}
+} // namespace
+
+int64_t set_selective_recompute(const torch::nn::Sequential& model, bool enabled) {
+  const auto blocks = gpt_blocks(model);
+  for (auto* block : blocks) block->selective = enabled;
+  return static_cast<int64_t>(blocks.size());
+}
+
+bool selective_recompute(const torch::nn::Sequential& model) {
+  const auto blocks = gpt_blocks(model);
+  return !blocks.empty() &&
+         std::all_of(blocks.begin(), blocks.end(), [](const GptBlockImpl* b) { return b->selective; });
 }
 
 torch::nn::Sequential make_model(ModelKind kind, const ModelOptions& options) {

@@ -1,6 +1,7 @@
 #include "memfit/plan.h"
 
 #include "memfit/compat.h"
+#include "memfit/models.h"
 
 #include <torch/optim.h>
 #include <torch/torch.h>
@@ -131,33 +132,82 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
     sizes[0] = n;
     return example.to(device_).expand(sizes).contiguous();
   };
-  for (auto precision : options_.precisions()) {
-    Profiled p;
-    for (auto* out : {&p.large, &p.small}) {
-      const auto x = batch_of(out == &p.large ? large : small);
-      AutocastGuard autocast(device_, precision);  // one cast cache per profile
-      *out = profile_chain(chain, x, ProfileOptions().repeats(2));
-      workspace_bytes_ = std::max(workspace_bytes_, out->workspace_bytes);
-    }
-    profiles_.emplace(precision, std::move(p));
+  // Selective recomputation: the choices the options allow and the model has.
+  const bool was_selective = selective_recompute(chain);
+  const bool has_blocks = set_selective_recompute(chain, was_selective) > 0;
+  switch (options_.selective_recompute()) {
+    case SelectiveRecompute::kOff:
+      selective_choices_ = {false};
+      break;
+    case SelectiveRecompute::kChoose:
+      selective_choices_ = has_blocks ? std::vector<bool>{false, true} : std::vector<bool>{false};
+      break;
+    case SelectiveRecompute::kOn:
+      TORCH_CHECK(has_blocks, "PlanOptions::selective_recompute(kOn) needs a model with transformer "
+                  "blocks (make_gpt's); this one has none: use kChoose or kOff");
+      selective_choices_ = {true};
+      break;
   }
+  // The chain's own setting comes back however profiling ends.
+  struct Restore {
+    const torch::nn::Sequential& chain;
+    bool selective;
+    ~Restore() { set_selective_recompute(chain, selective); }
+  } restore{chain, was_selective};
+  for (auto precision : options_.precisions()) {
+    for (bool selective : selective_choices_) {
+      set_selective_recompute(chain, selective);
+      Profiled p;
+      for (auto* out : {&p.large, &p.small}) {
+        const auto x = batch_of(out == &p.large ? large : small);
+        AutocastGuard autocast(device_, precision);  // one cast cache per profile
+        *out = profile_chain(chain, x, ProfileOptions().repeats(2));
+        workspace_bytes_ = std::max(workspace_bytes_, out->workspace_bytes);
+      }
+      profiles_.emplace(std::make_pair(precision, selective), std::move(p));
+    }
+  }
+  set_selective_recompute(chain, selective_choices_.front());
   recompute_factor_ = calibrate_recomputation(chain, batch_of(large), options_.precisions().front());
   step_seconds_ = time_optimizer_step(options_, trainable, false);
-  offloaded_step_seconds_ = options_.offload() ? time_optimizer_step(options_, trainable, true) : 0;
+  // Offloading only adds copies: where timing noise says otherwise, the resident step's time stands.
+  offloaded_step_seconds_ =
+      options_.offload() ? std::max(step_seconds_, time_optimizer_step(options_, trainable, true)) : 0;
 }
 
-const ChainProfile& StepModel::profile(Precision precision) const {
-  auto it = profiles_.find(precision);
-  TORCH_CHECK(it != profiles_.end(), "the StepModel was not profiled in ", to_string(precision),
-              ": add it to PlanOptions::precisions");
-  return it->second.large;
+namespace {
+template <typename Map>
+auto find_profile(const Map& profiles, Precision precision, bool selective) {
+  auto it = profiles.find(std::make_pair(precision, selective));
+  TORCH_CHECK(it != profiles.end(), "the StepModel was not profiled in ", to_string(precision),
+              selective ? " with" : " without", " selective recomputation: add the precision to "
+              "PlanOptions::precisions, and for selective recomputation use a model with transformer "
+              "blocks and PlanOptions::selective_recompute kChoose or kOn");
+  return it;
+}
+} // namespace
+
+const ChainProfile& StepModel::profile(Precision precision, bool selective_recompute) const {
+  return find_profile(profiles_, precision, selective_recompute)->second.large;
 }
 
-ChainCosts StepModel::costs(Precision precision, int64_t micro_batch) const {
+ChainCosts StepModel::costs(Precision precision, int64_t micro_batch, bool selective_recompute) const {
   TORCH_CHECK(micro_batch > 0, "micro_batch must be positive, got ", micro_batch);
-  auto it = profiles_.find(precision);
-  TORCH_CHECK(it != profiles_.end(), "the StepModel was not profiled in ", to_string(precision),
-              ": add it to PlanOptions::precisions");
+  ChainProfile scaled = scaled_profile(precision, micro_batch, selective_recompute);
+  if (selective_recompute && profiles_.count(std::make_pair(precision, false)) > 0) {
+    // Recomputation only adds work: where timing noise says otherwise, the
+    // plain layer's time stands.
+    const ChainProfile plain = scaled_profile(precision, micro_batch, false);
+    for (size_t i = 0; i < scaled.layers.size(); ++i) {
+      scaled.layers[i].forward_seconds = std::max(scaled.layers[i].forward_seconds, plain.layers[i].forward_seconds);
+      scaled.layers[i].backward_seconds = std::max(scaled.layers[i].backward_seconds, plain.layers[i].backward_seconds);
+    }
+  }
+  return costs_from_profile(scaled);
+}
+
+ChainProfile StepModel::scaled_profile(Precision precision, int64_t micro_batch, bool selective_recompute) const {
+  auto it = find_profile(profiles_, precision, selective_recompute);
   const auto& big = it->second.large;
   const auto& little = it->second.small;
   const int64_t bl = options_.profile_batch(), bs = bl / 2;
@@ -186,7 +236,7 @@ ChainCosts StepModel::costs(Precision precision, int64_t micro_batch) const {
     l.backward_overhead_bytes = std::max<int64_t>(0, l.backward_overhead_bytes - l.input_bytes);
     break;
   }
-  return costs_from_profile(scaled);
+  return scaled;
 }
 
 double StepModel::calibrate_recomputation(const torch::nn::Sequential& chain,
@@ -230,7 +280,7 @@ double StepModel::calibrate_recomputation(const torch::nn::Sequential& chain,
     for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
   }
   compat::set_rng_state(rng);
-  const auto costs = this->costs(precision, x.size(0));
+  const auto costs = this->costs(precision, x.size(0), selective_choices_.front());
   const double simulated =
       simulate(schedule_sqrt(n), costs).time - simulate(schedule_none(n), costs).time;
   if (simulated <= 0) return 1.0;
@@ -242,7 +292,7 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
   TORCH_CHECK(s.micro_batch() >= 0, "micro_batch must be >= 0 (0: the whole batch), got ",
               s.micro_batch());
   const int64_t m = s.micro_batch() > 0 ? std::min(s.micro_batch(), batch) : batch;
-  const auto costs = this->costs(s.precision(), m);
+  const auto costs = this->costs(s.precision(), m, s.selective_recompute());
   const Schedule schedule = s.schedule().segments.empty() ? schedule_none(costs.size()) : s.schedule();
   const auto sim = simulate(schedule, costs);
   const bool offload = s.offload_optimizer() == Offload::kHost;
@@ -258,7 +308,7 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
     // of the layers before it are still held: at layer i (backward order),
     // at most min(activation peak, what layers 0..i keep plus layer i's
     // backward) plus the gradients of layers i..n-1.
-    const auto& layers = profile(s.precision()).layers;
+    const auto& layers = profile(s.precision(), s.selective_recompute()).layers;
     int64_t kept_before = 0;
     std::vector<int64_t> grads_from(layers.size() + 1, 0);
     for (size_t i = layers.size(); i-- > 0;) grads_from[i] = grads_from[i + 1] + layers[i].parameter_bytes;
@@ -325,7 +375,10 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
   Plan best;
   best.budget = budget;
   best.batch = batch;
-  const auto plain = StepSettings().precision(o.precisions().front());
+  // Plain: the first precision, and selective recomputation only when it is not a choice.
+  const auto plain = StepSettings()
+                         .precision(o.precisions().front())
+                         .selective_recompute(model.selective_choices().front());
   const auto plain_prediction = model.predict(batch, plain);
   best.plain_peak_bytes = plain_prediction.peak_bytes;
   best.plain_seconds = plain_prediction.seconds;
@@ -341,38 +394,44 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
   int64_t frugal_need = std::numeric_limits<int64_t>::max();
   StepPrediction frugal;
   for (auto precision : o.precisions()) {
-    for (auto offload : offloads) {
-      for (int64_t m : micro) {
-        auto s = StepSettings().micro_batch(m == batch ? 0 : m).precision(precision).offload_optimizer(offload);
-        auto p = model.predict(batch, s);
-        ++best.candidates;
-        const auto costs = model.costs(precision, m);
-        // Without checkpointing this combination needs p.peak_bytes; with the
-        // most frugal schedule, its fixed part plus min_budget.
-        const int64_t fixed = p.forward_backward_bytes - p.activation_bytes;
-        const int64_t need = o.checkpointing()
-                                 ? std::max(fixed + min_budget(costs), p.optimizer_step_bytes)
-                                 : p.peak_bytes;
-        if (need < frugal_need) {
-          frugal_need = need;
-          frugal = p;
-        }
-        if (p.peak_bytes > limit && o.checkpointing()) {
-          const int64_t room = limit - fixed;
-          if (p.optimizer_step_bytes > limit || room <= 0) continue;
-          try {
-            s.schedule(solve_optimal(costs, room));
-          } catch (const c10::Error&) {
-            continue;  // even the most frugal schedule needs more than the room left
-          }
-          p = model.predict(batch, s);
+    for (bool selective : model.selective_choices()) {
+      for (auto offload : offloads) {
+        for (int64_t m : micro) {
+          auto s = StepSettings()
+                       .micro_batch(m == batch ? 0 : m)
+                       .precision(precision)
+                       .offload_optimizer(offload)
+                       .selective_recompute(selective);
+          auto p = model.predict(batch, s);
           ++best.candidates;
-        }
-        if (p.peak_bytes > limit) continue;
-        if (!best.fits || better(p, best.predicted)) {
-          best.fits = true;
-          best.settings = s;
-          best.predicted = p;
+          const auto costs = model.costs(precision, m, selective);
+          // Without checkpointing this combination needs p.peak_bytes; with the
+          // most frugal schedule, its fixed part plus min_budget.
+          const int64_t fixed = p.forward_backward_bytes - p.activation_bytes;
+          const int64_t need = o.checkpointing()
+                                   ? std::max(fixed + min_budget(costs), p.optimizer_step_bytes)
+                                   : p.peak_bytes;
+          if (need < frugal_need) {
+            frugal_need = need;
+            frugal = p;
+          }
+          if (p.peak_bytes > limit && o.checkpointing()) {
+            const int64_t room = limit - fixed;
+            if (p.optimizer_step_bytes > limit || room <= 0) continue;
+            try {
+              s.schedule(solve_optimal(costs, room));
+            } catch (const c10::Error&) {
+              continue;  // even the most frugal schedule needs more than the room left
+            }
+            p = model.predict(batch, s);
+            ++best.candidates;
+          }
+          if (p.peak_bytes > limit) continue;
+          if (!best.fits || better(p, best.predicted)) {
+            best.fits = true;
+            best.settings = s;
+            best.predicted = p;
+          }
         }
       }
     }
@@ -412,6 +471,12 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
                                        "of activations at a time, the same gradient",
                                        s.micro_batch(), p.accumulation_steps, batch)
                          : std::string("no micro-batching: the whole batch at once"));
+  if (model.selective_choices().back()) {
+    best.why.push_back(s.selective_recompute()
+                           ? std::string("selective recomputation: each block's attention scores, softmax and "
+                                         "attention dropout are recomputed in backward instead of kept")
+                           : std::string("no selective recomputation: each block keeps its attention scores"));
+  }
   best.why.push_back(s.schedule().segments.empty()
                          ? std::string("no checkpointing: every activation is kept")
                          : fmt::format("checkpoint schedule {} (optimal for the memory left): "
@@ -439,7 +504,9 @@ bool verify_step(const std::function<torch::nn::Sequential()>& make_model, const
   const int64_t old_budget = memory_budget(device);
   bool ok = false;
   try {
-    CheckpointedSequential model(make_model());
+    auto chain = make_model();
+    set_selective_recompute(chain, s.selective_recompute());
+    CheckpointedSequential model(chain);
     if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
     Trainer trainer(torch::nn::Sequential(model), TrainerOptions()
                                                       .batch_size(batch)
@@ -499,7 +566,8 @@ BatchSearch find_batch(const StepModel& model,
     return lo;
   };
   BatchSearch out;
-  const auto plain_settings = StepSettings().precision(o.precisions().front());
+  const auto plain_settings =
+      StepSettings().precision(o.precisions().front()).selective_recompute(model.selective_choices().front());
   // Each search with its verification; `settings_for` gives the knobs for a batch.
   auto search = [&](BatchFound& found, const std::function<std::optional<StepSettings>(int64_t)>& settings_for) {
     found.batch = bisect([&](int64_t b) { return settings_for(b).has_value(); });
@@ -594,6 +662,7 @@ std::string Plan::to_json() const {
                       {"accumulation_steps", predicted.accumulation_steps},
                       {"precision", to_string(settings.precision())},
                       {"checkpoint", schedule_text(settings)},
+                      {"selective_recompute", settings.selective_recompute()},
                       {"offload", settings.offload_optimizer() == Offload::kHost ? "optimizer" : "none"},
                       {"predicted_peak_bytes", predicted.peak_bytes},
                       {"predicted_seconds", predicted.seconds},

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 
 namespace memfit {
 namespace {
@@ -112,8 +113,13 @@ int64_t warm_up(const torch::nn::Sequential& chain, std::vector<torch::nn::AnyMo
       if (p.requires_grad()) wrt.push_back(p);
     }
     if (y.requires_grad() && !wrt.empty()) {
-      torch::autograd::grad({y.to(torch::kFloat).sum()}, wrt, {}, /*retain_graph=*/false,
-                            /*create_graph=*/false, /*allow_unused=*/true);
+      // A plain backward (memfit::checkpoint needs one); the parameters' own
+      // gradients are set aside and put back.
+      std::vector<torch::Tensor> params(wrt.begin() + (floating ? 1 : 0), wrt.end());
+      std::vector<torch::Tensor> stashed;
+      for (auto& p : params) stashed.push_back(std::exchange(p.mutable_grad(), torch::Tensor()));
+      y.to(torch::kFloat).sum().backward();
+      for (size_t k = 0; k < params.size(); ++k) params[k].mutable_grad() = std::move(stashed[k]);
     }
   }
   compat::clear_autocast_cache();
@@ -177,23 +183,29 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
       int64_t backward_overhead = 0;
       if (y.requires_grad() && !wrt.empty()) {
         // As in a chain: autograd alone holds the output (through what the
-        // layer saved) and the output's gradient; the gradients of the input
-        // and parameters are captured, not accumulated.
+        // layer saved) and the output's gradient. Gradients accumulate into
+        // .grad as in training (memfit::checkpoint inside a layer needs a
+        // plain backward); the parameters' own gradients are set aside first
+        // and put back after.
+        std::vector<torch::Tensor> params(wrt.begin() + (floating ? 1 : 0), wrt.end());
+        std::vector<torch::Tensor> stashed;
+        for (auto& p : params) stashed.push_back(std::exchange(p.mutable_grad(), torch::Tensor()));
         torch::autograd::edge_list roots{torch::autograd::impl::gradient_edge(y)};
-        torch::autograd::edge_list outputs;
-        for (const auto& t : wrt) outputs.push_back(torch::autograd::impl::gradient_edge(t));
         variable_list grad_out{torch::ones_like(y)};
         y = torch::Tensor();
         const int64_t before_backward = memory_allocated(device);  // kept + output gradient
         PeakMeter backward_meter(device);
         const auto t1 = Clock::now();
-        auto grads = torch::autograd::Engine::get_default_engine().execute(
-            roots, grad_out, /*keep_graph=*/false, /*create_graph=*/false,
-            /*accumulate_grad=*/false, outputs);
+        torch::autograd::Engine::get_default_engine().execute(roots, grad_out, /*keep_graph=*/false,
+                                                              /*create_graph=*/false,
+                                                              /*accumulate_grad=*/true, {});
         b = std::chrono::duration<double>(Clock::now() - t1).count();
         // Parameter gradients belong to the gradients, not to activations.
-        std::vector<torch::Tensor> param_grads(grads.begin() + (floating ? 1 : 0), grads.end());
+        std::vector<torch::Tensor> param_grads;
+        for (auto& p : params) param_grads.push_back(p.grad());
         backward_overhead = backward_meter.peak() - before_backward - storage_bytes(param_grads);
+        param_grads.clear();
+        for (size_t k = 0; k < params.size(); ++k) params[k].mutable_grad() = std::move(stashed[k]);
       }
       if (r == 0) {
         l.kept_bytes = kept;

@@ -183,6 +183,9 @@ expect generate-unknown-byte 1 'byte 1 at position 2' err -- generate --resume "
 expect generate-needs-model-card 1 'no model.json' err -- generate --resume "$tmp" --prompt x
 expect train-gpt-selective 0 'final loss' out -- train --model gpt --width 16 --depth 1 --heads 2 --context 16 \
   --batch 8 --steps 2 --no-eval -q --selective-recompute --dropout 0.1
+expect plan-gpt-chooses-selective-recompute 0 '"selective_recompute"' out -- plan --model gpt --width 16 --depth 1 \
+  --heads 2 --context 16 --batch 8 --budget 2MiB --json
+expect selective-recompute-needs-gpt 1 'only --model gpt has' err -- train --model mlp --selective-recompute --steps 1 --no-eval
 expect train-gpt-bad-heads 1 'not a multiple of its 3 heads' err -- train --model gpt --width 16 --heads 3 --steps 1 --no-eval
 else
   echo "skip gpt checks: Debian's jargon-text is not installed"

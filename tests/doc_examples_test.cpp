@@ -137,6 +137,11 @@ TEST_F(DocExamples, ModelsHeader) {
     auto logits = gpt->forward(torch::zeros({2, 16}, torch::kLong));  // [2, 16, 50]
     EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 16, 50}));
   }
+  {  // set_selective_recompute, selective_recompute
+    auto gpt = memfit::make_gpt(memfit::ModelOptions().num_classes(50).width(32).depth(2).heads(2).context(16));
+    EXPECT_TRUE(memfit::set_selective_recompute(gpt, true) == 2 && memfit::selective_recompute(gpt));
+    EXPECT_FALSE(memfit::selective_recompute(memfit::make_mlp()));
+  }
   auto net = memfit::make_model(memfit::ModelKind::kMlp);
   EXPECT_FALSE(net.is_empty());
 }

@@ -107,6 +107,31 @@ TEST_F(Models, GptSelectiveRecomputationKeepsGradientsAndDropsTheAttentionScores
   EXPECT_GE(plain_peak - selective_peak, 2 * (2 * scores * 4)) << plain_peak << " vs " << selective_peak;
 }
 
+TEST_F(Models, GptSelectiveRecomputationInsideCheckpointedSegmentsKeepsGradients) {
+  // Nested: a block's inner checkpoint recomputed inside an outer segment's backward.
+  auto run = [&](bool selective, const Schedule& schedule) {
+    torch::manual_seed(3);
+    auto gpt = make_gpt(small_gpt().dropout(0.1));
+    EXPECT_EQ(set_selective_recompute(gpt, selective), 2);
+    EXPECT_EQ(selective_recompute(gpt), selective);
+    CheckpointedSequential model(gpt);
+    if (!schedule.segments.empty()) model->set_schedule(schedule);
+    model->forward(torch::randint(0, 40, {8, 24})).logsumexp(-1).mean().backward();
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : gpt->parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  const auto plain = run(false, Schedule());
+  for (const auto& schedule : {schedule_every(4, 1), schedule_sqrt(4)}) {
+    const auto nested = run(true, schedule);
+    ASSERT_EQ(plain.size(), nested.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+      EXPECT_TRUE(plain[i].equal(nested[i])) << schedule.to_string() << ", parameter " << i;
+    }
+  }
+  EXPECT_EQ(set_selective_recompute(make_mlp(), true), 0) << "no blocks, nothing to set";
+}
+
 // TorchScript modules written by Debian's python3-torch (tests/make_torchscript.py).
 class TorchScript : public testing::Seeded {
  protected:

@@ -219,6 +219,83 @@ TEST_F(CudaPlanner, PredictedPeakHoldsTheWorkspacesAndNoLayerCountsThem) {
   }
 }
 
+// The GPT's selective recomputation as a planner knob, on random tokens
+// (the planner needs no text).
+class PlannerGpt : public testing::Seeded {
+ protected:
+  static ModelOptions shape() { return ModelOptions().num_classes(40).width(32).depth(4).heads(4).context(64); }
+  static ImageDataset tokens(int64_t n) {
+    ImageDataset d;
+    d.images = torch::randint(0, 40, {n, 64}, torch::kLong);
+    d.labels = torch::randint(0, 40, {n, 64}, torch::kLong);
+    return d;
+  }
+  // The peak of three real steps, counted from what was allocated before.
+  static int64_t step_peak(bool selective, int64_t budget) {
+    const auto data = tokens(96);
+    const int64_t base = memory_allocated();
+    torch::manual_seed(0);
+    auto gpt = make_gpt(shape());
+    set_selective_recompute(gpt, selective);
+    Trainer t(gpt, TrainerOptions().batch_size(32).steps(3));
+    if (budget > 0) set_memory_budget(torch::kCPU, base + budget);
+    TrainReport report;
+    try {
+      report = t.fit(data);
+    } catch (...) {
+      set_memory_budget(torch::kCPU, 0);
+      throw;
+    }
+    set_memory_budget(torch::kCPU, 0);
+    int64_t peak = 0;
+    for (const auto& r : report.steps) peak = std::max(peak, r.peak_bytes - base);
+    return peak;
+  }
+};
+
+TEST_F(PlannerGpt, ChoosesSelectiveRecomputationWhereOnlyItFitsAndTheStepHoldsTheBudget) {
+  auto gpt = make_gpt(shape());
+  // Only this knob: no micro-batching, checkpointing or offload to fall back on.
+  StepModel model(gpt, tokens(1).images,
+                  PlanOptions().micro_batching(false).checkpointing(false).offload(false));
+  EXPECT_EQ(model.selective_choices(), (std::vector<bool>{false, true}));
+  EXPECT_FALSE(selective_recompute(gpt)) << "the model's own setting is put back";
+  const int64_t plain = model.predict(32, StepSettings()).peak_bytes;
+  const int64_t selective = model.predict(32, StepSettings().selective_recompute(true)).peak_bytes;
+  // Each block keeps the scores' softmax and its output, 2 of B·heads·T² floats, only without it.
+  // Each block keeps the softmax's output (B·heads·T² floats) only without it;
+  // recomputing one block's scores in backward takes some of that back.
+  EXPECT_GE(plain - selective, 2 * (32 * 4 * 64 * 64 * 4)) << plain << " vs " << selective;
+  const int64_t measured_plain = step_peak(false, 0);
+  const int64_t measured_selective = step_peak(true, 0);
+  EXPECT_NEAR(double(plain - selective), double(measured_plain - measured_selective), 0.01 * double(plain))
+      << "the saving, predicted against measured";
+  const int64_t budget = static_cast<int64_t>(double(plain + selective) / 2 / model.options().margin());
+  const auto p = plan(model, 32, budget);
+  EXPECT_TRUE(p.settings.selective_recompute()) << p.explain();
+  EXPECT_NE(p.explain().find("selective recomputation: each block's attention scores"), std::string::npos);
+  EXPECT_TRUE(nlohmann::json::parse(p.to_json())["selective_recompute"].get<bool>());
+  // Run: the plan holds the budget; the step without it would not.
+  int64_t measured = 0;
+  EXPECT_NO_THROW(measured = step_peak(true, budget)) << p.explain();
+  EXPECT_LE(measured, budget);
+  EXPECT_GT(measured_plain, budget);
+}
+
+TEST_F(PlannerGpt, OffersTheChoiceOnlyWhereTheModelHasBlocks) {
+  auto mlp = make_mlp(ModelOptions().width(16).depth(1));
+  const auto image = torch::zeros({1, 1, 28, 28});
+  EXPECT_EQ(StepModel(mlp, image, PlanOptions().profile_batch(2)).selective_choices(), std::vector<bool>{false});
+  testing::expect_error([&] { StepModel(mlp, image, PlanOptions().selective_recompute(SelectiveRecompute::kOn)); },
+                        "needs a model with transformer blocks");
+  auto gpt = make_gpt(shape());
+  set_selective_recompute(gpt, true);
+  StepModel off(gpt, tokens(1).images, PlanOptions().profile_batch(2).selective_recompute(SelectiveRecompute::kOff));
+  EXPECT_EQ(off.selective_choices(), std::vector<bool>{false});
+  EXPECT_TRUE(selective_recompute(gpt)) << "the model's own setting is put back";
+  testing::expect_error([&] { off.costs(Precision::kFP32, 4, true); }, "not profiled in fp32 with selective recomputation");
+}
+
 TEST_F(Planner, BadArgumentsAreRefused) {
   auto chain = make("mlp");
   EXPECT_THROW(StepModel(chain, torch::zeros({2, 1, 28, 28})), c10::Error) << "one example";

@@ -1,6 +1,7 @@
 #include "memfit/profile.h"
 
 #include "memfit/compat.h"
+#include "memfit/models.h"
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>
@@ -47,6 +48,22 @@ TEST_F(Profile, LeavesBuffersAndRandomStateAsTheyWere) {
   torch::randn({16, 8});  // the sample drawn above
   EXPECT_TRUE(torch::equal(after, torch::rand({4}))) << "RNG state restored";
   EXPECT_TRUE(torch::equal(chain->buffers()[0], running_mean)) << "BatchNorm statistics restored";
+}
+
+TEST_F(Profile, MeasuresLayersThatCheckpointInside) {
+  // memfit::checkpoint inside a layer needs a plain backward (not autograd::grad).
+  auto gpt = make_gpt(ModelOptions().num_classes(20).width(16).depth(1).heads(2).context(32));
+  const auto ids = torch::randint(0, 20, {4, 32});
+  const auto plain = profile_chain(gpt, ids);
+  ASSERT_EQ(set_selective_recompute(gpt, true), 1);
+  const auto weight = gpt->parameters()[0];
+  weight.mutable_grad() = torch::ones_like(weight);
+  const auto selective = profile_chain(gpt, ids);
+  EXPECT_TRUE(weight.grad().equal(torch::ones_like(weight))) << "a parameter's own gradient is put back";
+  // The block no longer keeps the softmax's output (4·2·32² floats, which the
+  // product with v saves too) and the causal mask (32² bools); dropout is off.
+  EXPECT_EQ(plain.layers[1].kept_bytes - selective.layers[1].kept_bytes, 4 * 2 * 32 * 32 * 4 + 32 * 32);
+  EXPECT_GT(selective.layers[1].backward_seconds, 0.0);
 }
 
 TEST_F(Profile, BadInputIsAClearError) {

@@ -185,6 +185,9 @@ Workload load_workload(const ModelArgs& a, bool with_test) {
   w.kind = memfit::parse_model_kind(a.model);
   TORCH_CHECK(a.torchscript.empty() || w.kind != memfit::ModelKind::kGpt,
               "--torchscript models take Fashion-MNIST images: leave out --model gpt");
+  TORCH_CHECK(!a.selective_recompute || (w.kind == memfit::ModelKind::kGpt && a.torchscript.empty()),
+              "--selective-recompute recomputes attention, which only --model gpt has: leave it out, "
+              "or use --model gpt");
   w.options.width(a.width).depth(a.depth);
   if (w.kind == memfit::ModelKind::kGpt) {
     const auto corpus = memfit::load_jargon_file(memfit::JargonOptions().path(a.text));
@@ -431,6 +434,11 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
   memfit::PlanOptions options;
   options.optimizer(memfit::parse_optimizer_kind(a.optimizer))
       .precisions(plan_precisions(a.precision, device));
+  // --selective-recompute fixes it on; otherwise the planner may choose it
+  // (profile measures the model as built).
+  options.selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
+                              : command == ModelCommand::kProfile ? memfit::SelectiveRecompute::kOff
+                                                                  : memfit::SelectiveRecompute::kChoose);
   if (command == ModelCommand::kProfile) options.offload(false);
   memfit::StepModel model(chain, example, options, device);
   if (command == ModelCommand::kProfile) {
@@ -504,6 +512,7 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
                           {"checkpoint", f.settings.schedule().segments.empty()
                                              ? std::string("none")
                                              : f.settings.schedule().to_string()},
+                          {"selective_recompute", f.settings.selective_recompute()},
                           {"offload", f.settings.offload_optimizer() == memfit::Offload::kHost
                                           ? "optimizer"
                                           : "none"},
@@ -532,10 +541,11 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
                                           memfit::format_bytes(f.measured_peak_bytes), f.attempts,
                                           f.attempts == 1 ? "" : "s")
                             : std::string(", not verified"),
-                 fmt::format(" with precision {}, checkpoint {}, optimizer state {}",
+                 fmt::format(" with precision {}, checkpoint {}{}, optimizer state {}",
                              memfit::to_string(f.settings.precision()),
                              f.settings.schedule().segments.empty() ? std::string("none")
                                                                     : f.settings.schedule().to_string(),
+                             f.settings.selective_recompute() ? ", selective recomputation of attention" : "",
                              f.settings.offload_optimizer() == memfit::Offload::kHost ? "on the host"
                                                                                       : "on the device"));
     };
@@ -605,9 +615,14 @@ int run_train(const TrainArgs& a) {
     chain->to(device);
     memfit::StepModel step_model(
         chain, train_data.images.narrow(0, 0, 1).to(device),
-        memfit::PlanOptions().optimizer(memfit::parse_optimizer_kind(a.optimizer)).precisions({precision}),
+        memfit::PlanOptions()
+            .optimizer(memfit::parse_optimizer_kind(a.optimizer))
+            .precisions({precision})
+            .selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
+                                                       : memfit::SelectiveRecompute::kChoose),
         device);
     plan = memfit::plan(step_model, a.batch, budget);
+    memfit::set_selective_recompute(chain, plan->settings.selective_recompute());
     fmt::print("{}", plan->explain());
   } else if (budget > 0 && a.plan == "auto") {
     fmt::print("plan: none ({})\n", pipelined ? "the planner plans one process; a pipeline splits the model"

@@ -20,8 +20,9 @@
 /// host copies when offloaded); recomputation is priced by one measurement of
 /// the chain with sqrt(n) checkpoints against the plain chain.
 ///
-/// plan() searches precision (among those allowed), optimizer-state offload
-/// and micro-batch size (the batch, halved down to 1), and for each the
+/// plan() searches precision (among those allowed), selective recomputation of
+/// attention (models with transformer blocks), optimizer-state offload and
+/// micro-batch size (the batch, halved down to 1), and for each the
 /// schedule: none when it fits, else the optimal checkpoint schedule for the
 /// memory left; it keeps the fitting plan with the least predicted time.
 ///
@@ -68,6 +69,14 @@ struct ModelProfile {
 ModelProfile profile(const torch::nn::Sequential& model, const torch::Tensor& sample_batch,
                      OptimizerKind optimizer = OptimizerKind::kAdam);
 
+/// Whether plans recompute attention selectively (ModelOptions::selective_recompute)
+/// in models whose blocks can (make_gpt's; others have nothing to choose).
+enum class SelectiveRecompute {
+  kOff,     ///< Never: the blocks keep their attention scores.
+  kChoose,  ///< The planner chooses per plan (both are profiled).
+  kOn,      ///< Always (the model has such blocks, or StepModel refuses it).
+};
+
 /// What the planner may choose and what the step it plans for looks like.
 struct PlanOptions {
   /// The optimizer the step uses (its state and temporaries).
@@ -89,6 +98,8 @@ struct PlanOptions {
   TORCH_ARG(double, margin) = 0.97;
   /// Whether the plan may split the batch into micro-batches.
   TORCH_ARG(bool, micro_batching) = true;
+  /// Selective recomputation of attention (see SelectiveRecompute).
+  TORCH_ARG(SelectiveRecompute, selective_recompute) = SelectiveRecompute::kChoose;
 };
 
 /// The knobs of one training step.
@@ -101,6 +112,9 @@ struct StepSettings {
   TORCH_ARG(Schedule, schedule) = Schedule();
   /// Where the optimizer state lives.
   TORCH_ARG(Offload, offload_optimizer) = Offload::kNone;
+  /// Whether the model's transformer blocks recompute their attention scores,
+  /// softmax and attention dropout in backward (set_selective_recompute).
+  TORCH_ARG(bool, selective_recompute) = false;
 };
 
 /// What the model predicts for a step.
@@ -119,16 +133,22 @@ struct StepPrediction {
 class StepModel {
  public:
   /// Profiles `chain` on batches of `example` (one example, batch dimension 1)
-  /// on `device`, in each of options.precisions(), and times an optimizer step.
+  /// on `device`, in each of options.precisions() (and with and without
+  /// selective recomputation where the model has it and the options allow the
+  /// choice; the chain's own setting is put back), and times an optimizer step.
   StepModel(const torch::nn::Sequential& chain, const torch::Tensor& example,
             PlanOptions options = PlanOptions(), torch::Device device = torch::kCPU);
 
   /// Predicts a step over a logical batch of `batch` examples.
   StepPrediction predict(int64_t batch, const StepSettings& settings) const;
-  /// The chain's costs at `micro_batch` examples in `precision`.
-  ChainCosts costs(Precision precision, int64_t micro_batch) const;
+  /// The chain's costs at `micro_batch` examples in `precision`, with or
+  /// without selective recomputation.
+  ChainCosts costs(Precision precision, int64_t micro_batch, bool selective_recompute = false) const;
   /// The profile at options.profile_batch() in `precision`.
-  const ChainProfile& profile(Precision precision) const;
+  const ChainProfile& profile(Precision precision, bool selective_recompute = false) const;
+  /// The selective-recomputation settings profiled: {false}, {true} or
+  /// {false, true} (options().selective_recompute() and what the model has).
+  const std::vector<bool>& selective_choices() const { return selective_choices_; }
   /// The options, as checked.
   const PlanOptions& options() const { return options_; }
   /// The device profiled on.
@@ -148,13 +168,16 @@ class StepModel {
  private:
   double calibrate_recomputation(const torch::nn::Sequential& chain, const torch::Tensor& x,
                                  Precision precision) const;
+  // The profile's layers scaled to `micro_batch` examples.
+  ChainProfile scaled_profile(Precision precision, int64_t micro_batch, bool selective_recompute) const;
 
   struct Profiled {
     ChainProfile large, small;
   };
   PlanOptions options_;
   torch::Device device_;
-  std::map<Precision, Profiled> profiles_;
+  std::map<std::pair<Precision, bool>, Profiled> profiles_;
+  std::vector<bool> selective_choices_;
   int64_t example_bytes_ = 0;
   int64_t parameter_bytes_ = 0;
   int64_t trainable_bytes_ = 0;
@@ -181,7 +204,8 @@ struct Plan {
 
   /// {"fits", "budget_bytes", "predicted_peak_bytes", "predicted_seconds",
   /// "plain_peak_bytes", "plain_seconds", "batch", "micro_batch",
-  /// "accumulation_steps", "precision", "checkpoint", "offload", "why"}.
+  /// "accumulation_steps", "precision", "checkpoint", "selective_recompute",
+  /// "offload", "why"}.
   std::string to_json() const;
   /// The plan and its reasons as text.
   std::string explain() const;
@@ -225,7 +249,7 @@ struct BatchFound {
 /// The largest batches that fit a budget in one pass: plainly, and with
 /// memfit's techniques (checkpointing, offload, the allowed precisions).
 struct BatchSearch {
-  BatchFound plain;       ///< fp32 (the first allowed precision), nothing else.
+  BatchFound plain;       ///< The first allowed precision, nothing else (selective recomputation only if kOn).
   BatchFound techniques;  ///< With checkpointing, offload and precision.
 };
 
