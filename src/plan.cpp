@@ -127,6 +127,7 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
   }
 
   const int64_t large = options_.profile_batch(), small = large / 2;
+  tiny_batch_ = large >= 16 ? large / 8 : 0;  // a third point for times below `small`
   auto batch_of = [&](int64_t n) {
     std::vector<int64_t> sizes(example.sizes().begin(), example.sizes().end());
     sizes[0] = n;
@@ -158,8 +159,10 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
     for (bool selective : selective_choices_) {
       set_selective_recompute(chain, selective);
       Profiled p;
-      for (auto* out : {&p.large, &p.small}) {
-        const auto x = batch_of(out == &p.large ? large : small);
+      for (auto* out : {&p.large, &p.small, &p.tiny}) {
+        const int64_t b = out == &p.large ? large : out == &p.small ? small : tiny_batch_;
+        if (b == 0) continue;
+        const auto x = batch_of(b);
         AutocastGuard autocast(device_, precision);  // one cast cache per profile
         *out = profile_chain(chain, x, ProfileOptions().repeats(2));
         workspace_bytes_ = std::max(workspace_bytes_, out->workspace_bytes);
@@ -222,8 +225,19 @@ ChainProfile StepModel::scaled_profile(Precision precision, int64_t micro_batch,
     l.forward_peak_bytes = line_bytes(a.forward_peak_bytes, b.forward_peak_bytes, bs, bl, micro_batch);
     l.backward_overhead_bytes =
         line_bytes(a.backward_overhead_bytes, b.backward_overhead_bytes, bs, bl, micro_batch);
-    l.forward_seconds = line(a.forward_seconds, b.forward_seconds, bs, bl, micro_batch);
-    l.backward_seconds = line(a.backward_seconds, b.backward_seconds, bs, bl, micro_batch);
+    if (tiny_batch_ > 0 && micro_batch < bs) {
+      // Below the smaller profile batch: between the tiny one and it.
+      const auto& t = it->second.tiny.layers[i];
+      l.forward_seconds = line(t.forward_seconds, a.forward_seconds, tiny_batch_, bs, micro_batch);
+      l.backward_seconds = line(t.backward_seconds, a.backward_seconds, tiny_batch_, bs, micro_batch);
+      if (micro_batch < tiny_batch_) {  // never below the tiny batch's time per example
+        l.forward_seconds = std::max(l.forward_seconds, t.forward_seconds * double(micro_batch) / double(tiny_batch_));
+        l.backward_seconds = std::max(l.backward_seconds, t.backward_seconds * double(micro_batch) / double(tiny_batch_));
+      }
+    } else {
+      l.forward_seconds = line(a.forward_seconds, b.forward_seconds, bs, bl, micro_batch);
+      l.backward_seconds = line(a.backward_seconds, b.backward_seconds, bs, bl, micro_batch);
+    }
   }
   // The chain's input needs no gradient: layers before the first with
   // parameters run no backward, and that layer computes no input gradient

@@ -15,8 +15,10 @@
 ///   - the optimizer step: parameters, gradients, state and the step's
 ///     temporaries (Adam: two tensors of the largest parameter's size); with
 ///     the state offloaded, parameters and gradients only.
-/// Time per logical batch is the simulated forward, recomputation and
-/// backward time of each micro-batch plus a measured optimizer step (with the
+/// Times are fitted piecewise: through a third, small profile batch
+/// (profile_batch / 8) below the smaller one, so that small micro-batches are
+/// priced from a measurement rather than extrapolated. Time per logical batch
+/// is the simulated forward, recomputation and backward time of each micro-batch plus a measured optimizer step (with the
 /// host copies when offloaded); recomputation is priced by one measurement of
 /// the chain with sqrt(n) checkpoints against the plain chain.
 ///
@@ -173,7 +175,9 @@ class StepModel {
 
   struct Profiled {
     ChainProfile large, small;
+    ChainProfile tiny;  // times only, at tiny_batch_ (none when it is 0)
   };
+  int64_t tiny_batch_ = 0;
   PlanOptions options_;
   torch::Device device_;
   std::map<std::pair<Precision, bool>, Profiled> profiles_;
