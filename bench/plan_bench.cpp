@@ -1,8 +1,9 @@
 // The planner against exhaustive search: for the built-in models at budgets of
 // 1/2, 1/4 and 1/8 of the plain step's measured peak, the plan is run under
 // the budget (does it fit?), and every combination of the planner's grid
-// (micro-batch: the batch halved down to 1; optimizer state on the device or
-// the host; no checkpointing, else the optimal schedule for the memory left)
+// (micro-batch: the batch halved down to 1; optimizer state and gradients on
+// the device, the state on the host, or both on the host; no checkpointing,
+// else the optimal schedule for the memory left)
 // is run under the budget too. Reported: the budget, the plan's measured peak
 // and step time, the best measured time over the grid, their ratio, and the
 // plan's time against the plain step (run without a budget). The grid's times
@@ -72,7 +73,8 @@ Run run(const std::string& kind, int64_t batch, const memfit::StepSettings& s, i
                                                       .batch_size(batch)
                                                       .steps(3)
                                                       .micro_batch_size(s.micro_batch())
-                                                      .offload_optimizer(s.offload_optimizer()));
+                                                      .offload_optimizer(s.offload_optimizer())
+                                                      .offload_gradients(s.offload_gradients()));
   memfit::set_memory_budget(torch::kCPU, budget > 0 ? base + budget : 0);
   Run r;
   try {
@@ -98,7 +100,8 @@ double side_by_side_ratio(const std::string& kind, int64_t batch, const memfit::
                                           .batch_size(batch)
                                           .steps(1)
                                           .micro_batch_size(s.micro_batch())
-                                          .offload_optimizer(s.offload_optimizer()));
+                                          .offload_optimizer(s.offload_optimizer())
+                                          .offload_gradients(s.offload_gradients()));
   };
   auto ta = trainer(a), tb = trainer(b);
   ta->fit(data());
@@ -121,6 +124,7 @@ double side_by_side_ratio(const std::string& kind, int64_t batch, const memfit::
 
 bool same(const memfit::StepSettings& a, const memfit::StepSettings& b) {
   return a.micro_batch() == b.micro_batch() && a.offload_optimizer() == b.offload_optimizer() &&
+         a.offload_gradients() == b.offload_gradients() &&
          a.schedule().to_string() == b.schedule().to_string();
 }
 
@@ -154,9 +158,17 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch) {
         micro.push_back(m);
         if (m == 1) break;
       }
-      for (auto offload : {memfit::Offload::kNone, memfit::Offload::kHost}) {
+      // (optimizer state, gradients): on the device, or on the host.
+      const std::vector<std::pair<memfit::Offload, memfit::Offload>> offloads = {
+          {memfit::Offload::kNone, memfit::Offload::kNone},
+          {memfit::Offload::kHost, memfit::Offload::kNone},
+          {memfit::Offload::kHost, memfit::Offload::kHost}};
+      for (const auto& offload : offloads) {
         for (int64_t m : micro) {
-          auto s = memfit::StepSettings().micro_batch(m == batch ? 0 : m).offload_optimizer(offload);
+          auto s = memfit::StepSettings()
+                       .micro_batch(m == batch ? 0 : m)
+                       .offload_optimizer(offload.first)
+                       .offload_gradients(offload.second);
           Run r = run(kind, batch, s, budget);
           if (!r.fits) {
             const auto pred = model.predict(batch, s);
@@ -209,7 +221,7 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch) {
       state.counters[key + "plan_vs_plain"] = planned / plain.seconds;
       fmt::print(stderr, "{} at 1/{} ({:.2f} MiB): micro {} offload {} checkpoint {}\n", kind,
                  divisor, double(budget) / (1 << 20), p->predicted.accumulation_steps > 1 ? p->settings.micro_batch() : batch,
-                 p->settings.offload_optimizer() == memfit::Offload::kHost ? "host" : "none",
+                 memfit::offload_text(p->settings),
                  p->settings.schedule().segments.empty() ? "none" : p->settings.schedule().to_string());
     }
   }

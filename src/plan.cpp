@@ -67,6 +67,28 @@ double time_optimizer_step(const PlanOptions& o, const std::vector<torch::Tensor
   return median(times);
 }
 
+// Seconds to add a gradient of each of `params` into a host copy, as
+// gradient offload does once per micro-batch.
+double time_gradient_offload(const std::vector<torch::Tensor>& params) {
+  if (params.empty()) return 0.0;
+  std::vector<torch::Tensor> grads, host;
+  for (const auto& p : params) {
+    grads.push_back(torch::randn_like(p));
+    UntrackedGuard untracked;
+    host.push_back(torch::zeros(p.sizes(), p.options().device(torch::kCPU).pinned_memory(p.is_cuda())));
+  }
+  std::vector<double> times;
+  for (int r = 0; r < 4; ++r) {
+    const auto t0 = Clock::now();
+    {
+      UntrackedGuard untracked;
+      for (size_t i = 0; i < grads.size(); ++i) host[i].add_(grads[i].to(host[i].options()));
+    }
+    if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return median(times);
+}
+
 // v(m) on the line through (b_small, small) and (b_large, large); when that
 // line would cross zero above m = 0 or fall (timing noise), the line through
 // 0 and (b_large, large) instead, so small batches never look free.
@@ -176,6 +198,7 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
   // Offloading only adds copies: where timing noise says otherwise, the resident step's time stands.
   offloaded_step_seconds_ =
       options_.offload() ? std::max(step_seconds_, time_optimizer_step(options_, trainable, true)) : 0;
+  gradient_offload_seconds_ = options_.offload() ? time_gradient_offload(trainable) : 0;
 }
 
 namespace {
@@ -310,10 +333,26 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
   const Schedule schedule = s.schedule().segments.empty() ? schedule_none(costs.size()) : s.schedule();
   const auto sim = simulate(schedule, costs);
   const bool offload = s.offload_optimizer() == Offload::kHost;
+  const bool offload_gradients = s.offload_gradients() == Offload::kHost;
+  TORCH_CHECK(!offload_gradients || offload, "offload_gradients kHost moves gradients to the host "
+              "masters of offload_optimizer kHost: set both");
   const int64_t accumulation = (batch + m - 1) / m;
   const int64_t state_device = offload ? 0 : state_bytes_;
   int64_t gradients_fb = 0;
-  if (accumulation > 1) {
+  if (offload_gradients) {
+    // Each gradient leaves for the host as soon as it is accumulated: at
+    // layer i (backward order) only its own, while the activations of the
+    // layers before it are still held (as below).
+    const auto& layers = profile(s.precision(), s.selective_recompute()).layers;
+    int64_t kept_before = 0;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      kept_before += costs.kept[i];
+      const int64_t held = std::min<int64_t>(
+          sim.peak_bytes, kept_before + costs.x[i + 1] + costs.backward_extra(static_cast<int64_t>(i)));
+      gradients_fb = std::max(gradients_fb, held + layers[i].parameter_bytes -
+                                                sim.peak_bytes);
+    }
+  } else if (accumulation > 1) {
     // Every gradient exists from the first micro-batch on, and one more is
     // being added (AccumulateGrad holds the new gradient before adding it).
     gradients_fb = trainable_bytes_ + largest_trainable_;
@@ -337,7 +376,7 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
   const int64_t fb = workspace_bytes_ + parameter_bytes_ + state_device + m * example_bytes_ +
                      gradients_fb + sim.peak_bytes;
   const int64_t step = workspace_bytes_ +
-                       (offload ? parameter_bytes_ + trainable_bytes_
+                       (offload ? parameter_bytes_ + (offload_gradients ? 0 : trainable_bytes_)
                                 : parameter_bytes_ + state_bytes_ + trainable_bytes_ + step_temporary_bytes_);
   // Recomputation at the calibrated price (see StepModel::calibrate_recomputation).
   const double plain_time = simulate(schedule_none(costs.size()), costs).time;
@@ -349,15 +388,25 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
   r.forward_backward_bytes = fb;
   r.activation_bytes = sim.peak_bytes;
   r.optimizer_step_bytes = step;
-  r.seconds = double(accumulation) * chain_time + (offload ? offloaded_step_seconds_ : step_seconds_);
+  r.seconds = double(accumulation) * chain_time + (offload ? offloaded_step_seconds_ : step_seconds_) +
+              (offload_gradients ? double(accumulation - 1) * gradient_offload_seconds_ : 0.0);
   r.accumulation_steps = accumulation;
   r.memory.peak = r.peak_bytes;
   r.memory.parameters = parameter_bytes_;
-  r.memory.gradients = fb >= step ? gradients_fb : trainable_bytes_;
+  r.memory.gradients = fb >= step ? gradients_fb : (offload_gradients ? 0 : trainable_bytes_);
   r.memory.optimizer_state = state_device;
   r.memory.activations =
       std::max<int64_t>(0, r.peak_bytes - r.memory.parameters - r.memory.gradients - r.memory.optimizer_state);
   return r;
+}
+
+namespace {
+
+} // namespace
+
+std::string offload_text(const StepSettings& s) {
+  if (s.offload_optimizer() != Offload::kHost) return "none";
+  return s.offload_gradients() == Offload::kHost ? "optimizer, gradients" : "optimizer";
 }
 
 namespace {
@@ -402,8 +451,12 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
     micro.push_back(m);
     if (m == 1 || !o.micro_batching()) break;
   }
-  std::vector<Offload> offloads = {Offload::kNone};
-  if (o.offload()) offloads.push_back(Offload::kHost);
+  // (optimizer state, gradients)
+  std::vector<std::pair<Offload, Offload>> offloads = {{Offload::kNone, Offload::kNone}};
+  if (o.offload()) {
+    offloads.emplace_back(Offload::kHost, Offload::kNone);
+    offloads.emplace_back(Offload::kHost, Offload::kHost);
+  }
 
   int64_t frugal_need = std::numeric_limits<int64_t>::max();
   StepPrediction frugal;
@@ -414,7 +467,8 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
           auto s = StepSettings()
                        .micro_batch(m == batch ? 0 : m)
                        .precision(precision)
-                       .offload_optimizer(offload)
+                       .offload_optimizer(offload.first)
+                       .offload_gradients(offload.second)
                        .selective_recompute(selective);
           auto p = model.predict(batch, s);
           ++best.candidates;
@@ -500,6 +554,10 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
                          ? fmt::format("optimizer state ({}) in host memory, stepped there",
                                        format_bytes(model.optimizer_state_bytes()))
                          : std::string("optimizer state on the device"));
+  if (s.offload_gradients() == Offload::kHost) {
+    best.why.push_back("gradients moved to the host as backward produces them (accumulated there): "
+                       "the device holds about one parameter's gradient at a time");
+  }
   best.why.push_back(fmt::format("predicted peak {} ({} phase), {:.1f} ms per batch, {:.2f}x the "
                                  "plain step's time",
                                  format_bytes(p.peak_bytes), p.phase, 1e3 * p.seconds,
@@ -530,7 +588,8 @@ bool verify_step(const std::function<torch::nn::Sequential()>& make_model, const
                                                       .weight_decay(o.weight_decay())
                                                       .device(device)
                                                       .precision(s.precision())
-                                                      .offload_optimizer(s.offload_optimizer()));
+                                                      .offload_optimizer(s.offload_optimizer())
+                                                      .offload_gradients(s.offload_gradients()));
     set_memory_budget(device, base + budget);
     const auto report = trainer.fit(data);
     *peak = 0;
@@ -677,7 +736,7 @@ std::string Plan::to_json() const {
                       {"precision", to_string(settings.precision())},
                       {"checkpoint", schedule_text(settings)},
                       {"selective_recompute", settings.selective_recompute()},
-                      {"offload", settings.offload_optimizer() == Offload::kHost ? "optimizer" : "none"},
+                      {"offload", offload_text(settings)},
                       {"predicted_peak_bytes", predicted.peak_bytes},
                       {"predicted_seconds", predicted.seconds},
                       {"predicted_phase", predicted.phase},

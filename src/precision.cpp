@@ -2,6 +2,9 @@
 
 #include "memfit/compat.h"
 
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/optim/optimizer.h>
 #include <torch/torch.h>
 
@@ -330,6 +333,33 @@ MasterWeights::MasterWeights(std::vector<torch::Tensor> params, MasterWeightsOpt
 }
 
 namespace {
+// After autograd accumulated a parameter's gradient: adds it into the host
+// master's gradient and releases it on the device.
+struct GradientToHost : torch::autograd::FunctionPostHook {
+  GradientToHost(torch::Tensor param, torch::Tensor master) : param_(std::move(param)), master_(std::move(master)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (!param_.grad().defined()) return outputs;
+    torch::NoGradGuard no_grad;
+    {
+      UntrackedGuard host;
+      const auto& g = param_.grad();
+      if (!master_.grad().defined()) {
+        auto copy = torch::empty(master_.sizes(), master_.options().pinned_memory(g.is_cuda()));
+        copy.copy_(g);
+        master_.mutable_grad() = copy;
+      } else {
+        master_.mutable_grad().add_(g.to(master_.options()));
+      }
+    }
+    param_.mutable_grad() = torch::Tensor();
+    return outputs;
+  }
+  torch::Tensor param_, master_;
+};
+} // namespace
+
+namespace {
 bool is_normalization(const torch::nn::Module& m) {
   const std::string& name = m.name();
   for (const char* norm : {"BatchNorm", "InstanceNorm", "LayerNorm", "GroupNorm"}) {
@@ -360,6 +390,9 @@ void MasterWeights::init() {
               "Offload::kHost, host masters only), got ", options_.dtype(),
               options_.dtype() == at::kFloat ? " without Offload::kHost" : "");
   if (options_.dtype() == at::kFloat) cast_.assign(params_.size(), false);
+  TORCH_CHECK(options_.gradients() == Offload::kNone || options_.offload() == Offload::kHost,
+              "MasterWeights: gradients offloaded to the host go to host masters: set offload to "
+              "Offload::kHost too, or gradients to Offload::kNone");
   for (const auto& p : params_) {
     TORCH_CHECK(p.defined() && p.scalar_type() == at::kFloat,
                 "MasterWeights needs float32 parameters to copy, got ",
@@ -390,13 +423,26 @@ void MasterWeights::init() {
       p.set_data(p.to(options_.dtype()));
     }
   }
+  // After the casts: set_data() to another dtype gives a parameter a new accumulator.
+  if (options_.gradients() == Offload::kHost) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!params_[i].requires_grad()) continue;
+      auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+      TORCH_INTERNAL_ASSERT(acc != nullptr);
+      hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradientToHost>(params_[i], masters_[i])));
+      accumulators_.push_back(std::move(acc));
+    }
+  }
 }
 
-MasterWeights::~MasterWeights() = default;
+MasterWeights::~MasterWeights() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+}
 MasterWeights::MasterWeights(MasterWeights&&) noexcept = default;
 MasterWeights& MasterWeights::operator=(MasterWeights&&) noexcept = default;
 
 void MasterWeights::grads_to_master() {
+  if (options_.gradients() == Offload::kHost) return;  // streamed there during backward
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];

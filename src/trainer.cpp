@@ -116,6 +116,12 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
               "master_weights device keeps the fp32 masters and optimizer state on the device, "
               "offload_optimizer host moves them to the host: use master_weights host, or "
               "offload_optimizer none");
+  TORCH_CHECK(options_.offload_gradients() == Offload::kNone || options_.offload_optimizer() == Offload::kHost,
+              "offload_gradients host moves gradients to the host masters that offload_optimizer "
+              "host keeps: set offload_optimizer to Offload::kHost too (--offload optimizer,gradients)");
+  TORCH_CHECK(options_.offload_gradients() == Offload::kNone || options_.process_group() == nullptr,
+              "offload_gradients host is not supported with data or pipeline parallelism yet (their "
+              "communication reads the gradients on the device): set offload_gradients to Offload::kNone");
   TORCH_CHECK(options_.zero_stage() == 0 || options_.zero_stage() == 1, "zero_stage must be 0 (no "
               "sharding) or 1 (optimizer state sharded over the ranks), got ", options_.zero_stage(),
               "; stages 2 and 3 are not implemented");
@@ -172,8 +178,10 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
                            ? scalar_type(options_.precision())
                            : at::kFloat;
     master_ = std::make_unique<MasterWeights>(
-        *model_, MasterWeightsOptions().dtype(dtype).offload(state_on_host() ? Offload::kHost
-                                                                             : Offload::kNone));
+        *model_, MasterWeightsOptions()
+                     .dtype(dtype)
+                     .offload(state_on_host() ? Offload::kHost : Offload::kNone)
+                     .gradients(options_.offload_gradients()));
     params = master_->master_parameters();
   }
   std::vector<torch::Tensor> trainable;

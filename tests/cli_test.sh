@@ -109,6 +109,8 @@ expect freeze-run 0 'parameters, 25120 frozen' out -- "${small[@]}" --steps 2 --
 expect freeze-no-match 1 "pattern 'layer9.\*' matches no parameter name; names look like: fc0.weight" err -- \
   "${small[@]}" --steps 1 --freeze 'layer9.*'
 expect offload-optimizer-run 0 'optimizer state +0 bytes' out -- "${small[@]}" --steps 2 --offload optimizer
+expect offload-gradients-run 0 'gradients +0 bytes' out -- "${small[@]}" --steps 2 --offload optimizer,gradients
+expect offload-gradients-needs-optimizer 1 'set offload_optimizer to Offload::kHost too' err -- "${small[@]}" --steps 1 --offload gradients
 expect bad-offload 2 'offload' err -- train --offload gpu
 expect save-every-needs-save 2 'save-every.*requires.*save|save-every.*save' err -- train --save-every 2
 

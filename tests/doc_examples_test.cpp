@@ -327,6 +327,7 @@ TEST_F(DocExamples, StateHeader) {
 }
 
 TEST_F(DocExamples, PlanHeader) {
+  EXPECT_EQ(memfit::offload_text(memfit::StepSettings()), "none");
   {
     auto net = memfit::make_mlp(memfit::ModelOptions().width(32).depth(1));
     auto p = memfit::profile(net, torch::zeros({16, 1, 28, 28}));

@@ -34,7 +34,8 @@ int64_t measured_peak(const std::string& kind, int64_t batch, const StepSettings
                                               .steps(3)
                                               .micro_batch_size(s.micro_batch())
                                               .precision(s.precision())
-                                              .offload_optimizer(s.offload_optimizer()));
+                                              .offload_optimizer(s.offload_optimizer())
+                                              .offload_gradients(s.offload_gradients()));
   if (budget > 0) set_memory_budget(torch::kCPU, base + budget);
   const auto report = t.fit(small_data());
   set_memory_budget(torch::kCPU, 0);
@@ -51,9 +52,14 @@ TEST_F(Planner, PredictedPeakIsWithinTenPercentOnAGridOfSettings) {
                     PlanOptions().precisions({Precision::kFP32, Precision::kBF16}));
     for (auto precision : {Precision::kFP32, Precision::kBF16}) {
       for (int64_t micro : {int64_t(0), int64_t(16)}) {
-        for (auto offload : {Offload::kNone, Offload::kHost}) {
+        // Offload: 0 none, 1 the optimizer state, 2 the state and the gradients.
+        for (int offload : {0, 1, 2}) {
           for (bool checkpointed : {false, true}) {
-            auto s = StepSettings().micro_batch(micro).precision(precision).offload_optimizer(offload);
+            auto s = StepSettings()
+                         .micro_batch(micro)
+                         .precision(precision)
+                         .offload_optimizer(offload > 0 ? Offload::kHost : Offload::kNone)
+                         .offload_gradients(offload > 1 ? Offload::kHost : Offload::kNone);
             if (checkpointed) s.schedule(schedule_sqrt(chain->size()));
             const auto predicted = model.predict(64, s).peak_bytes;
             const auto measured = measured_peak(kind, 64, s);
@@ -61,7 +67,7 @@ TEST_F(Planner, PredictedPeakIsWithinTenPercentOnAGridOfSettings) {
             errors.push_back(error);
             EXPECT_LE(std::abs(error), 0.10)
                 << kind << " " << to_string(precision) << " micro " << micro << " offload "
-                << int(offload) << " checkpointed " << checkpointed << ": predicted " << predicted
+                << offload << " checkpointed " << checkpointed << ": predicted " << predicted
                 << " measured " << measured;
           }
         }

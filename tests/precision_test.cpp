@@ -632,6 +632,41 @@ TEST_F(Master, HalvesParameterAndGradientBytesAndOffloadKeepsMastersOffDevice) {
   }
 }
 
+TEST_F(Master, OffloadedGradientsAccumulateOnTheHostAsBackwardProducesThem) {
+  // Two backward passes (micro-batches) in bf16: the host masters' gradients
+  // equal what grads_to_master() gives after plain accumulation on the device.
+  auto run = [](Offload gradients, int64_t* held) {
+    torch::manual_seed(2);
+    torch::nn::Sequential model(torch::nn::Linear(64, 32), torch::nn::Linear(32, 8));
+    MasterWeights master(*model, MasterWeightsOptions().offload(Offload::kHost).gradients(gradients));
+    const int64_t before = memory_allocated(torch::kCPU);
+    for (int k = 0; k < 2; ++k) {
+      AutocastGuard autocast(torch::kCPU);
+      model->forward(torch::randn({4, 64})).to(torch::kFloat).sum().backward();
+    }
+    *held = memory_allocated(torch::kCPU) - before;
+    master.grads_to_master();
+    std::vector<torch::Tensor> grads;
+    for (const auto& m : master.master_parameters()) grads.push_back(m.grad());
+    for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
+    return grads;
+  };
+  int64_t held_device = 0, held_host = 0;
+  const auto device = run(Offload::kNone, &held_device);
+  const auto host = run(Offload::kHost, &held_host);
+  ASSERT_EQ(device.size(), host.size());
+  for (size_t i = 0; i < device.size(); ++i) {
+    // The device sums in bf16 and casts; the host sums the casts in fp32.
+    EXPECT_LT(testing::relative_difference(host[i], device[i]), 1e-2) << "parameter " << i;
+  }
+  EXPECT_EQ(held_device, (64 * 32 + 32 + 32 * 8 + 8) * 2) << "bf16 gradients, kept until grads_to_master";
+  EXPECT_EQ(held_host, 0) << "nothing stays on the device";
+  testing::expect_error([] {
+    torch::nn::Linear l(2, 2);
+    MasterWeights(l->parameters(), MasterWeightsOptions().gradients(Offload::kHost));
+  }, "set offload to Offload::kHost too");
+}
+
 TEST_F(Master, Bf16TrainingTracksFp32Loss) {
   // A small regression trained 200 steps in fp32 and in bf16 with fp32
   // masters: final losses agree to 5% relative (bf16 rounding of activations).

@@ -373,6 +373,35 @@ TEST_F(TrainerTest, OptimizerStateOffloadedToTheHostIsBitwiseTheSameTraining) {
   }
 }
 
+TEST_F(TrainerTest, GradientsOffloadedToTheHostTrainBitwiseTheSameWithOneGradientOnTheDevice) {
+  // MLP: three Linear layers; micro-batches accumulate on the host.
+  auto run = [&](Offload gradients, int64_t micro) {
+    torch::manual_seed(4);
+    Trainer t(make_mlp(ModelOptions().width(128).depth(2)),
+              TrainerOptions().batch_size(64).steps(4).micro_batch_size(micro).offload_optimizer(Offload::kHost)
+                  .offload_gradients(gradients));
+    auto report = t.fit(small_real_data());
+    return std::make_pair(parameters_of(t), report);
+  };
+  const int64_t weights = (784 * 128 + 128 * 128 + 128 * 10) * 4, biases = (128 + 128 + 10) * 4;
+  const int64_t largest = 784 * 128 * 4;
+  for (int64_t micro : {int64_t(0), int64_t(16)}) {
+    const auto [device, device_report] = run(Offload::kNone, micro);
+    const auto [host, host_report] = run(Offload::kHost, micro);
+    EXPECT_EQ(testing::max_relative_difference(host, device), 0.0) << "the same fp32 sums, on the host";
+    // Without offload every gradient is on the device when backward ends
+    // (with micro-batches from the first one on); with it at most one layer's
+    // (its backward yields the weight's and the bias's gradients together).
+    const int64_t saved = device_report.peak_bytes - host_report.peak_bytes;
+    EXPECT_GE(saved, weights + biases - largest - 128 * 4) << "micro-batch " << micro;
+    for (const auto& phase : host_report.step_timeline) {
+      EXPECT_EQ(phase.gradients, 0) << phase.phase << ": no gradient stays on the device";
+    }
+  }
+  testing::expect_error([] { Trainer(make_mlp(), TrainerOptions().offload_gradients(Offload::kHost)); },
+                        "set offload_optimizer to Offload::kHost too");
+}
+
 TEST_F(TrainerTest, FrozenParametersGetNoGradientsNorOptimizerState) {
   auto run = [](std::vector<std::string> freeze) {
     torch::manual_seed(3);

@@ -318,9 +318,10 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                     "'stem_*' (repeatable)");
   train->add_option("--offload", a.offload,
                     "Keep in host memory: optimizer (fp32 masters and optimizer state, stepped "
-                    "there) and/or checkpoints (like --offload-checkpoints); comma-separated")
+                    "there), gradients (moved to the host as backward produces them; needs "
+                    "optimizer) and/or checkpoints (like --offload-checkpoints); comma-separated")
       ->delimiter(',')
-      ->check(CLI::IsMember({"optimizer", "checkpoints"}));
+      ->check(CLI::IsMember({"optimizer", "gradients", "checkpoints"}));
   auto* save = train->add_option("--save", a.save,
                                  "Save a checkpoint (model, optimizer, scaler, RNG, data position) "
                                  "to DIR/checkpoint.pt at the end, atomically");
@@ -513,9 +514,7 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
                                              ? std::string("none")
                                              : f.settings.schedule().to_string()},
                           {"selective_recompute", f.settings.selective_recompute()},
-                          {"offload", f.settings.offload_optimizer() == memfit::Offload::kHost
-                                          ? "optimizer"
-                                          : "none"},
+                          {"offload", memfit::offload_text(f.settings)},
                           {"predicted_peak_bytes", f.predicted_peak_bytes},
                           {"measured_peak_bytes", f.measured_peak_bytes},
                           {"verified", f.verified},
@@ -546,8 +545,9 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
                              f.settings.schedule().segments.empty() ? std::string("none")
                                                                     : f.settings.schedule().to_string(),
                              f.settings.selective_recompute() ? ", selective recomputation of attention" : "",
-                             f.settings.offload_optimizer() == memfit::Offload::kHost ? "on the host"
-                                                                                      : "on the device"));
+                             f.settings.offload_optimizer() != memfit::Offload::kHost ? "on the device"
+                             : f.settings.offload_gradients() == memfit::Offload::kHost ? "and gradients on the host"
+                                                                                        : "on the host"));
     };
     fmt::print("largest batch in one pass under {} ({}):\n", memfit::format_bytes(budget), a.model);
     line("  plainly", found.plain);
@@ -664,6 +664,10 @@ int run_train(const TrainArgs& a) {
                                        : memfit::NonfiniteLoss::kError)
       .micro_batch_size(plan ? plan->settings.micro_batch() : a.micro_batch)
       .offload_optimizer(offloads("optimizer") || (plan && plan->settings.offload_optimizer() ==
+                                                               memfit::Offload::kHost)
+                             ? memfit::Offload::kHost
+                             : memfit::Offload::kNone)
+      .offload_gradients(offloads("gradients") || (plan && plan->settings.offload_gradients() ==
                                                                memfit::Offload::kHost)
                              ? memfit::Offload::kHost
                              : memfit::Offload::kNone)

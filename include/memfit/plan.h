@@ -14,7 +14,9 @@
 ///     accumulation, the accumulated ones and one more being added);
 ///   - the optimizer step: parameters, gradients, state and the step's
 ///     temporaries (Adam: two tensors of the largest parameter's size); with
-///     the state offloaded, parameters and gradients only.
+///     the state offloaded, parameters and gradients only; with the gradients
+///     offloaded too, parameters only (and during backward the largest
+///     parameter's gradient instead of all of them).
 /// Times are fitted piecewise: through a third, small profile batch
 /// (profile_batch / 8) below the smaller one, so that small micro-batches are
 /// priced from a measurement rather than extrapolated. Time per logical batch
@@ -91,7 +93,7 @@ struct PlanOptions {
   TORCH_ARG(std::vector<Precision>, precisions) = {Precision::kFP32};
   /// Whether the plan may checkpoint activations.
   TORCH_ARG(bool, checkpointing) = true;
-  /// Whether the plan may keep the optimizer state on the host.
+  /// Whether the plan may keep the optimizer state, and then the gradients, on the host.
   TORCH_ARG(bool, offload) = true;
   /// The larger of the two batch sizes profiled (the other is half of it).
   TORCH_ARG(int64_t, profile_batch) = 32;
@@ -114,10 +116,22 @@ struct StepSettings {
   TORCH_ARG(Schedule, schedule) = Schedule();
   /// Where the optimizer state lives.
   TORCH_ARG(Offload, offload_optimizer) = Offload::kNone;
+  /// Where gradients accumulate (kHost needs offload_optimizer kHost): moved
+  /// to the host as backward produces them (TrainerOptions::offload_gradients).
+  TORCH_ARG(Offload, offload_gradients) = Offload::kNone;
   /// Whether the model's transformer blocks recompute their attention scores,
   /// softmax and attention dropout in backward (set_selective_recompute).
   TORCH_ARG(bool, selective_recompute) = false;
 };
+
+/// What a step keeps on the host: "none", "optimizer" or "optimizer, gradients"
+/// (the "offload" of Plan::to_json).
+///
+/// Example:
+/// \code
+///   assert(memfit::offload_text(memfit::StepSettings()) == "none");
+/// \endcode
+std::string offload_text(const StepSettings& settings);
 
 /// What the model predicts for a step.
 struct StepPrediction {
@@ -191,6 +205,7 @@ class StepModel {
   int64_t workspace_bytes_ = 0;
   double step_seconds_ = 0;
   double offloaded_step_seconds_ = 0;
+  double gradient_offload_seconds_ = 0;  // adding every gradient into host copies once
   double recompute_factor_ = 1.0;
 };
 

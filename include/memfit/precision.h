@@ -30,9 +30,16 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+namespace torch {
+namespace autograd {
+struct Node;
+} // namespace autograd
+} // namespace torch
 
 namespace memfit {
 
@@ -240,6 +247,17 @@ struct MasterWeightsOptions {
   /// state live: with the parameters, or in host memory (the optimizer then
   /// steps on the host, ZeRO-Offload style).
   TORCH_ARG(Offload, offload) = Offload::kNone;
+  /// Where the model's gradients go during backward (with offload kHost only):
+  /// Offload::kHost adds each parameter's gradient into its host master's
+  /// gradient as soon as autograd has accumulated it, and releases it on the
+  /// device (ZeRO-Offload's gradient offload), so the device holds about one
+  /// parameter's gradient at a time instead of all of them, also across
+  /// micro-batches, which accumulate on the host. grads_to_master() then has
+  /// nothing left to move. Sync points: one device-to-host copy per parameter
+  /// and backward (none on the CPU build, where the host copy is an untracked
+  /// one). Hooks on the parameters' gradient accumulators do it: they are lost
+  /// if a parameter changes dtype or device afterwards (module->to()).
+  TORCH_ARG(Offload, gradients) = Offload::kNone;
 };
 
 /// Holds a model's parameters in bfloat16 or float16 with float32 master
@@ -293,6 +311,7 @@ class MasterWeights {
   const std::vector<torch::Tensor>& model_parameters() const { return params_; }
   /// Sets each master's gradient to its parameter's gradient in fp32 (none
   /// where the parameter has none) and releases the parameter's gradient.
+  /// With options().gradients() kHost the masters already hold them: nothing to do.
   void grads_to_master();
   /// Copies every master into its parameter, cast to the low dtype, and
   /// releases the masters' gradients.
@@ -309,6 +328,9 @@ class MasterWeights {
   std::vector<bool> cast_;
   std::vector<torch::Tensor> masters_;
   MasterWeightsOptions options_;
+  // Gradient offload: the accumulators (autograd holds them weakly) and their hooks.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
 };
 
 } // namespace memfit

@@ -125,6 +125,12 @@ struct TrainerOptions {
   /// Where the optimizer state lives: with the parameters, or on the host
   /// (Offload::kHost: fp32 host masters and state, stepped there, ZeRO-Offload).
   TORCH_ARG(Offload, offload_optimizer) = Offload::kNone;
+  /// Where gradients accumulate (with offload_optimizer kHost only):
+  /// Offload::kHost moves each parameter's gradient to its host master as
+  /// soon as backward has produced it (MasterWeightsOptions::gradients), so
+  /// the device holds about one gradient at a time, also across micro-batches.
+  /// Not with data parallelism (whose all-reduce reads the gradients on the device).
+  TORCH_ARG(Offload, offload_gradients) = Offload::kNone;
   /// Folder for checkpoints (Trainer::save) during fit; empty: no saving.
   TORCH_ARG(std::string, save_dir) = "";
   /// Save every this many steps (and at the end of fit); 0: only at the end.
