@@ -131,7 +131,7 @@ bool same(const memfit::StepSettings& a, const memfit::StepSettings& b) {
 void BM_Plan(benchmark::State& state, std::string kind, int64_t batch) {
   for (auto _ : state) {
     auto chain = make(kind);
-    memfit::StepModel model(chain, data().images.narrow(0, 0, 1));
+    memfit::StepModel model(chain, data().images.narrow(0, 0, 1), memfit::PlanOptions().time_batch(batch));
     const Run plain = run(kind, batch, memfit::StepSettings(), 0);
     state.counters["plain_peak_MiB"] = double(plain.peak) / (1 << 20);
     state.counters["plain_ms"] = 1e3 * plain.seconds;

@@ -11,6 +11,7 @@
 //     no_inplace   out-of-place ReLUs
 //     frozen       the first layers frozen (ResNet: stem and stage 0; MLP: fc0)
 //     offload      optimizer state (and fp32 masters) on the host
+//     offload_grads  and the gradients, moved there as backward produces them
 //   and evaluation: the peak of a no-grad forward against the same forward with grad.
 //
 //   build/bench/memfit_trainer_bench
@@ -88,6 +89,9 @@ void BM_Techniques(benchmark::State& state, std::string model) {
       {"no_inplace", base, false},
       {"frozen", memfit::TrainerOptions(base).freeze(freeze), true},
       {"offload", memfit::TrainerOptions(base).offload_optimizer(memfit::Offload::kHost), true},
+      {"offload_grads",
+       memfit::TrainerOptions(base).offload_optimizer(memfit::Offload::kHost).offload_gradients(memfit::Offload::kHost),
+       true},
   };
   // Memory first, one trainer alive at a time: bytes are the trainer's own.
   for (const auto& c : configs) {

@@ -112,6 +112,8 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
   TORCH_CHECK(example.defined() && example.dim() >= 1 && example.size(0) == 1,
               "StepModel needs one example with a batch dimension of 1, got ",
               example.defined() ? example.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(options_.time_batch() >= 0, "time_batch must be >= 0 (0: profile_batch), got ",
+              options_.time_batch());
   TORCH_CHECK(options_.profile_batch() >= 2, "profile_batch must be at least 2, got ",
               options_.profile_batch());
   TORCH_CHECK(options_.margin() > 0 && options_.margin() <= 1,
@@ -149,7 +151,15 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
   }
 
   const int64_t large = options_.profile_batch(), small = large / 2;
-  tiny_batch_ = large >= 16 ? large / 8 : 0;  // a third point for times below `small`
+  // Times are also measured below `small` (profile_batch / 8) and, up to
+  // options.time_batch(), at 4× steps above `large`, so that micro-batches
+  // are priced from measurements rather than extrapolated.
+  std::vector<int64_t> timed_batches = {small, large};
+  if (large >= 16) timed_batches.push_back(large / 8);
+  for (int64_t b = 4 * large; b <= options_.time_batch(); b *= 4) timed_batches.push_back(b);
+  if (options_.time_batch() > large && timed_batches.back() != options_.time_batch()) {
+    timed_batches.push_back(options_.time_batch());
+  }
   auto batch_of = [&](int64_t n) {
     std::vector<int64_t> sizes(example.sizes().begin(), example.sizes().end());
     sizes[0] = n;
@@ -181,14 +191,14 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
     for (bool selective : selective_choices_) {
       set_selective_recompute(chain, selective);
       Profiled p;
-      for (auto* out : {&p.large, &p.small, &p.tiny}) {
-        const int64_t b = out == &p.large ? large : out == &p.small ? small : tiny_batch_;
-        if (b == 0) continue;
+      for (int64_t b : timed_batches) {
         const auto x = batch_of(b);
         AutocastGuard autocast(device_, precision);  // one cast cache per profile
-        *out = profile_chain(chain, x, ProfileOptions().repeats(2));
-        workspace_bytes_ = std::max(workspace_bytes_, out->workspace_bytes);
+        p.timed[b] = profile_chain(chain, x, ProfileOptions().repeats(2));
+        workspace_bytes_ = std::max(workspace_bytes_, p.timed[b].workspace_bytes);
       }
+      p.large = p.timed.at(large);
+      p.small = p.timed.at(small);
       profiles_.emplace(std::make_pair(precision, selective), std::move(p));
     }
   }
@@ -248,18 +258,20 @@ ChainProfile StepModel::scaled_profile(Precision precision, int64_t micro_batch,
     l.forward_peak_bytes = line_bytes(a.forward_peak_bytes, b.forward_peak_bytes, bs, bl, micro_batch);
     l.backward_overhead_bytes =
         line_bytes(a.backward_overhead_bytes, b.backward_overhead_bytes, bs, bl, micro_batch);
-    if (tiny_batch_ > 0 && micro_batch < bs) {
-      // Below the smaller profile batch: between the tiny one and it.
-      const auto& t = it->second.tiny.layers[i];
-      l.forward_seconds = line(t.forward_seconds, a.forward_seconds, tiny_batch_, bs, micro_batch);
-      l.backward_seconds = line(t.backward_seconds, a.backward_seconds, tiny_batch_, bs, micro_batch);
-      if (micro_batch < tiny_batch_) {  // never below the tiny batch's time per example
-        l.forward_seconds = std::max(l.forward_seconds, t.forward_seconds * double(micro_batch) / double(tiny_batch_));
-        l.backward_seconds = std::max(l.backward_seconds, t.backward_seconds * double(micro_batch) / double(tiny_batch_));
-      }
-    } else {
-      l.forward_seconds = line(a.forward_seconds, b.forward_seconds, bs, bl, micro_batch);
-      l.backward_seconds = line(a.backward_seconds, b.backward_seconds, bs, bl, micro_batch);
+    // Times: between the two measured batches around micro_batch (the
+    // lowest two below them, the highest two above them).
+    const auto& timed = it->second.timed;
+    auto hi = timed.lower_bound(micro_batch);
+    if (hi == timed.begin()) ++hi;
+    if (hi == timed.end()) --hi;
+    auto lo = std::prev(hi);
+    const auto& tl = lo->second.layers[i];
+    const auto& th = hi->second.layers[i];
+    l.forward_seconds = line(tl.forward_seconds, th.forward_seconds, lo->first, hi->first, micro_batch);
+    l.backward_seconds = line(tl.backward_seconds, th.backward_seconds, lo->first, hi->first, micro_batch);
+    if (micro_batch < lo->first) {  // never below the smallest measured batch's time per example
+      l.forward_seconds = std::max(l.forward_seconds, tl.forward_seconds * double(micro_batch) / double(lo->first));
+      l.backward_seconds = std::max(l.backward_seconds, tl.backward_seconds * double(micro_batch) / double(lo->first));
     }
   }
   // The chain's input needs no gradient: layers before the first with

@@ -306,6 +306,8 @@ TEST_F(Planner, BadArgumentsAreRefused) {
   auto chain = make("mlp");
   EXPECT_THROW(StepModel(chain, torch::zeros({2, 1, 28, 28})), c10::Error) << "one example";
   EXPECT_THROW(StepModel(chain, torch::zeros({1, 1, 28, 28}), PlanOptions().profile_batch(1)), c10::Error);
+  testing::expect_error([&] { StepModel(chain, torch::zeros({1, 1, 28, 28}), PlanOptions().time_batch(-1)); },
+                        "time_batch must be >= 0");
   StepModel model(chain, torch::zeros({1, 1, 28, 28}));
   EXPECT_THROW(plan(model, 0, 1 << 20), c10::Error);
   EXPECT_THROW(model.costs(Precision::kBF16, 8), c10::Error) << "bf16 was not profiled";

@@ -434,7 +434,8 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
   const auto example = workload.train.images.narrow(0, 0, 1).to(device);  // one example, for profiling
   memfit::PlanOptions options;
   options.optimizer(memfit::parse_optimizer_kind(a.optimizer))
-      .precisions(plan_precisions(a.precision, device));
+      .precisions(plan_precisions(a.precision, device))
+      .time_batch(a.batch);
   // --selective-recompute fixes it on; otherwise the planner may choose it
   // (profile measures the model as built).
   options.selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
@@ -618,6 +619,7 @@ int run_train(const TrainArgs& a) {
         memfit::PlanOptions()
             .optimizer(memfit::parse_optimizer_kind(a.optimizer))
             .precisions({precision})
+            .time_batch(a.batch)
             .selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
                                                        : memfit::SelectiveRecompute::kChoose),
         device);

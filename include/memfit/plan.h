@@ -17,9 +17,9 @@
 ///     the state offloaded, parameters and gradients only; with the gradients
 ///     offloaded too, parameters only (and during backward the largest
 ///     parameter's gradient instead of all of them).
-/// Times are fitted piecewise: through a third, small profile batch
-/// (profile_batch / 8) below the smaller one, so that small micro-batches are
-/// priced from a measurement rather than extrapolated. Time per logical batch
+/// Times are fitted piecewise through more measured batches: profile_batch / 8
+/// and, up to PlanOptions::time_batch, 4× steps above profile_batch, so that
+/// micro-batches are priced from measurements rather than extrapolated. Time per logical batch
 /// is the simulated forward, recomputation and backward time of each micro-batch plus a measured optimizer step (with the
 /// host copies when offloaded); recomputation is priced by one measurement of
 /// the chain with sqrt(n) checkpoints against the plain chain.
@@ -97,6 +97,10 @@ struct PlanOptions {
   TORCH_ARG(bool, offload) = true;
   /// The larger of the two batch sizes profiled (the other is half of it).
   TORCH_ARG(int64_t, profile_batch) = 32;
+  /// Times are measured up to this micro-batch (at 4× steps above
+  /// profile_batch and at it), not extrapolated; set it to the batch planned
+  /// for. Profiling runs one layer at a time at these batches. 0: profile_batch.
+  TORCH_ARG(int64_t, time_batch) = 0;
   /// Plans must fit in this fraction of the budget (room for what the model
   /// does not see: allocator rounding, the data loader's indices).
   TORCH_ARG(double, margin) = 0.97;
@@ -188,10 +192,9 @@ class StepModel {
   ChainProfile scaled_profile(Precision precision, int64_t micro_batch, bool selective_recompute) const;
 
   struct Profiled {
-    ChainProfile large, small;
-    ChainProfile tiny;  // times only, at tiny_batch_ (none when it is 0)
+    ChainProfile large, small;               // bytes: linear through these
+    std::map<int64_t, ChainProfile> timed;   // times: piecewise through these, by batch
   };
-  int64_t tiny_batch_ = 0;
   PlanOptions options_;
   torch::Device device_;
   std::map<std::pair<Precision, bool>, Profiled> profiles_;
