@@ -351,20 +351,7 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
   const int64_t accumulation = (batch + m - 1) / m;
   const int64_t state_device = offload ? 0 : state_bytes_;
   int64_t gradients_fb = 0;
-  if (offload_gradients) {
-    // Each gradient leaves for the host as soon as it is accumulated: at
-    // layer i (backward order) only its own, while the activations of the
-    // layers before it are still held (as below).
-    const auto& layers = profile(s.precision(), s.selective_recompute()).layers;
-    int64_t kept_before = 0;
-    for (size_t i = 0; i < layers.size(); ++i) {
-      kept_before += costs.kept[i];
-      const int64_t held = std::min<int64_t>(
-          sim.peak_bytes, kept_before + costs.x[i + 1] + costs.backward_extra(static_cast<int64_t>(i)));
-      gradients_fb = std::max(gradients_fb, held + layers[i].parameter_bytes -
-                                                sim.peak_bytes);
-    }
-  } else if (accumulation > 1) {
+  if (accumulation > 1 && !offload_gradients) {
     // Every gradient exists from the first micro-batch on, and one more is
     // being added (AccumulateGrad holds the new gradient before adding it).
     gradients_fb = trainable_bytes_ + largest_trainable_;
@@ -372,7 +359,8 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
     // Gradients appear as backward reaches each layer, while the activations
     // of the layers before it are still held: at layer i (backward order),
     // at most min(activation peak, what layers 0..i keep plus layer i's
-    // backward) plus the gradients of layers i..n-1.
+    // backward) plus the gradients of layers i..n-1, or with gradient offload
+    // (each leaves for the host once accumulated) layer i's own.
     const auto& layers = profile(s.precision(), s.selective_recompute()).layers;
     int64_t kept_before = 0;
     std::vector<int64_t> grads_from(layers.size() + 1, 0);
@@ -381,7 +369,8 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
       kept_before += costs.kept[i];
       const int64_t held = std::min<int64_t>(
           sim.peak_bytes, kept_before + costs.x[i + 1] + costs.backward_extra(static_cast<int64_t>(i)));
-      gradients_fb = std::max(gradients_fb, held + std::min(grads_from[i], trainable_bytes_) - sim.peak_bytes);
+      const int64_t grads = offload_gradients ? layers[i].parameter_bytes : std::min(grads_from[i], trainable_bytes_);
+      gradients_fb = std::max(gradients_fb, held + grads - sim.peak_bytes);
     }
   }
   // Workspaces (CUDA's cuBLAS ones) are held through every phase.
@@ -411,10 +400,6 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
       std::max<int64_t>(0, r.peak_bytes - r.memory.parameters - r.memory.gradients - r.memory.optimizer_state);
   return r;
 }
-
-namespace {
-
-} // namespace
 
 std::string offload_text(const StepSettings& s) {
   if (s.offload_optimizer() != Offload::kHost) return "none";

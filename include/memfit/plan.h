@@ -15,14 +15,16 @@
 ///   - the optimizer step: parameters, gradients, state and the step's
 ///     temporaries (Adam: two tensors of the largest parameter's size); with
 ///     the state offloaded, parameters and gradients only; with the gradients
-///     offloaded too, parameters only (and during backward the largest
-///     parameter's gradient instead of all of them).
-/// Times are fitted piecewise through more measured batches: profile_batch / 8
-/// and, up to PlanOptions::time_batch, 4× steps above profile_batch, so that
-/// micro-batches are priced from measurements rather than extrapolated. Time per logical batch
-/// is the simulated forward, recomputation and backward time of each micro-batch plus a measured optimizer step (with the
-/// host copies when offloaded); recomputation is priced by one measurement of
-/// the chain with sqrt(n) checkpoints against the plain chain.
+///     offloaded too, parameters only (and during backward one layer's
+///     gradients instead of all of them).
+/// Bytes are linear in the batch; times are fitted piecewise through more
+/// measured batches (profile_batch / 8 and, up to PlanOptions::time_batch, 4×
+/// steps above profile_batch), so that micro-batches are priced from
+/// measurements rather than extrapolated. Time per logical batch is the
+/// simulated forward, recomputation and backward time of each micro-batch plus
+/// a measured optimizer step (with the host copies when offloaded);
+/// recomputation is priced by one measurement of the chain with sqrt(n)
+/// checkpoints against the plain chain.
 ///
 /// plan() searches precision (among those allowed), selective recomputation of
 /// attention (models with transformer blocks), optimizer-state offload and
