@@ -357,9 +357,7 @@ struct GradientToHost : torch::autograd::FunctionPostHook {
   }
   torch::Tensor param_, master_;
 };
-} // namespace
 
-namespace {
 bool is_normalization(const torch::nn::Module& m) {
   const std::string& name = m.name();
   for (const char* norm : {"BatchNorm", "InstanceNorm", "LayerNorm", "GroupNorm"}) {

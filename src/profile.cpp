@@ -46,6 +46,31 @@ void restore_buffers(const std::shared_ptr<torch::nn::Module>& m,
   for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(copies[i]);
 }
 
+// Sets the parameters' own gradients aside for the scope of a profiling
+// backward (a plain one, which memfit::checkpoint inside a layer needs) and
+// puts them back at its end, also when backward throws.
+class GradientsSetAside {
+ public:
+  explicit GradientsSetAside(std::vector<torch::Tensor> params) : params_(std::move(params)) {
+    for (auto& p : params_) stashed_.push_back(std::exchange(p.mutable_grad(), torch::Tensor()));
+  }
+  ~GradientsSetAside() {
+    for (size_t k = 0; k < params_.size(); ++k) params_[k].mutable_grad() = std::move(stashed_[k]);
+  }
+  GradientsSetAside(const GradientsSetAside&) = delete;
+  GradientsSetAside& operator=(const GradientsSetAside&) = delete;
+  // The gradients the backward left in the parameters.
+  std::vector<torch::Tensor> gradients() const {
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : params_) grads.push_back(p.grad());
+    return grads;
+  }
+
+ private:
+  std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> stashed_;
+};
+
 } // namespace
 
 int64_t ChainProfile::plain_activation_bytes() const {
@@ -113,13 +138,8 @@ int64_t warm_up(const torch::nn::Sequential& chain, std::vector<torch::nn::AnyMo
       if (p.requires_grad()) wrt.push_back(p);
     }
     if (y.requires_grad() && !wrt.empty()) {
-      // A plain backward (memfit::checkpoint needs one); the parameters' own
-      // gradients are set aside and put back.
-      std::vector<torch::Tensor> params(wrt.begin() + (floating ? 1 : 0), wrt.end());
-      std::vector<torch::Tensor> stashed;
-      for (auto& p : params) stashed.push_back(std::exchange(p.mutable_grad(), torch::Tensor()));
+      GradientsSetAside aside({wrt.begin() + (floating ? 1 : 0), wrt.end()});
       y.to(torch::kFloat).sum().backward();
-      for (size_t k = 0; k < params.size(); ++k) params[k].mutable_grad() = std::move(stashed[k]);
     }
   }
   compat::clear_autocast_cache();
@@ -184,12 +204,8 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
       if (y.requires_grad() && !wrt.empty()) {
         // As in a chain: autograd alone holds the output (through what the
         // layer saved) and the output's gradient. Gradients accumulate into
-        // .grad as in training (memfit::checkpoint inside a layer needs a
-        // plain backward); the parameters' own gradients are set aside first
-        // and put back after.
-        std::vector<torch::Tensor> params(wrt.begin() + (floating ? 1 : 0), wrt.end());
-        std::vector<torch::Tensor> stashed;
-        for (auto& p : params) stashed.push_back(std::exchange(p.mutable_grad(), torch::Tensor()));
+        // .grad as in training.
+        GradientsSetAside aside({wrt.begin() + (floating ? 1 : 0), wrt.end()});
         torch::autograd::edge_list roots{torch::autograd::impl::gradient_edge(y)};
         variable_list grad_out{torch::ones_like(y)};
         y = torch::Tensor();
@@ -201,11 +217,7 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
                                                               /*accumulate_grad=*/true, {});
         b = std::chrono::duration<double>(Clock::now() - t1).count();
         // Parameter gradients belong to the gradients, not to activations.
-        std::vector<torch::Tensor> param_grads;
-        for (auto& p : params) param_grads.push_back(p.grad());
-        backward_overhead = backward_meter.peak() - before_backward - storage_bytes(param_grads);
-        param_grads.clear();
-        for (size_t k = 0; k < params.size(); ++k) params[k].mutable_grad() = std::move(stashed[k]);
+        backward_overhead = backward_meter.peak() - before_backward - storage_bytes(aside.gradients());
       }
       if (r == 0) {
         l.kept_bytes = kept;
