@@ -518,6 +518,19 @@ TEST_F(Distributed, ResumedRanksContinueBitIdenticallyWithWholeAndShardedState) 
   }
 }
 
+TEST_F(Distributed, GradientOffloadIsRefusedWithAProcessGroup) {
+  // The all-reduce reads the gradients on the device, which the offload hooks move away.
+  WorldInfo solo;
+  solo.master_port = 0;
+  auto group = std::make_shared<ProcessGroup>(solo);
+  expect_error([&] {
+    Trainer(make_mlp(ModelOptions().width(8).depth(1)), TrainerOptions()
+                                                         .process_group(group)
+                                                         .offload_optimizer(Offload::kHost)
+                                                         .offload_gradients(Offload::kHost));
+  }, "offload_gradients host is not supported with data or pipeline parallelism");
+}
+
 TEST_F(Distributed, PipelinedTrainersTrainLikeOneTrainerAndResumeBitIdentically) {
   const std::string out = ::testing::TempDir() + "memfit_pipe_trainer_" + std::to_string(::getpid());
   const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "pipeline", out);
