@@ -357,6 +357,33 @@ void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, int6
   for (auto& b : module.buffers()) group.broadcast_(b, root);
 }
 
+double clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, ProcessGroup& group) {
+  TORCH_CHECK(max_norm > 0 && std::isfinite(max_norm), "clip_grad_norm_: max_norm must be a positive "
+              "finite number, got ", max_norm);
+  std::vector<torch::Tensor> norms;
+  for (const auto& p : parameters) {
+    if (p.grad().defined()) norms.push_back(p.grad().detach().norm(2).to(torch::kFloat));
+  }
+  torch::Tensor squared;
+  {
+    UntrackedGuard host;
+    // As clip_grad_norm_: the norm of the per-parameter norms (in float,
+    // then summed over the ranks in double).
+    squared = norms.empty() ? torch::zeros({1}, torch::kDouble)
+                            : torch::stack(norms).norm(2).pow(2).to(torch::kCPU, torch::kDouble).reshape({1});
+  }
+  group.all_reduce_(squared);
+  const double total = std::sqrt(squared.item<double>());
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1) {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : parameters) {
+      if (p.grad().defined()) p.grad().mul_(coef);
+    }
+  }
+  return total;
+}
+
 namespace {
 
 // Buckets of gradients, all-reduced in order as they fill.

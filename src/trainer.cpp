@@ -138,7 +138,6 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
     not_yet(options_.precision() == Precision::kFP32, "bf16 or fp16 precision");
     not_yet(options_.offload_optimizer() == Offload::kNone, "optimizer offload");
     not_yet(options_.zero_stage() == 0, "ZeRO (zero_stage 1)");
-    not_yet(options_.max_grad_norm() == 0, "gradient clipping (max_grad_norm)");
     TORCH_CHECK(options_.micro_batch_size() == 0, "a pipeline cuts each batch into pipeline().chunks() "
                 "chunks: set micro_batch_size 0 and the chunks instead (got micro_batch_size ",
                 options_.micro_batch_size(), ")");
@@ -437,7 +436,12 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
         if (state_on_host()) host.emplace();
         if (options_.max_grad_norm() > 0) {
           scaler_->unscale_(*optimizer_);  // a no-op without fp16
-          torch::nn::utils::clip_grad_norm_(optimizer_params, options_.max_grad_norm());
+          if (pipeline_) {
+            // Each stage holds its own parameters: the norm is over all stages'.
+            clip_grad_norm_(optimizer_params, options_.max_grad_norm(), *options_.process_group());
+          } else {
+            torch::nn::utils::clip_grad_norm_(optimizer_params, options_.max_grad_norm());
+          }
         }
         stepped = scaler_->step(*optimizer_);
       }

@@ -225,6 +225,12 @@ expect launch-pipeline 0 'through a pipeline of 2 stages' out -- launch --nproc 
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --parallel pipeline --chunks 4 --schedule 1f1b
 piped=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 check launch-pipeline-equals-one-process test -n "$piped" -a "$piped" = "$one"
+expect launch-pipeline-clip 0 'through a pipeline of 2 stages' out -- launch --nproc 2 --master-port "$((port + 5))" -- \
+  "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --parallel pipeline --chunks 4 --clip-grad-norm 0.05
+piped_clip=$(grep -o 'final loss [0-9.]*' "$tmp/out")
+"$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --clip-grad-norm 0.05 >"$tmp/one" 2>&1
+one_clip=$(grep -o 'final loss [0-9.]*' "$tmp/one")
+check launch-pipeline-clip-equals-one-process test -n "$one_clip" -a "$piped_clip" = "$one_clip" -a "$one_clip" != "$one"
 expect launch-pipeline-no-checkpointing 1 'does not checkpoint stages yet' err -- launch --nproc 2 --master-port "$((port + 4))" -- \
   "$bin" train --model mlp --steps 1 --no-eval -q --parallel pipeline --checkpoint sqrt
 expect launch-failing-worker 3 'rank 1 exited with status 3; stopping the other 1 worker' err -- \

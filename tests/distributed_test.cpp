@@ -218,6 +218,12 @@ TrainerOptions pipeline_options() {
       ParallelMode::kPipeline).pipeline(PipelineOptions().chunks(4).schedule(PipelineSchedule::k1F1B).balance({2, 4}));
 }
 
+// The pipeline with clipping to a norm small enough that every step clips,
+// and SGD (Adam would undo most of a uniform scaling).
+TrainerOptions pipeline_clip_options() {
+  return pipeline_options().steps(6).optimizer(OptimizerKind::kSGD).lr(0.1).max_grad_norm(0.05);
+}
+
 // An MLP with dropout: each rank draws its own masks.
 torch::nn::Sequential dropout_mlp() {
   return torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(784, 24), torch::nn::ReLU(),
@@ -320,6 +326,17 @@ TEST(DistributedWorker, Run) {
       for (const auto& r : rest.steps) losses.push_back(r.loss);
       result.push_back(torch::tensor(losses, torch::kDouble));
     }
+    torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
+    return;
+  }
+  if (m == "pipeline_clip") {
+    // A pipeline of 2 Trainers that clips the gradients' total norm: 6 steps.
+    torch::manual_seed(1);
+    Trainer t(make_mlp(ModelOptions().width(32).depth(2)),
+              pipeline_clip_options().process_group(group));
+    t.fit(synthetic_images());
+    std::vector<torch::Tensor> result;
+    for (const auto& p : t.model()->parameters()) result.push_back(p.detach().clone());
     torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
     return;
   }
@@ -565,6 +582,61 @@ TEST_F(Distributed, PipelinedTrainersTrainLikeOneTrainerAndResumeBitIdentically)
   }
   std::filesystem::remove(out + ".ckpt_pipe/checkpoint.pt");
   std::filesystem::remove(out + ".ckpt_pipe");
+}
+
+TEST_F(Distributed, ClipGradNormOfOneRankIsLibTorchs) {
+  WorldInfo solo;
+  solo.master_port = 0;
+  ProcessGroup group(solo);
+  auto make = [] {
+    torch::manual_seed(5);
+    auto net = torch::nn::Sequential(torch::nn::Linear(6, 5), torch::nn::Tanh(), torch::nn::Linear(5, 2));
+    net->forward(torch::randn({4, 6})).pow(2).sum().backward();
+    return net;
+  };
+  auto ours = make(), theirs = make();
+  const double expected = torch::nn::utils::clip_grad_norm_(theirs->parameters(), 0.1);
+  const double norm = clip_grad_norm_(ours->parameters(), 0.1, group);
+  EXPECT_NEAR(norm, expected, 1e-6 * expected);
+  ASSERT_GT(norm, 0.1) << "the test must clip";
+  for (size_t i = 0; i < ours->parameters().size(); ++i) {
+    EXPECT_LT(testing::relative_difference(ours->parameters()[i].grad(), theirs->parameters()[i].grad()), 1e-6) << i;
+  }
+  // Below the limit nothing changes.
+  auto unclipped = make();
+  const auto before = unclipped->parameters()[0].grad().clone();
+  clip_grad_norm_(unclipped->parameters(), 1e6, group);
+  EXPECT_TRUE(unclipped->parameters()[0].grad().equal(before));
+  expect_error([&] { clip_grad_norm_(ours->parameters(), 0, group); }, "max_norm must be a positive finite number, got 0");
+}
+
+TEST_F(Distributed, PipelinedTrainersClipTheGradientsOfAllStagesLikeOneTrainer) {
+  const std::string out = ::testing::TempDir() + "memfit_pipe_clip_" + std::to_string(::getpid());
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "pipeline_clip", out);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
+  torch::manual_seed(1);
+  Trainer single(make_mlp(ModelOptions().width(32).depth(2)),
+                 pipeline_clip_options().parallel(ParallelMode::kData));
+  single.fit(synthetic_images());
+  torch::manual_seed(1);
+  Trainer unclipped(make_mlp(ModelOptions().width(32).depth(2)),
+                    pipeline_clip_options().max_grad_norm(0).parallel(ParallelMode::kData));
+  unclipped.fit(synthetic_images());
+  const auto reference = single.model()->parameters();
+  const size_t stage_params[2] = {2, 4};
+  size_t offset = 0;
+  for (int r = 0; r < 2; ++r) {
+    const auto mine = testing::load_rank(out, r);
+    ASSERT_EQ(mine.size(), stage_params[r]) << "rank " << r;
+    for (size_t i = 0; i < mine.size(); ++i) {
+      EXPECT_LT(testing::relative_difference(mine[i], reference[offset + i].detach()), 1e-6)
+          << "rank " << r << ", parameter " << offset + i << " of the whole model";
+    }
+    offset += stage_params[r];
+    ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
+  }
+  // Clipping changed the run (so the comparison above can fail).
+  EXPECT_GT(testing::relative_difference(reference[0].detach(), unclipped.model()->parameters()[0].detach()), 1e-3);
 }
 
 TEST_F(Distributed, ZeroStageAndPipelineOptionsAreCheckedOnce) {

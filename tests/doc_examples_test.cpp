@@ -265,6 +265,16 @@ TEST_F(DocExamples, DistributedHeader) {
     memfit::broadcast_module_state(*net, group);  // rank 0's weights everywhere
     EXPECT_TRUE(net->weight.equal(before)) << "one rank: its own";
   }
+  {  // clip_grad_norm_
+    memfit::WorldInfo solo;
+    solo.master_port = 0;
+    memfit::ProcessGroup group(solo);
+    auto w = torch::ones({4}, torch::requires_grad());
+    (w * 3).sum().backward();                                   // gradient 3, 3, 3, 3: norm 6
+    double norm = memfit::clip_grad_norm_(std::vector<torch::Tensor>{w}, 1.0, group);  // 6; now norm 1
+    EXPECT_NEAR(norm, 6.0, 1e-5);
+    EXPECT_NEAR(w.grad().norm().item<double>(), 1.0, 1e-5);
+  }
   {  // DistributedDataParallel
     memfit::WorldInfo solo;
     solo.master_port = 0;

@@ -198,6 +198,29 @@ struct DistributedDataParallelOptions {
 /// \endcode
 void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, int64_t root = 0);
 
+/// Clips gradients spread over the ranks of `group` to a total 2-norm of
+/// `max_norm`, as torch::nn::utils::clip_grad_norm_ would over all of them in
+/// one process; returns that total norm.
+///
+/// For ranks that hold different parameters (a pipeline's stages): each rank
+/// passes its own, the squared norms are summed over the ranks, and every
+/// rank scales its gradients by min(1, max_norm / (total + 1e-6)).
+/// Parameters without a gradient are skipped. With one rank it is
+/// clip_grad_norm_ (to rounding). Sync points: one all-reduce of one number
+/// (its copy to the host waits for the gradients). Extra memory: one number
+/// per parameter.
+///
+/// Example:
+/// \code
+///   memfit::WorldInfo solo;
+///   solo.master_port = 0;
+///   memfit::ProcessGroup group(solo);
+///   auto w = torch::ones({4}, torch::requires_grad());
+///   (w * 3).sum().backward();                                   // gradient 3, 3, 3, 3: norm 6
+///   double norm = memfit::clip_grad_norm_(std::vector<torch::Tensor>{w}, 1.0, group);  // 6; now norm 1
+/// \endcode
+double clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, ProcessGroup& group);
+
 /// Data parallel training of `module` over `group` (PyTorch's
 /// DistributedDataParallel): broadcasts rank 0's parameters and buffers at
 /// construction, then averages the gradients of every backward run while

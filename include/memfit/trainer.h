@@ -153,8 +153,9 @@ struct TrainerOptions {
   /// How the process group's ranks share the work: data parallel, or a
   /// pipeline of stages (then batch_size is the whole batch, every rank sees
   /// it, and options.pipeline() says how it is cut and split). Pipeline
-  /// training is fp32 only, without optimizer offload, ZeRO, micro_batch_size
-  /// (chunks take its place) or gradient clipping, for now.
+  /// training is fp32 only, without optimizer offload, ZeRO or micro_batch_size
+  /// (chunks take its place), for now; clipping (max_grad_norm) takes the
+  /// norm over every stage's gradients (memfit::clip_grad_norm_ with the group).
   TORCH_ARG(ParallelMode, parallel) = ParallelMode::kData;
   /// The pipeline's chunks, schedule and balance (with ParallelMode::kPipeline).
   TORCH_ARG(PipelineOptions, pipeline) = PipelineOptions();
