@@ -2,6 +2,7 @@
 
 #include "memfit/memory.h"
 #include "memfit/profile.h"
+#include "memfit/schedule.h"
 
 #include <torch/autograd.h>
 #include <torch/torch.h>
@@ -15,6 +16,13 @@ PipelineSchedule parse_pipeline_schedule(const std::string& name) {
   if (name == "gpipe") return PipelineSchedule::kGPipe;
   if (name == "1f1b") return PipelineSchedule::k1F1B;
   TORCH_CHECK(false, "unknown pipeline schedule '", name, "': expected gpipe or 1f1b");
+}
+
+PipelineCheckpoint parse_pipeline_checkpoint(const std::string& name) {
+  if (name == "never") return PipelineCheckpoint::kNever;
+  if (name == "except_last") return PipelineCheckpoint::kExceptLast;
+  if (name == "always") return PipelineCheckpoint::kAlways;
+  TORCH_CHECK(false, "unknown pipeline checkpoint '", name, "': expected never, except_last or always");
 }
 
 std::vector<int64_t> balance_by_cost(const std::vector<double>& costs, int64_t stages) {
@@ -60,6 +68,9 @@ struct Pipeline::Impl {
   std::shared_ptr<ProcessGroup> group;
   PipelineOptions options;
   torch::nn::Sequential stage;
+  // The stage with its leading in-place layers plain and the rest checkpointed
+  // (empty when the options never checkpoint or every layer is in place).
+  CheckpointedSequential checkpointed{nullptr};
   std::vector<int64_t> balance;
   int64_t first = 0;
 };
@@ -177,6 +188,19 @@ Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<ProcessGroup> gr
   for (int64_t i = impl_->first; i < impl_->first + balance[r]; ++i, ++it) {
     impl_->stage->push_back(names[i].key(), *it);
   }
+  if (options.checkpoint() != PipelineCheckpoint::kNever) {
+    CheckpointedSequential ck(impl_->stage);
+    const int64_t layers = static_cast<int64_t>(impl_->stage->size());
+    int64_t lead = 0;
+    while (lead < layers && ck->in_place()[static_cast<size_t>(lead)]) ++lead;
+    if (lead < layers) {
+      Schedule schedule;
+      if (lead > 0) schedule.segments.push_back(Segment{0, lead, false, {}});
+      schedule.segments.push_back(Segment{lead, layers, true, {Segment{lead, layers, false, {}}}});
+      ck->set_schedule(std::move(schedule));
+      impl_->checkpointed = ck;
+    }
+  }
 }
 
 Pipeline::~Pipeline() = default;
@@ -244,7 +268,10 @@ PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch:
         x = ReceivedActivation::apply(anchor, reinterpret_cast<int64_t>(&x), reinterpret_cast<int64_t>(grad.get()));
       }
     }
-    torch::Tensor y = impl_->stage->forward(x);
+    const auto mode = impl_->options.checkpoint();
+    const bool recompute = impl_->checkpointed &&
+                           (mode == PipelineCheckpoint::kAlways || (mode == PipelineCheckpoint::kExceptLast && m < chunks - 1));
+    torch::Tensor y = recompute ? impl_->checkpointed->forward(x) : impl_->stage->forward(x);
     if (last) {
       auto l = loss_fn(y, target.narrow(0, m * micro, len).to(device));
       if (len != batch) l = l * (double(len) / double(batch));

@@ -231,8 +231,14 @@ piped_clip=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --clip-grad-norm 0.05 >"$tmp/one" 2>&1
 one_clip=$(grep -o 'final loss [0-9.]*' "$tmp/one")
 check launch-pipeline-clip-equals-one-process test -n "$one_clip" -a "$piped_clip" = "$one_clip" -a "$one_clip" != "$one"
-expect launch-pipeline-no-checkpointing 1 'does not checkpoint stages yet' err -- launch --nproc 2 --master-port "$((port + 4))" -- \
-  "$bin" train --model mlp --steps 1 --no-eval -q --parallel pipeline --checkpoint sqrt
+expect launch-pipeline-checkpoint 0 'gpipe, checkpoint except_last' out -- launch --nproc 2 --master-port "$((port + 4))" -- \
+  "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --parallel pipeline --chunks 4 --pipeline-checkpoint except_last
+piped_ck=$(grep -o 'final loss [0-9.]*' "$tmp/out")
+check launch-pipeline-checkpoint-equals-one-process test -n "$piped_ck" -a "$piped_ck" = "$one"
+expect launch-pipeline-not-checkpoint 1 'use --pipeline-checkpoint except_last .* instead of --checkpoint sqrt' err -- \
+  launch --nproc 2 --master-port "$((port + 6))" -- "$bin" train --model mlp --steps 1 --no-eval -q --parallel pipeline --checkpoint sqrt
+expect pipeline-checkpoint-needs-pipeline 1 '--pipeline-checkpoint needs --parallel pipeline' err -- \
+  train --model mlp --steps 1 --no-eval -q --pipeline-checkpoint always
 expect launch-failing-worker 3 'rank 1 exited with status 3; stopping the other 1 worker' err -- \
   launch --nproc 2 --master-port "$((port + 1))" -- sh -c 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 60'
 fi

@@ -305,6 +305,7 @@ TEST_F(DocExamples, DistributedHeader) {
 }
 
 TEST_F(DocExamples, PipelineHeader) {
+  EXPECT_EQ(memfit::parse_pipeline_checkpoint("except_last"), memfit::PipelineCheckpoint::kExceptLast);
   {  // balance_by_cost
     auto b = memfit::balance_by_cost({1, 1, 1, 3}, 2);  // {3, 1}: costs 3 and 3
     assert(b == std::vector<int64_t>({3, 1}));

@@ -136,7 +136,16 @@ TEST_F(PipelineTest, OneStageIsTheWholeBatchInChunks) {
   expect_error([&] { Pipeline(make_chain(), group, PipelineOptions().balance({6})); },
                "the balance adds up to 6 layers, the model has 7");
   expect_error([] { parse_pipeline_schedule("zigzag"); }, "expected gpipe or 1f1b");
+  expect_error([] { parse_pipeline_checkpoint("sometimes"); }, "expected never, except_last or always");
 }
+
+// What the workers run, in order: GPipe and 1F1B, then GPipe with every
+// chunk but the last checkpointed.
+const std::pair<PipelineSchedule, PipelineCheckpoint> kRuns[] = {
+    {PipelineSchedule::kGPipe, PipelineCheckpoint::kNever},
+    {PipelineSchedule::k1F1B, PipelineCheckpoint::kNever},
+    {PipelineSchedule::kGPipe, PipelineCheckpoint::kExceptLast}};
+constexpr int kNumRuns = 3;
 
 // The worker: one stage of a pipeline, writing its gradients and counters.
 TEST(PipelineWorker, Run) {
@@ -159,12 +168,13 @@ TEST(PipelineWorker, Run) {
     std::_Exit(0);
   }
   std::vector<torch::Tensor> result;
-  for (auto schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+  for (const auto& [schedule, checkpoint] : kRuns) {
     // Uneven stages on purpose: rank 0's balance, whatever the others pass.
     std::vector<int64_t> balance = world.world_size == 2 ? std::vector<int64_t>{5, 2}
                                                          : std::vector<int64_t>{2, 3, 2};
     if (world.rank != 0) balance = {};
-    Pipeline pipe(make_chain(), group, PipelineOptions().chunks(6).schedule(schedule).balance(balance));
+    Pipeline pipe(make_chain(), group,
+                  PipelineOptions().chunks(6).schedule(schedule).balance(balance).checkpoint(checkpoint));
     const int64_t before = memory_allocated(torch::kCPU);
     PeakMeter meter(torch::kCPU);
     const auto r = pipe.train_step(x, y, cross_entropy);
@@ -199,7 +209,7 @@ void expect_stages_match_one_process(int stages) {
   double loss = 0;
   const auto reference = reference_gradients(&loss);
   const std::vector<int64_t> balance = stages == 2 ? std::vector<int64_t>{5, 2} : std::vector<int64_t>{2, 3, 2};
-  std::vector<int64_t> peaks[2];
+  std::vector<int64_t> peaks[kNumRuns];
   for (int r = 0; r < stages; ++r) {
     const auto mine = testing::load_rank(out, r);
     ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
@@ -207,25 +217,35 @@ void expect_stages_match_one_process(int stages) {
     int64_t first = 0;
     for (int s = 0; s < r; ++s) first += balance[s];
     const auto indices = parameter_indices(first, balance[r]);
-    for (int schedule = 0; schedule < 2; ++schedule) {
-      const char* name = schedule == 0 ? "GPipe" : "1F1B";
-      for (size_t i : indices) {
+    for (int run = 0; run < kNumRuns; ++run) {
+      const char* name = run == 0 ? "GPipe" : run == 1 ? "1F1B" : "GPipe, checkpoint except_last";
+      for (size_t k = 0; k < indices.size(); ++k) {
         ASSERT_LT(at, mine.size());
-        EXPECT_LT(testing::relative_difference(mine[at++], reference[i]), 1e-6)
-            << name << ", rank " << r << ", parameter " << i << " of the whole model";
+        EXPECT_LT(testing::relative_difference(mine[at], reference[indices[k]]), 1e-6)
+            << name << ", rank " << r << ", parameter " << indices[k] << " of the whole model";
+        if (run == 2) {
+          // Recomputation changes nothing: bitwise GPipe's gradients.
+          EXPECT_TRUE(mine[at].equal(mine[k])) << name << ", rank " << r << ", parameter " << indices[k];
+        }
+        ++at;
       }
       const auto counters = mine.at(at++);
       EXPECT_EQ(counters[0].item<int64_t>(), first) << name << ": rank " << r << "'s stage starts at layer " << first;
-      const int64_t expected_in_flight = schedule == 0 ? 6 : std::min<int64_t>(6, stages - r);
+      const int64_t expected_in_flight = run == 1 ? std::min<int64_t>(6, stages - r) : 6;
       EXPECT_EQ(counters[1].item<int64_t>(), expected_in_flight)
-          << name << ", rank " << r << ": chunks whose activations are alive at once";
-      peaks[schedule].push_back(counters[2].item<int64_t>());
+          << name << ", rank " << r << ": chunks alive at once";
+      peaks[run].push_back(counters[2].item<int64_t>());
       EXPECT_NEAR(mine.at(at++).item<double>(), loss, 1e-6) << name << ": every rank gets the batch's loss";
     }
     EXPECT_EQ(at, mine.size());
   }
-  // 1F1B's first stage holds fewer chunks' activations than GPipe's.
+  // 1F1B's first stage holds fewer chunks' activations than GPipe's, and
+  // checkpointed chunks keep only their inputs and outputs: less on the stage
+  // with activations between those (of 3 stages, rank 0's ReLU output is
+  // the stage's output, which it keeps either way).
   EXPECT_LT(peaks[1][0], peaks[0][0]) << "1F1B's peak on rank 0 is not below GPipe's";
+  const int deep = stages == 2 ? 0 : 1;
+  EXPECT_LT(peaks[2][deep], peaks[0][deep]) << "checkpointing's peak on rank " << deep << " is not below GPipe's";
 }
 
 TEST_F(PipelineTest, TwoStagesGiveTheGradientsOfOneProcess) { expect_stages_match_one_process(2); }

@@ -96,6 +96,7 @@ struct TrainArgs : ModelArgs {
   std::string parallel = "data";
   int64_t chunks = 4;
   std::string schedule = "gpipe";
+  std::string pipeline_checkpoint = "never";
   std::string plan = "auto";
 };
 
@@ -268,6 +269,11 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                     "With --parallel pipeline: gpipe (all forwards, then all backwards) or 1f1b "
                     "(one forward, one backward: fewer chunks' activations alive)")
       ->check(CLI::IsMember({"gpipe", "1f1b"}))
+      ->capture_default_str();
+  train->add_option("--pipeline-checkpoint", a.pipeline_checkpoint,
+                    "With --parallel pipeline: which chunks each stage recomputes in backward instead "
+                    "of keeping their activations: never, except_last (PyTorch Pipe's default) or always")
+      ->check(CLI::IsMember({"never", "except_last", "always"}))
       ->capture_default_str();
   train->add_option("--checkpoint", a.checkpoint,
                     "Activation checkpointing: none, sqrt (Chen et al.), every:K layers, "
@@ -605,8 +611,12 @@ int run_train(const TrainArgs& a) {
                                                : memfit::parse_precision(a.precision);
   const bool pipelined = a.parallel == "pipeline";
   if (pipelined) {
-    TORCH_CHECK(a.checkpoint == "none", "--parallel pipeline does not checkpoint stages yet: leave "
-                "--checkpoint out, or use --parallel data");
+    TORCH_CHECK(a.checkpoint == "none", "--checkpoint schedules one process's chain; a pipeline's stages "
+                "checkpoint per chunk: use --pipeline-checkpoint except_last (or always) instead of --checkpoint ",
+                a.checkpoint);
+  } else {
+    TORCH_CHECK(a.pipeline_checkpoint == "never", "--pipeline-checkpoint needs --parallel pipeline; for one "
+                "process or data parallelism use --checkpoint (sqrt, optimal, ...)");
   }
   // With a budget, plan the knobs unless they were set by hand.
   const bool by_hand = pipelined || a.micro_batch > 0 || a.checkpoint != "none" || !a.offload.empty() ||
@@ -681,6 +691,7 @@ int run_train(const TrainArgs& a) {
       .pipeline(memfit::PipelineOptions()
                     .chunks(a.chunks)
                     .schedule(memfit::parse_pipeline_schedule(a.schedule))
+                    .checkpoint(memfit::parse_pipeline_checkpoint(a.pipeline_checkpoint))
                     .balance(balance));
   int64_t params = 0, frozen = 0;  // of the whole model
   for (const auto& p : chain->parameters()) {
@@ -718,9 +729,11 @@ int run_train(const TrainArgs& a) {
              train_data.size(),
              !group ? std::to_string(a.batch)
              : pipelined
-                 ? fmt::format("{} in {} chunks through a pipeline of {} stages ({}, layers {}, {}, over Gloo)",
+                 ? fmt::format("{} in {} chunks through a pipeline of {} stages ({}, layers {}, {}{}, over Gloo)",
                                a.batch, a.chunks, world.world_size, world.source,
-                               fmt::join(trainer.options().pipeline().balance(), "+"), a.schedule)
+                               fmt::join(trainer.options().pipeline().balance(), "+"), a.schedule,
+                               a.pipeline_checkpoint == "never" ? ""
+                                                                : ", checkpoint " + a.pipeline_checkpoint)
                  : fmt::format("{} per rank × {} ranks ({}, data parallel over Gloo{})", a.batch,
                                world.world_size, world.source,
                                a.zero_stage == 1 ? ", optimizer state sharded: ZeRO stage 1" : ""),

@@ -16,8 +16,10 @@
 /// stage waits for its neighbours' activations and gradients; the loss is
 /// broadcast from the last stage). Extra memory per stage: the inputs and
 /// outputs of the chunks in flight (GPipe: all chunks of a batch; 1F1B: at
-/// most as many as the stages from this one to the last) and the host copies
-/// of what is sent.
+/// most as many as the stages from this one to the last) with their
+/// activations (with PipelineOptions::checkpoint, a checkpointed chunk keeps
+/// only its input and output, and one chunk's activations are recomputed at a
+/// time), and the host copies of what is sent.
 
 #include "memfit/distributed.h"
 
@@ -43,6 +45,27 @@ enum class PipelineSchedule {
 /// Parses "gpipe" or "1f1b"; throws c10::Error naming the accepted names.
 PipelineSchedule parse_pipeline_schedule(const std::string& name);
 
+/// Which chunks a stage runs under activation checkpointing (PyTorch Pipe's
+/// `checkpoint` argument, GPipe's re-materialisation): such a chunk keeps
+/// only its input to the stage until its backward, which recomputes the
+/// stage's forward first. Leading in-place layers of a stage (a ReLU(inplace)
+/// on what it receives) run outside the checkpoint, which needs its input
+/// intact.
+enum class PipelineCheckpoint {
+  kNever,       ///< Every chunk keeps its activations (the default here).
+  kExceptLast,  ///< All chunks but the last (Pipe's default): the last one's
+                ///< backward comes first in GPipe, so recomputing it saves nothing.
+  kAlways,      ///< Every chunk.
+};
+
+/// Parses "never", "except_last" or "always"; throws c10::Error naming the accepted names.
+///
+/// Example:
+/// \code
+///   assert(memfit::parse_pipeline_checkpoint("except_last") == memfit::PipelineCheckpoint::kExceptLast);
+/// \endcode
+PipelineCheckpoint parse_pipeline_checkpoint(const std::string& name);
+
 /// How a Pipeline splits the model and the batch (names from PyTorch's Pipe).
 struct PipelineOptions {
   /// Micro-batches per batch.
@@ -53,6 +76,9 @@ struct PipelineOptions {
   /// (see balance_by_time); empty: as even a split by layer count as can be.
   /// Rank 0's balance is used on every rank.
   TORCH_ARG(std::vector<int64_t>, balance) = {};
+  /// Which chunks run under activation checkpointing (see PipelineCheckpoint);
+  /// gradients are those without it (bitwise in fp32 on the CPU).
+  TORCH_ARG(PipelineCheckpoint, checkpoint) = PipelineCheckpoint::kNever;
 };
 
 /// The split of a chain of layers with these costs into `stages` consecutive
