@@ -224,6 +224,9 @@ TrainerOptions pipeline_clip_options() {
   return pipeline_options().steps(6).optimizer(OptimizerKind::kSGD).lr(0.1).max_grad_norm(0.05);
 }
 
+// The pipeline in bf16 (autocast on each stage).
+TrainerOptions pipeline_bf16_options() { return pipeline_options().steps(6).precision(Precision::kBF16); }
+
 // An MLP with dropout: each rank draws its own masks.
 torch::nn::Sequential dropout_mlp() {
   return torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(784, 24), torch::nn::ReLU(),
@@ -329,11 +332,12 @@ TEST(DistributedWorker, Run) {
     torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
     return;
   }
-  if (m == "pipeline_clip") {
-    // A pipeline of 2 Trainers that clips the gradients' total norm: 6 steps.
+  if (m == "pipeline_clip" || m == "pipeline_bf16") {
+    // A pipeline of 2 Trainers that clips the gradients' total norm, or runs
+    // in bf16: 6 steps.
     torch::manual_seed(1);
     Trainer t(make_mlp(ModelOptions().width(32).depth(2)),
-              pipeline_clip_options().process_group(group));
+              (m == "pipeline_clip" ? pipeline_clip_options() : pipeline_bf16_options()).process_group(group));
     t.fit(synthetic_images());
     std::vector<torch::Tensor> result;
     for (const auto& p : t.model()->parameters()) result.push_back(p.detach().clone());
@@ -610,33 +614,61 @@ TEST_F(Distributed, ClipGradNormOfOneRankIsLibTorchs) {
   expect_error([&] { clip_grad_norm_(ours->parameters(), 0, group); }, "max_norm must be a positive finite number, got 0");
 }
 
-TEST_F(Distributed, PipelinedTrainersClipTheGradientsOfAllStagesLikeOneTrainer) {
-  const std::string out = ::testing::TempDir() + "memfit_pipe_clip_" + std::to_string(::getpid());
-  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "pipeline_clip", out);
-  for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
+// Runs the worker `mode` on 2 ranks and compares each stage's parameters
+// with one Trainer's (relative difference below `tolerance`); returns the
+// largest difference.
+double expect_pipelined_like_one_trainer(const std::string& mode, const TrainerOptions& one, double tolerance) {
+  const std::string out = ::testing::TempDir() + "memfit_" + mode + "_" + std::to_string(::getpid());
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, mode, out);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(statuses[r], 0) << "rank " << r;
   torch::manual_seed(1);
-  Trainer single(make_mlp(ModelOptions().width(32).depth(2)),
-                 pipeline_clip_options().parallel(ParallelMode::kData));
+  Trainer single(make_mlp(ModelOptions().width(32).depth(2)), one);
   single.fit(synthetic_images());
-  torch::manual_seed(1);
-  Trainer unclipped(make_mlp(ModelOptions().width(32).depth(2)),
-                    pipeline_clip_options().max_grad_norm(0).parallel(ParallelMode::kData));
-  unclipped.fit(synthetic_images());
   const auto reference = single.model()->parameters();
   const size_t stage_params[2] = {2, 4};
   size_t offset = 0;
+  double largest = 0;
   for (int r = 0; r < 2; ++r) {
     const auto mine = testing::load_rank(out, r);
-    ASSERT_EQ(mine.size(), stage_params[r]) << "rank " << r;
-    for (size_t i = 0; i < mine.size(); ++i) {
-      EXPECT_LT(testing::relative_difference(mine[i], reference[offset + i].detach()), 1e-6)
-          << "rank " << r << ", parameter " << offset + i << " of the whole model";
+    EXPECT_EQ(mine.size(), stage_params[r]) << "rank " << r;
+    for (size_t i = 0; i < mine.size() && i < stage_params[r]; ++i) {
+      const double d = testing::relative_difference(mine[i], reference[offset + i].detach());
+      largest = std::max(largest, d);
+      EXPECT_LT(d, tolerance) << mode << ", rank " << r << ", parameter " << offset + i << " of the whole model";
     }
     offset += stage_params[r];
     ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
   }
+  return largest;
+}
+
+// The fp32 parameters after 6 steps of one Trainer.
+std::vector<torch::Tensor> one_trainer_parameters(const TrainerOptions& options) {
+  torch::manual_seed(1);
+  Trainer t(make_mlp(ModelOptions().width(32).depth(2)), options);
+  t.fit(synthetic_images());
+  std::vector<torch::Tensor> out;
+  for (const auto& p : t.model()->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+TEST_F(Distributed, PipelinedTrainersClipTheGradientsOfAllStagesLikeOneTrainer) {
+  expect_pipelined_like_one_trainer("pipeline_clip", pipeline_clip_options().parallel(ParallelMode::kData), 1e-6);
   // Clipping changed the run (so the comparison above can fail).
-  EXPECT_GT(testing::relative_difference(reference[0].detach(), unclipped.model()->parameters()[0].detach()), 1e-3);
+  const auto clipped = one_trainer_parameters(pipeline_clip_options().parallel(ParallelMode::kData));
+  const auto unclipped = one_trainer_parameters(pipeline_clip_options().max_grad_norm(0).parallel(ParallelMode::kData));
+  EXPECT_GT(testing::relative_difference(clipped[0], unclipped[0]), 1e-3);
+}
+
+TEST_F(Distributed, PipelinedTrainersInBf16TrainLikeOneTrainerInBf16) {
+  // One Trainer in micro-batches of the pipeline's chunks (12 / 4): the same
+  // bf16 products; only the order in which the chunks' gradients add differs.
+  const double d = expect_pipelined_like_one_trainer(
+      "pipeline_bf16", pipeline_bf16_options().micro_batch_size(3).parallel(ParallelMode::kData), 1e-5);
+  // bf16 changed the run (so the comparison above can fail).
+  const auto fp32 = one_trainer_parameters(pipeline_options().steps(6).parallel(ParallelMode::kData));
+  const auto bf16 = one_trainer_parameters(pipeline_bf16_options().parallel(ParallelMode::kData));
+  EXPECT_GT(testing::relative_difference(bf16[0], fp32[0]), 100 * std::max(d, 1e-7));
 }
 
 TEST_F(Distributed, ZeroStageAndPipelineOptionsAreCheckedOnce) {
@@ -646,8 +678,8 @@ TEST_F(Distributed, ZeroStageAndPipelineOptionsAreCheckedOnce) {
   WorldInfo solo;
   solo.master_port = 0;
   auto group = std::make_shared<ProcessGroup>(solo);
-  expect_error([&] { Trainer(dropout_mlp(), pipeline_options().process_group(group).precision(Precision::kBF16)); },
-               "pipeline parallel training does not support bf16 or fp16 precision yet");
+  expect_error([&] { Trainer(dropout_mlp(), pipeline_options().process_group(group).precision(Precision::kFP16)); },
+               "pipeline parallel training does not support fp16 precision yet");
   expect_error([&] { Trainer(dropout_mlp(), pipeline_options().process_group(group).micro_batch_size(4)); },
                "set micro_batch_size 0 and the chunks instead");
 }

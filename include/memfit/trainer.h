@@ -153,9 +153,12 @@ struct TrainerOptions {
   /// How the process group's ranks share the work: data parallel, or a
   /// pipeline of stages (then batch_size is the whole batch, every rank sees
   /// it, and options.pipeline() says how it is cut and split). Pipeline
-  /// training is fp32 only, without optimizer offload, ZeRO or micro_batch_size
-  /// (chunks take its place), for now; clipping (max_grad_norm) takes the
-  /// norm over every stage's gradients (memfit::clip_grad_norm_ with the group).
+  /// training runs in fp32 or bf16 (autocast on every stage; fp16's loss
+  /// scaler is not supported), without optimizer offload, ZeRO or
+  /// micro_batch_size (chunks take its place), for now; clipping
+  /// (max_grad_norm) takes the norm over every stage's gradients
+  /// (memfit::clip_grad_norm_ with the group), and
+  /// pipeline().checkpoint() recomputes chunks.
   TORCH_ARG(ParallelMode, parallel) = ParallelMode::kData;
   /// The pipeline's chunks, schedule and balance (with ParallelMode::kPipeline).
   TORCH_ARG(PipelineOptions, pipeline) = PipelineOptions();
