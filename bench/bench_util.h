@@ -12,6 +12,7 @@
 #include <chrono>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace memfit {
@@ -39,13 +40,16 @@ struct Variant {
 
 /// Times `variants` side by side; reports NAME_ms for each and, for each
 /// variant after the first, NAME_vs_FIRST: the median ratio of its time to
-/// the first variant's.
-inline void side_by_side(benchmark::State& state, const std::vector<Variant>& variants) {
+/// the first variant's; for each pair (A, B) of `also` (indices into
+/// `variants`), NAME_A_vs_NAME_B likewise, from the same iterations.
+inline void side_by_side(benchmark::State& state, const std::vector<Variant>& variants,
+                         const std::vector<std::pair<size_t, size_t>>& also = {}) {
   using Clock = std::chrono::steady_clock;
   const size_t k = variants.size();
   for (const auto& v : variants) v.run();  // warm up
   std::vector<double> total(k, 0.0);
   std::vector<std::vector<double>> ratios(k);
+  std::vector<std::vector<double>> also_ratios(also.size());
   size_t iteration = 0;
   for (auto _ : state) {
     std::vector<double> t(k, 0.0);
@@ -59,14 +63,21 @@ inline void side_by_side(benchmark::State& state, const std::vector<Variant>& va
       total[v] += t[v];
       if (v > 0) ratios[v].push_back(t[v] / t[0]);
     }
+    for (size_t a = 0; a < also.size(); ++a) also_ratios[a].push_back(t[also[a].first] / t[also[a].second]);
     ++iteration;
   }
+  auto median = [](std::vector<double>& r) {
+    std::nth_element(r.begin(), r.begin() + r.size() / 2, r.end());
+    return r[r.size() / 2];
+  };
   for (size_t v = 0; v < k; ++v) {
     state.counters[variants[v].name + "_ms"] = 1e3 * total[v] / double(iteration);
     if (v == 0) continue;
-    auto& r = ratios[v];
-    std::nth_element(r.begin(), r.begin() + r.size() / 2, r.end());
-    state.counters[variants[v].name + "_vs_" + variants[0].name] = r[r.size() / 2];
+    state.counters[variants[v].name + "_vs_" + variants[0].name] = median(ratios[v]);
+  }
+  for (size_t a = 0; a < also.size(); ++a) {
+    state.counters[variants[also[a].first].name + "_vs_" + variants[also[a].second].name] =
+        median(also_ratios[a]);
   }
 }
 

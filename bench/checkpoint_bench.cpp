@@ -7,6 +7,21 @@
 //   mlp_het  alternating Linear(128, 1024)+ReLU and Linear(1024, 128)+tanh
 //            (8× larger activations every other block)          heterogeneous
 //   cnn      residual conv blocks, 3 stages (16/32/64 channels, 32→16→8 px)
+//   resnet   the built-in ResNet (make_resnet, 3×32×32 input, batch 32) with
+//            n blocks per stage: stem, blocks, pooling and classifier as
+//            layers (n = 8: 30 layers, in-place ReLUs)
+//
+// Rows:
+//   model/CHAIN     the cost model's own comparison, no timing: the optimal
+//                   schedule's predicted time against plain and against the
+//                   fastest split whose predicted peak fits, at 0.9 … 0.25
+//   sqrt/CHAIN      sqrt(n) segments against plain
+//   optimal/CHAIN/F the optimal schedule for F × the plain activation peak
+//                   against plain and the fastest checkpoint_sequential split
+//                   whose measured peak fits F too (optimal_vs_ckseq: the
+//                   median of the pairs' ratios); F from 0.9 to 0.25 (the
+//                   memory–time curve) at n = 64 and for the ResNet, ½ and ¼
+//                   elsewhere
 //
 // Denormals are flushed to zero (torch.set_flush_denormal(True)) for every
 // schedule alike: the gradients of 256 stacked tanh layers vanish into the
@@ -19,6 +34,7 @@
 //   make bench   or   build/bench/memfit_checkpoint_bench [--benchmark_filter=mlp_het]
 
 #include "memfit/memory.h"
+#include "memfit/models.h"
 #include "memfit/schedule.h"
 
 #include "bench_util.h"
@@ -82,6 +98,12 @@ int64_t width(const std::string& kind, int64_t n) {
 }
 
 torch::nn::Sequential build(const std::string& kind, int64_t n) {
+  if (kind == "resnet") {
+    return memfit::make_resnet(memfit::ModelOptions().in_channels(3).image_size(32).depth(n));
+  }
+  if (kind == "gpt") {
+    return memfit::make_gpt(memfit::ModelOptions().num_classes(256).width(128).depth(n).context(128));
+  }
   torch::nn::Sequential seq;
   const int64_t w = width(kind, n);
   for (int64_t i = 0; i < n; ++i) {
@@ -103,7 +125,7 @@ torch::nn::Sequential build(const std::string& kind, int64_t n) {
 int64_t activation_peak(const std::function<torch::Tensor(const torch::Tensor&)>& forward,
                         torch::nn::Sequential& seq, const torch::Tensor& input) {
   for (auto& p : seq->parameters()) p.requires_grad_(false);
-  auto x = input.detach().requires_grad_(true);
+  auto x = input.is_floating_point() ? input.detach().requires_grad_(true) : input;
   int64_t peak = 0;
   {
     memfit::PeakMeter meter;
@@ -123,10 +145,19 @@ Chain& chain(const std::string& kind, int64_t n) {
   slot = std::make_unique<Chain>();
   Chain& c = *slot;
   c.seq = build(kind, n);
-  c.input = kind == "cnn" ? torch::randn({8, 16, 32, 32}) : torch::randn({64, width(kind, n)});
+  if (kind == "cnn") {
+    c.input = torch::randn({8, 16, 32, 32});
+  } else if (kind == "resnet") {
+    c.input = torch::randn({32, 3, 32, 32});
+  } else if (kind == "gpt") {
+    c.input = torch::randint(256, {8, 128});
+  } else {
+    c.input = torch::randn({64, width(kind, n)});
+  }
   c.target = torch::randn_like(c.seq->forward(c.input));
   for (auto& p : c.seq->parameters()) p.requires_grad_(false);
-  c.costs = memfit::costs_from_profile(memfit::profile_chain(c.seq, c.input.detach().requires_grad_(true)));
+  auto sample = c.input.is_floating_point() ? c.input.detach().requires_grad_(true) : c.input;
+  c.costs = memfit::costs_from_profile(memfit::profile_chain(c.seq, sample));
   for (auto& p : c.seq->parameters()) p.requires_grad_(true);
   c.plain_peak = activation_peak([&](const torch::Tensor& x) { return c.seq->forward(x); }, c.seq, c.input);
   return c;
@@ -145,6 +176,12 @@ CheckpointedSequential with_schedule(Chain& c, const Schedule& s) {
   return m;
 }
 
+// A standard schedule as CheckpointedSequential builds it (a segment does not
+// start at an in-place layer, such as the ResNet's ReLU(inplace)).
+CheckpointedSequential standard(Chain& c, memfit::ScheduleKind kind, int64_t k = 0) {
+  return CheckpointedSequential(c.seq, CheckpointedSequentialOptions().kind(kind).k(k));
+}
+
 int64_t peak_of(Chain& c, CheckpointedSequential m) {
   return activation_peak([&](const torch::Tensor& x) { return m->forward(x); }, c.seq, c.input);
 }
@@ -152,8 +189,8 @@ int64_t peak_of(Chain& c, CheckpointedSequential m) {
 // sqrt(n) against the plain run.
 void BM_Sqrt(benchmark::State& state, std::string kind, int64_t n) {
   Chain& c = chain(kind, n);
-  auto plain = with_schedule(c, memfit::schedule_none(n));
-  auto ck = with_schedule(c, memfit::schedule_sqrt(n));
+  auto plain = standard(c, memfit::ScheduleKind::kNone);
+  auto ck = standard(c, memfit::ScheduleKind::kSqrt);
   state.counters["plain_act_MiB"] = double(c.plain_peak) / (1 << 20);
   state.counters["mem_ratio"] = double(peak_of(c, ck)) / double(c.plain_peak);
   state.counters["bound_2.5sqrt(n)/n"] = 2.5 * std::sqrt(double(n)) / double(n);
@@ -162,10 +199,11 @@ void BM_Sqrt(benchmark::State& state, std::string kind, int64_t n) {
 
 // The optimal schedule at fraction × the plain run's activation peak, against
 // the plain run and the fastest checkpoint_sequential split that fits too.
-void BM_Optimal(benchmark::State& state, std::string kind, int64_t n, double fraction) {
-  Chain& c = chain(kind, n);
+void BM_Optimal(benchmark::State& state, std::string kind, int64_t depth, double fraction) {
+  Chain& c = chain(kind, depth);
+  const int64_t n = c.costs.size();
   const auto budget = static_cast<int64_t>(fraction * double(c.plain_peak));
-  auto plain = with_schedule(c, memfit::schedule_none(n));
+  auto plain = standard(c, memfit::ScheduleKind::kNone);
   Schedule best;
   try {
     best = memfit::solve_optimal(c.costs, budget);
@@ -184,51 +222,96 @@ void BM_Optimal(benchmark::State& state, std::string kind, int64_t n, double fra
   for (auto v : c.costs.x) largest = std::max(largest, v);
   std::vector<std::pair<double, int64_t>> splits;
   for (int64_t k = 2; k <= n; ++k) {
-    const auto cost = memfit::simulate(memfit::schedule_uniform(n, k), c.costs);
+    const auto cost = memfit::simulate(standard(c, memfit::ScheduleKind::kUniform, k)->schedule(), c.costs);
     if (cost.peak_bytes <= budget + 2 * largest) splits.emplace_back(cost.time, k);
   }
   std::sort(splits.begin(), splits.end());
   int64_t segments = 0;
   for (const auto& s : splits) {
-    if (peak_of(c, with_schedule(c, memfit::schedule_uniform(n, s.second))) <= budget) {
+    if (peak_of(c, standard(c, memfit::ScheduleKind::kUniform, s.second)) <= budget) {
       segments = s.second;
       break;
     }
   }
   state.counters["budget_frac"] = fraction;
+  state.counters["layers"] = double(n);
   state.counters["opt_mem_ratio"] = double(peak_of(c, opt)) / double(c.plain_peak);
   std::vector<memfit::bench::Variant> variants{{"plain", train_step(c, plain)},
                                                {"optimal", train_step(c, opt)}};
   if (segments > 0) {
-    auto uni = with_schedule(c, memfit::schedule_uniform(n, segments));
+    auto uni = standard(c, memfit::ScheduleKind::kUniform, segments);
     state.counters["seq_segments"] = double(segments);
     state.counters["seq_mem_ratio"] = double(peak_of(c, uni)) / double(c.plain_peak);
     variants.push_back({"ckseq", train_step(c, uni)});
   } else {
     state.counters["seq_segments"] = 0;  // no split fits: only the optimal schedule does
   }
-  memfit::bench::side_by_side(state, variants);
   if (segments > 0) {
-    state.counters["optimal_vs_ckseq"] =
-        double(state.counters["optimal_vs_plain"]) / double(state.counters["ckseq_vs_plain"]);
+    memfit::bench::side_by_side(state, variants, {{1, 2}});
+  } else {
+    memfit::bench::side_by_side(state, variants);
+  }
+}
+
+// The model's own comparison, no timing: the optimal schedule's predicted time
+// against the fastest checkpoint_sequential split whose predicted peak fits,
+// at budgets from 0.9 to 0.25 of the plain run's predicted activation peak.
+void BM_Model(benchmark::State& state, std::string kind, int64_t depth) {
+  Chain& c = chain(kind, depth);
+  const int64_t n = c.costs.size();
+  const auto plain = memfit::simulate(memfit::schedule_none(n), c.costs);
+  for (auto _ : state) {
+  }
+  for (double f : {0.9, 0.75, 0.6, 0.5, 0.4, 0.33, 0.25}) {
+    const auto budget = static_cast<int64_t>(f * double(plain.peak_bytes));
+    double best_seq = 0;
+    for (int64_t k = 2; k <= n; ++k) {
+      const auto cost = memfit::simulate(standard(c, memfit::ScheduleKind::kUniform, k)->schedule(), c.costs);
+      if (cost.peak_bytes <= budget && (best_seq == 0 || cost.time < best_seq)) best_seq = cost.time;
+    }
+    double opt = 0;
+    try {
+      opt = memfit::simulate(memfit::solve_optimal(c.costs, budget), c.costs).time;
+    } catch (const c10::Error&) {
+    }
+    char key[32];
+    std::snprintf(key, sizeof key, "%.2f", f);
+    state.counters[std::string("opt/plain@") + key] = opt / plain.time;
+    state.counters[std::string("opt/seq@") + key] = best_seq > 0 ? opt / best_seq : 0.0;
   }
 }
 
 void register_all() {
+  for (const auto& [kind, n] : std::vector<std::pair<std::string, int64_t>>{
+           {"mlp", 64}, {"mlp_het", 64}, {"cnn", 64}, {"resnet", 8}}) {
+    benchmark::RegisterBenchmark(("model/" + kind + "/" + std::to_string(n)).c_str(), BM_Model, kind, n)
+        ->Iterations(1);
+  }
+  // ½ and ¼ of the plain activation peak for every chain; the memory–time
+  // curve from 0.9 to 0.25 for the 64-block chains and the built-in ResNet
+  // (8 blocks per stage: 27 layers), with a fixed number of timed pairs.
   const std::vector<std::pair<std::string, std::vector<int64_t>>> chains = {
-      {"mlp", {16, 64, 256}}, {"mlp_het", {16, 64, 256}}, {"cnn", {16, 64}}};
+      {"mlp", {16, 64, 256}}, {"mlp_het", {16, 64, 256}}, {"cnn", {16, 64}}, {"resnet", {8}}};
   for (const auto& [kind, sizes] : chains) {
     for (int64_t n : sizes) {
+      const std::string name = kind + "/" + std::to_string(n);
+      const bool curve = n == 64 || kind == "resnet";
       const double min_time = n >= 256 ? 4.0 : 1.5;
-      benchmark::RegisterBenchmark(("sqrt/" + kind + "/" + std::to_string(n)).c_str(), BM_Sqrt, kind, n)
+      benchmark::RegisterBenchmark(("sqrt/" + name).c_str(), BM_Sqrt, kind, n)
           ->Unit(benchmark::kMillisecond)
           ->MinTime(min_time);
-      for (double f : {0.5, 0.25}) {
-        benchmark::RegisterBenchmark(
-            ("optimal/" + kind + "/" + std::to_string(n) + "/" + (f == 0.5 ? "half" : "quarter")).c_str(),
-            BM_Optimal, kind, n, f)
-            ->Unit(benchmark::kMillisecond)
-            ->MinTime(min_time);
+      const std::vector<double> fractions =
+          curve ? std::vector<double>{0.9, 0.75, 0.6, 0.5, 0.4, 0.33, 0.25} : std::vector<double>{0.5, 0.25};
+      for (double f : fractions) {
+        char label[16];
+        std::snprintf(label, sizeof label, "%.2f", f);
+        auto* b = benchmark::RegisterBenchmark(("optimal/" + name + "/" + label).c_str(), BM_Optimal, kind, n, f)
+                      ->Unit(benchmark::kMillisecond);
+        if (curve) {
+          b->Iterations(15);  // timed pairs: enough for a stable median at every budget
+        } else {
+          b->MinTime(min_time);
+        }
       }
     }
   }
