@@ -119,9 +119,10 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   TORCH_CHECK(options_.offload_gradients() == Offload::kNone || options_.offload_optimizer() == Offload::kHost,
               "offload_gradients host moves gradients to the host masters that offload_optimizer "
               "host keeps: set offload_optimizer to Offload::kHost too (--offload optimizer,gradients)");
-  TORCH_CHECK(options_.offload_gradients() == Offload::kNone || options_.process_group() == nullptr,
-              "offload_gradients host is not supported with data or pipeline parallelism yet (their "
-              "communication reads the gradients on the device): set offload_gradients to Offload::kNone");
+  TORCH_CHECK(options_.offload_gradients() == Offload::kNone || options_.process_group() == nullptr ||
+                  options_.parallel() == ParallelMode::kPipeline,
+              "offload_gradients host is not supported with data parallelism yet (its all-reduce reads "
+              "the gradients on the device): set offload_gradients to Offload::kNone, or use a pipeline");
   TORCH_CHECK(options_.zero_stage() == 0 || options_.zero_stage() == 1, "zero_stage must be 0 (no "
               "sharding) or 1 (optimizer state sharded over the ranks), got ", options_.zero_stage(),
               "; stages 2 and 3 are not implemented");
@@ -129,17 +130,14 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
               "zero_stage 1 shards the optimizer state over the ranks of a process group: set "
               "process_group (memfit launch), or zero_stage 0");
   if (options_.parallel() == ParallelMode::kPipeline) {
-    auto not_yet = [](bool ok, const char* what) {
-      TORCH_CHECK(ok, "pipeline parallel training does not support ", what,
-                  " yet: train in fp32 without it, or use data parallelism");
-    };
     TORCH_CHECK(options_.process_group() != nullptr, "a pipeline splits the model over the ranks of a "
                 "process group: set process_group (memfit launch), or parallel data");
     TORCH_CHECK(options_.precision() != Precision::kFP16, "pipeline parallel training does not support fp16 "
                 "precision yet (its loss scaler would need the stages to agree on the steps to skip): use bf16, "
                 "which needs no scaler, or fp32");
-    not_yet(options_.offload_optimizer() == Offload::kNone, "optimizer offload");
-    not_yet(options_.zero_stage() == 0, "ZeRO (zero_stage 1)");
+    TORCH_CHECK(options_.zero_stage() == 0, "zero_stage 1 shards the optimizer state over data-parallel "
+                "ranks, but a pipeline's ranks hold different layers, each stage already keeping only its "
+                "own optimizer state: set zero_stage 0 (offload_optimizer host moves that state to the host)");
     TORCH_CHECK(options_.micro_batch_size() == 0, "a pipeline cuts each batch into pipeline().chunks() "
                 "chunks: set micro_batch_size 0 and the chunks instead (got micro_batch_size ",
                 options_.micro_batch_size(), ")");

@@ -241,6 +241,10 @@ piped_bf16=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --micro-batch 8 --no-eval -q --threads 1 --precision bf16 >"$tmp/one" 2>&1
 one_bf16=$(grep -o 'final loss [0-9.]*' "$tmp/one")
 check launch-pipeline-bf16-equals-one-process test -n "$one_bf16" -a "$piped_bf16" = "$one_bf16" -a "$one_bf16" != "$one"
+expect launch-pipeline-offload 0 'through a pipeline of 2 stages' out -- launch --nproc 2 --master-port "$((port + 8))" -- \
+  "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --parallel pipeline --chunks 4 --offload optimizer,gradients
+piped_off=$(grep -o 'final loss [0-9.]*' "$tmp/out")
+check launch-pipeline-offload-equals-one-process test -n "$piped_off" -a "$piped_off" = "$one"
 expect launch-pipeline-not-checkpoint 1 'use --pipeline-checkpoint except_last .* instead of --checkpoint sqrt' err -- \
   launch --nproc 2 --master-port "$((port + 6))" -- "$bin" train --model mlp --steps 1 --no-eval -q --parallel pipeline --checkpoint sqrt
 expect pipeline-checkpoint-needs-pipeline 1 '--pipeline-checkpoint needs --parallel pipeline' err -- \

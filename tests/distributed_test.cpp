@@ -227,6 +227,12 @@ TrainerOptions pipeline_clip_options() {
 // The pipeline in bf16 (autocast on each stage).
 TrainerOptions pipeline_bf16_options() { return pipeline_options().steps(6).precision(Precision::kBF16); }
 
+// The pipeline with the optimizer's state, the fp32 masters it steps and the
+// gradients on the host (ZeRO-Offload on each stage).
+TrainerOptions pipeline_offload_options() {
+  return pipeline_options().steps(6).offload_optimizer(Offload::kHost).offload_gradients(Offload::kHost);
+}
+
 // An MLP with dropout: each rank draws its own masks.
 torch::nn::Sequential dropout_mlp() {
   return torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(784, 24), torch::nn::ReLU(),
@@ -332,13 +338,24 @@ TEST(DistributedWorker, Run) {
     torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
     return;
   }
-  if (m == "pipeline_clip" || m == "pipeline_bf16") {
-    // A pipeline of 2 Trainers that clips the gradients' total norm, or runs
-    // in bf16: 6 steps.
+  if (m == "pipeline_clip" || m == "pipeline_bf16" || m == "pipeline_offload") {
+    // A pipeline of 2 Trainers that clips the gradients' total norm, runs in
+    // bf16, or keeps optimizer state and gradients on the host: 6 steps.
     torch::manual_seed(1);
-    Trainer t(make_mlp(ModelOptions().width(32).depth(2)),
-              (m == "pipeline_clip" ? pipeline_clip_options() : pipeline_bf16_options()).process_group(group));
-    t.fit(synthetic_images());
+    const auto options = m == "pipeline_clip"   ? pipeline_clip_options()
+                         : m == "pipeline_bf16" ? pipeline_bf16_options()
+                                                : pipeline_offload_options();
+    Trainer t(make_mlp(ModelOptions().width(32).depth(2)), TrainerOptions(options).process_group(group));
+    const auto report = t.fit(synthetic_images());
+    if (m == "pipeline_offload") {
+      // The same stage without offload holds its optimizer state and gradients on the device.
+      torch::manual_seed(1);
+      Trainer resident(make_mlp(ModelOptions().width(32).depth(2)), pipeline_options().steps(6).process_group(group));
+      const auto plain = resident.fit(synthetic_images());
+      EXPECT_LT(report.step_memory.peak, plain.step_memory.peak) << "rank " << world.rank;
+      EXPECT_EQ(report.step_memory.optimizer_state, 0) << "rank " << world.rank;
+      EXPECT_GT(plain.step_memory.optimizer_state, 0) << "rank " << world.rank;
+    }
     std::vector<torch::Tensor> result;
     for (const auto& p : t.model()->parameters()) result.push_back(p.detach().clone());
     torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
@@ -539,7 +556,7 @@ TEST_F(Distributed, ResumedRanksContinueBitIdenticallyWithWholeAndShardedState) 
   }
 }
 
-TEST_F(Distributed, GradientOffloadIsRefusedWithAProcessGroup) {
+TEST_F(Distributed, GradientOffloadIsRefusedWithDataParallelism) {
   // The all-reduce reads the gradients on the device, which the offload hooks move away.
   WorldInfo solo;
   solo.master_port = 0;
@@ -549,7 +566,7 @@ TEST_F(Distributed, GradientOffloadIsRefusedWithAProcessGroup) {
                                                          .process_group(group)
                                                          .offload_optimizer(Offload::kHost)
                                                          .offload_gradients(Offload::kHost));
-  }, "offload_gradients host is not supported with data or pipeline parallelism");
+  }, "offload_gradients host is not supported with data parallelism yet");
 }
 
 TEST_F(Distributed, PipelinedTrainersTrainLikeOneTrainerAndResumeBitIdentically) {
@@ -671,6 +688,11 @@ TEST_F(Distributed, PipelinedTrainersInBf16TrainLikeOneTrainerInBf16) {
   EXPECT_GT(testing::relative_difference(bf16[0], fp32[0]), 100 * std::max(d, 1e-7));
 }
 
+TEST_F(Distributed, PipelinedTrainersWithOffloadTrainLikeOneTrainer) {
+  // Offload changes no number: the whole batch in one process, as without it.
+  expect_pipelined_like_one_trainer("pipeline_offload", pipeline_options().steps(6).parallel(ParallelMode::kData), 1e-6);
+}
+
 TEST_F(Distributed, ZeroStageAndPipelineOptionsAreCheckedOnce) {
   expect_error([] { Trainer(dropout_mlp(), zero_options().zero_stage(1)); }, "zero_stage 1 shards the optimizer state over the ranks of a process group");
   expect_error([] { Trainer(dropout_mlp(), zero_options().zero_stage(2)); }, "stages 2 and 3 are not implemented");
@@ -682,6 +704,8 @@ TEST_F(Distributed, ZeroStageAndPipelineOptionsAreCheckedOnce) {
                "pipeline parallel training does not support fp16 precision yet");
   expect_error([&] { Trainer(dropout_mlp(), pipeline_options().process_group(group).micro_batch_size(4)); },
                "set micro_batch_size 0 and the chunks instead");
+  expect_error([&] { Trainer(dropout_mlp(), pipeline_options().process_group(group).zero_stage(1)); },
+               "a pipeline's ranks hold different layers");
 }
 
 TEST_F(Distributed, ARankThatHangsStopsTheOthersAfterTheTimeout) {

@@ -154,8 +154,9 @@ struct TrainerOptions {
   /// pipeline of stages (then batch_size is the whole batch, every rank sees
   /// it, and options.pipeline() says how it is cut and split). Pipeline
   /// training runs in fp32 or bf16 (autocast on every stage; fp16's loss
-  /// scaler is not supported), without optimizer offload, ZeRO or
-  /// micro_batch_size (chunks take its place), for now; clipping
+  /// scaler is not supported), with or without optimizer and gradient
+  /// offload (per stage), without ZeRO or micro_batch_size (chunks take
+  /// its place), for now; clipping
   /// (max_grad_norm) takes the norm over every stage's gradients
   /// (memfit::clip_grad_norm_ with the group), and
   /// pipeline().checkpoint() recomputes chunks.
