@@ -151,11 +151,15 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
   }
 
   const int64_t large = options_.profile_batch(), small = large / 2;
-  // Times are also measured below `small` (profile_batch / 8) and, up to
-  // options.time_batch(), at 4× steps above `large`, so that micro-batches
-  // are priced from measurements rather than extrapolated.
+  // Times are also measured below `small` (profile_batch / 8, 2 and 1) and,
+  // up to options.time_batch(), at 4× steps above `large`, so that
+  // micro-batches are priced from measurements rather than extrapolated
+  // (the smallest, where fixed per-call costs dominate, least of all).
   std::vector<int64_t> timed_batches = {small, large};
   if (large >= 16) timed_batches.push_back(large / 8);
+  for (int64_t b : {int64_t{2}, int64_t{1}}) {
+    if (b < std::min(small, large >= 16 ? large / 8 : small)) timed_batches.push_back(b);
+  }
   for (int64_t b = 4 * large; b <= options_.time_batch(); b *= 4) timed_batches.push_back(b);
   if (options_.time_batch() > large && timed_batches.back() != options_.time_batch()) {
     timed_batches.push_back(options_.time_batch());

@@ -18,8 +18,8 @@
 ///     offloaded too, parameters only (and during backward one layer's
 ///     gradients instead of all of them).
 /// Bytes are linear in the batch; times are fitted piecewise through more
-/// measured batches (profile_batch / 8 and, up to PlanOptions::time_batch, 4×
-/// steps above profile_batch), so that micro-batches are priced from
+/// measured batches (1, 2, profile_batch / 8 and, up to PlanOptions::time_batch,
+/// 4× steps above profile_batch), so that micro-batches are priced from
 /// measurements rather than extrapolated. Time per logical batch is the
 /// simulated forward, recomputation and backward time of each micro-batch plus
 /// a measured optimizer step (with the host copies when offloaded);
