@@ -12,6 +12,7 @@
 //            layers (n = 8: 30 layers, in-place ReLUs)
 //
 // Rows:
+//   overhead/checkpoint  what one checkpoint costs beyond recomputing its layers
 //   model/CHAIN     the cost model's own comparison, no timing: the optimal
 //                   schedule's predicted time against plain and against the
 //                   fastest split whose predicted peak fits, at 0.9 … 0.25
@@ -281,7 +282,26 @@ void BM_Model(benchmark::State& state, std::string kind, int64_t depth) {
   }
 }
 
+// What one checkpoint costs beyond its layers: 64 tiny layers (Linear 8→8,
+// batch 1) plainly and each in its own checkpoint (63 checkpoints, each layer
+// also run once more without grad, then recomputed), side by side.
+void BM_Overhead(benchmark::State& state) {
+  torch::manual_seed(0);
+  torch::nn::Sequential seq;
+  for (int i = 0; i < 64; ++i) seq->push_back(torch::nn::Linear(8, 8));
+  const auto x = torch::randn({1, 8});
+  auto step = [x](CheckpointedSequential m) {
+    return [x, m]() mutable { m->forward(x.detach().requires_grad_(true)).sum().backward(); };
+  };
+  CheckpointedSequential plain(seq, CheckpointedSequentialOptions());
+  CheckpointedSequential every(seq, CheckpointedSequentialOptions().kind(memfit::ScheduleKind::kEvery).k(1));
+  memfit::bench::side_by_side(state, {{"plain", step(plain)}, {"every1", step(every)}});
+  state.counters["per_checkpoint_us"] =
+      1e3 * (double(state.counters["every1_ms"]) - double(state.counters["plain_ms"])) / 63.0;
+}
+
 void register_all() {
+  benchmark::RegisterBenchmark("overhead/checkpoint", BM_Overhead)->Unit(benchmark::kMicrosecond)->Iterations(200);
   for (const auto& [kind, n] : std::vector<std::pair<std::string, int64_t>>{
            {"mlp", 64}, {"mlp_het", 64}, {"cnn", 64}, {"resnet", 8}}) {
     benchmark::RegisterBenchmark(("model/" + kind + "/" + std::to_string(n)).c_str(), BM_Model, kind, n)
