@@ -6,6 +6,10 @@
 //   mlp      n × (Linear(256, 256), tanh)                      homogeneous
 //   mlp_het  alternating Linear(128, 1024)+ReLU and Linear(1024, 128)+tanh
 //            (8× larger activations every other block)          heterogeneous
+//   mixed    alternating Linear(256, 256)+tanh and WideGelu (GELU on the
+//            input repeated 8×, then the copies' mean): layers heavy in time
+//            and light in memory next to light-in-time, heavy-in-memory ones
+//            (as a transformer's matrix products next to its softmax)
 //   cnn      residual conv blocks, 3 stages (16/32/64 channels, 32→16→8 px)
 //   resnet   the built-in ResNet (make_resnet, 3×32×32 input, batch 32) with
 //            n blocks per stage: stem, blocks, pooling and classifier as
@@ -63,6 +67,16 @@ struct MlpBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(MlpBlock);
 
+// Cheap in time, heavy in memory: GELU on the input repeated 8 times, then
+// the mean of the 8 copies (an expanded elementwise layer, as an attention
+// block's softmax and dropout are next to its matrix products).
+struct WideGeluImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::gelu(x.repeat({1, 8})).view({x.size(0), 8, x.size(1)}).mean(1);
+  }
+};
+TORCH_MODULE(WideGelu);
+
 struct ConvBlockImpl : torch::nn::Module {
   ConvBlockImpl(int64_t in, int64_t out, int64_t stride)
       : c1(register_module("c1", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false)))),
@@ -94,7 +108,7 @@ struct Chain {
 };
 
 int64_t width(const std::string& kind, int64_t n) {
-  const int64_t w = kind == "mlp" ? 256 : 128;
+  const int64_t w = kind == "mlp" || kind == "mixed" ? 256 : 128;
   return n >= 256 ? w / 2 : w;
 }
 
@@ -112,6 +126,12 @@ torch::nn::Sequential build(const std::string& kind, int64_t n) {
       seq->push_back(MlpBlock(w, w, false));
     } else if (kind == "mlp_het") {
       seq->push_back(i % 2 == 0 ? MlpBlock(w, 8 * w, true) : MlpBlock(8 * w, w, false));
+    } else if (kind == "mixed") {
+      if (i % 2 == 0) {
+        seq->push_back(MlpBlock(w, w, false));
+      } else {
+        seq->push_back(WideGelu());
+      }
     } else {
       const int64_t stage = std::min<int64_t>(2, 3 * i / n);
       const int64_t prev = std::min<int64_t>(2, i == 0 ? 0 : 3 * (i - 1) / n);
@@ -303,7 +323,7 @@ void BM_Overhead(benchmark::State& state) {
 void register_all() {
   benchmark::RegisterBenchmark("overhead/checkpoint", BM_Overhead)->Unit(benchmark::kMicrosecond)->Iterations(200);
   for (const auto& [kind, n] : std::vector<std::pair<std::string, int64_t>>{
-           {"mlp", 64}, {"mlp_het", 64}, {"cnn", 64}, {"resnet", 8}}) {
+           {"mlp", 64}, {"mlp_het", 64}, {"mixed", 64}, {"cnn", 64}, {"resnet", 8}}) {
     benchmark::RegisterBenchmark(("model/" + kind + "/" + std::to_string(n)).c_str(), BM_Model, kind, n)
         ->Iterations(1);
   }
@@ -311,7 +331,7 @@ void register_all() {
   // curve from 0.9 to 0.25 for the 64-block chains and the built-in ResNet
   // (8 blocks per stage: 27 layers), with a fixed number of timed pairs.
   const std::vector<std::pair<std::string, std::vector<int64_t>>> chains = {
-      {"mlp", {16, 64, 256}}, {"mlp_het", {16, 64, 256}}, {"cnn", {16, 64}}, {"resnet", {8}}};
+      {"mlp", {16, 64, 256}}, {"mlp_het", {16, 64, 256}}, {"mixed", {64}}, {"cnn", {16, 64}}, {"resnet", {8}}};
   for (const auto& [kind, sizes] : chains) {
     for (int64_t n : sizes) {
       const std::string name = kind + "/" + std::to_string(n);
