@@ -157,8 +157,9 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
   // (the smallest, where fixed per-call costs dominate, least of all).
   std::vector<int64_t> timed_batches = {small, large};
   if (large >= 16) timed_batches.push_back(large / 8);
+  const int64_t smallest = *std::min_element(timed_batches.begin(), timed_batches.end());
   for (int64_t b : {int64_t{2}, int64_t{1}}) {
-    if (b < std::min(small, large >= 16 ? large / 8 : small)) timed_batches.push_back(b);
+    if (b < smallest) timed_batches.push_back(b);
   }
   for (int64_t b = 4 * large; b <= options_.time_batch(); b *= 4) timed_batches.push_back(b);
   if (options_.time_batch() > large && timed_batches.back() != options_.time_batch()) {

@@ -155,10 +155,9 @@ struct TrainerOptions {
   /// it, and options.pipeline() says how it is cut and split). Pipeline
   /// training runs in fp32 or bf16 (autocast on every stage; fp16's loss
   /// scaler is not supported), with or without optimizer and gradient
-  /// offload (per stage), without ZeRO or micro_batch_size (chunks take
-  /// its place), for now; clipping
-  /// (max_grad_norm) takes the norm over every stage's gradients
-  /// (memfit::clip_grad_norm_ with the group), and
+  /// offload (per stage), and without ZeRO or micro_batch_size (chunks take
+  /// its place). Clipping (max_grad_norm) takes the norm over every stage's
+  /// gradients (memfit::clip_grad_norm_ with the group), and
   /// pipeline().checkpoint() recomputes chunks.
   TORCH_ARG(ParallelMode, parallel) = ParallelMode::kData;
   /// The pipeline's chunks, schedule and balance (with ParallelMode::kPipeline).
