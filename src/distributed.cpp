@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 #include <cerrno>
 #include <cstring>
 #include <cstdlib>
@@ -389,9 +390,11 @@ namespace {
 // Buckets of gradients, all-reduced in order as they fill.
 class BucketedAllReduce : public GradientReducer {
  public:
+  // `on_host`: the gradients live in host memory (offloaded), and so do the
+  // buckets built from them.
   BucketedAllReduce(std::vector<torch::Tensor> params, std::shared_ptr<ProcessGroup> group,
-                    int64_t cap_bytes)
-      : params_(std::move(params)), group_(std::move(group)) {
+                    int64_t cap_bytes, bool on_host)
+      : params_(std::move(params)), group_(std::move(group)), on_host_(on_host) {
     // Reverse order: backward produces the last layer's gradients first.
     std::vector<size_t> current;
     int64_t bytes = 0;
@@ -447,6 +450,8 @@ class BucketedAllReduce : public GradientReducer {
         const int64_t n = p.numel();
         auto slice = flat.narrow(0, offset, n).view(p.sizes());
         torch::NoGradGuard no_grad;
+        std::optional<UntrackedGuard> host;
+        if (on_host_) host.emplace();
         if (p.grad().defined()) {
           p.mutable_grad().copy_(slice);
         } else {
@@ -474,6 +479,8 @@ class BucketedAllReduce : public GradientReducer {
         pieces.push_back(g.defined() ? g.detach().reshape({-1})
                                      : torch::zeros({p.numel()}, p.options().requires_grad(false)));
       }
+      std::optional<UntrackedGuard> host;
+      if (on_host_) host.emplace();
       torch::Tensor flat = torch::cat(pieces);
       if (!flat.device().is_cpu()) {
         UntrackedGuard host;  // the host staging copy is not device memory
@@ -499,6 +506,7 @@ class BucketedAllReduce : public GradientReducer {
 
   std::vector<torch::Tensor> params_;
   std::shared_ptr<ProcessGroup> group_;
+  bool on_host_ = false;
   std::vector<std::vector<size_t>> buckets_;
   std::vector<size_t> bucket_of_;
   std::vector<bool> ready_;
@@ -544,7 +552,8 @@ struct DistributedDataParallel::Impl {
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
                                                  std::shared_ptr<ProcessGroup> group,
-                                                 DistributedDataParallelOptions options)
+                                                 DistributedDataParallelOptions options,
+                                                 std::vector<torch::Tensor> gradient_holders)
     : impl_(std::make_unique<Impl>()) {
   TORCH_CHECK(module != nullptr, "DistributedDataParallel needs a module");
   TORCH_CHECK(group != nullptr, "DistributedDataParallel needs a process group");
@@ -560,7 +569,16 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   TORCH_CHECK(!trainable.empty(), "DistributedDataParallel: the module has no parameter that requires grad");
   const auto cap = static_cast<int64_t>(options.bucket_cap_mb() * 1024 * 1024);
-  impl_->reducer = std::make_unique<BucketedAllReduce>(trainable, impl_->group, cap);
+  const bool holders = !gradient_holders.empty();
+  TORCH_CHECK(!holders || gradient_holders.size() == trainable.size(), "DistributedDataParallel: ",
+              gradient_holders.size(), " gradient holders for ", trainable.size(),
+              " trainable parameters; give one per trainable parameter, in order, or none");
+  for (size_t i = 0; holders && i < trainable.size(); ++i) {
+    TORCH_CHECK(gradient_holders[i].sizes() == trainable[i].sizes(), "DistributedDataParallel: gradient holder ",
+                i, " is ", gradient_holders[i].sizes(), " but its parameter is ", trainable[i].sizes());
+  }
+  impl_->reducer = std::make_unique<BucketedAllReduce>(holders ? std::move(gradient_holders) : trainable,
+                                                       impl_->group, cap, holders);
   for (size_t i = 0; i < trainable.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(trainable[i]);
     TORCH_INTERNAL_ASSERT(acc != nullptr);

@@ -119,10 +119,6 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   TORCH_CHECK(options_.offload_gradients() == Offload::kNone || options_.offload_optimizer() == Offload::kHost,
               "offload_gradients host moves gradients to the host masters that offload_optimizer "
               "host keeps: set offload_optimizer to Offload::kHost too (--offload optimizer,gradients)");
-  TORCH_CHECK(options_.offload_gradients() == Offload::kNone || options_.process_group() == nullptr ||
-                  options_.parallel() == ParallelMode::kPipeline,
-              "offload_gradients host is not supported with data parallelism yet (its all-reduce reads "
-              "the gradients on the device): set offload_gradients to Offload::kNone, or use a pipeline");
   TORCH_CHECK(options_.zero_stage() == 0 || options_.zero_stage() == 1, "zero_stage must be 0 (no "
               "sharding) or 1 (optimizer state sharded over the ranks), got ", options_.zero_stage(),
               "; stages 2 and 3 are not implemented");
@@ -208,9 +204,19 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
     optimizer_ = make_optimizer(options_, trainable);
   }
   if (options_.process_group() != nullptr && !pipeline_) {
+    // With gradient offload, the masters' hooks (registered first) have
+    // moved each gradient to the host by the time DDP's hook sees it: the
+    // host masters' gradients are reduced.
+    std::vector<torch::Tensor> holders;
+    if (options_.offload_gradients() == Offload::kHost) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (model_params[i].requires_grad()) holders.push_back(params[i]);
+      }
+    }
     ddp_ = std::make_unique<DistributedDataParallel>(
         model_.ptr(), options_.process_group(),
-        DistributedDataParallelOptions().bucket_cap_mb(options_.bucket_cap_mb()).init_sync(false));
+        DistributedDataParallelOptions().bucket_cap_mb(options_.bucket_cap_mb()).init_sync(false),
+        std::move(holders));
   }
   generator_ = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
 }

@@ -221,6 +221,10 @@ expect launch-zero-stage-1 0 'ZeRO stage 1' out -- launch --nproc 2 --master-por
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 16 --no-eval -q --threads 1 --zero-stage 1
 zero=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 check launch-zero-equals-unsharded test -n "$zero" -a "$zero" = "$two"
+expect launch-offload-gradients 0 'data parallel over Gloo' out -- launch --nproc 2 --master-port "$((port + 9))" -- \
+  "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 16 --no-eval -q --threads 1 --offload optimizer,gradients
+ddp_off=$(grep -o 'final loss [0-9.]*' "$tmp/out")
+check launch-offload-gradients-equals-one-process test -n "$ddp_off" -a "$ddp_off" = "$one"
 expect launch-pipeline 0 'through a pipeline of 2 stages' out -- launch --nproc 2 --master-port "$((port + 3))" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --parallel pipeline --chunks 4 --schedule 1f1b
 piped=$(grep -o 'final loss [0-9.]*' "$tmp/out")

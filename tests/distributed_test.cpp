@@ -276,11 +276,22 @@ TEST(DistributedWorker, Run) {
     }
     std::_Exit(0);
   }
-  if (m == "trainer") {
+  if (m == "trainer" || m == "trainer_offload") {
     auto data = synthetic_images();
     torch::manual_seed(1 + world.rank);  // broadcast must replace these weights by rank 0's
-    Trainer trainer(make_mlp(ModelOptions().width(32).depth(1)), trainer_options().micro_batch_size(3).process_group(group));
+    auto options = trainer_options().micro_batch_size(3).process_group(group);
+    if (m == "trainer_offload") options.offload_optimizer(Offload::kHost).offload_gradients(Offload::kHost);
+    Trainer trainer(make_mlp(ModelOptions().width(32).depth(1)), options);
     const auto report = trainer.fit(data);
+    if (m == "trainer_offload") {
+      // Resident, the same run holds the gradients and momentum on the device.
+      torch::manual_seed(1 + world.rank);
+      Trainer resident(make_mlp(ModelOptions().width(32).depth(1)),
+                       trainer_options().micro_batch_size(3).process_group(group));
+      const auto plain = resident.fit(data);
+      EXPECT_LT(report.step_memory.peak, plain.step_memory.peak) << "rank " << world.rank;
+      EXPECT_EQ(report.step_memory.optimizer_state, 0) << "rank " << world.rank;
+    }
     std::vector<torch::Tensor> params;
     for (const auto& p : trainer.model()->parameters()) params.push_back(p.detach().clone());
     params.push_back(torch::tensor({report.final_loss}, torch::kDouble));
@@ -461,12 +472,14 @@ TEST_F(Distributed, ARankThatDiesStopsTheOthersWithAnErrorNamingThem) {
   ::unlink((out + ".rank0.txt").c_str());
 }
 
-TEST_F(Distributed, TrainersOnThreeRanksTrainLikeOneTrainerWithTheTripleBatch) {
+// Runs the worker `mode` (Trainers in micro-batches of 3) on 3 ranks and
+// compares them with one Trainer with the triple batch.
+void expect_three_ranks_like_one_trainer(const std::string& mode) {
   // 7 steps of 24 examples cross the epoch's end (100 = 4 × 24 + 4), in
   // micro-batches of 3 on each rank (8 = 3 + 3 + 2; the short batch's
   // shares are 2, 1 and 1).
-  const std::string out = ::testing::TempDir() + "memfit_ddp_trainer_" + std::to_string(::getpid());
-  const auto statuses = testing::run_ranks("DistributedWorker.Run", 3, "trainer", out);
+  const std::string out = ::testing::TempDir() + "memfit_ddp_" + mode + "_" + std::to_string(::getpid());
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 3, mode, out);
   for (int r = 0; r < 3; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
   torch::manual_seed(1);
   Trainer single(make_mlp(ModelOptions().width(32).depth(1)), trainer_options().batch_size(24));
@@ -484,6 +497,16 @@ TEST_F(Distributed, TrainersOnThreeRanksTrainLikeOneTrainerWithTheTripleBatch) {
         << "the reported loss is the mean over all ranks' examples";
     ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
   }
+}
+
+TEST_F(Distributed, TrainersOnThreeRanksTrainLikeOneTrainerWithTheTripleBatch) {
+  expect_three_ranks_like_one_trainer("trainer");
+}
+
+TEST_F(Distributed, TrainersWithGradientOffloadReduceOnTheHostLikeOneTrainer) {
+  // Micro-batches accumulate on the host masters; the last one's hooks move
+  // each gradient there before DDP's hook reduces it.
+  expect_three_ranks_like_one_trainer("trainer_offload");
 }
 
 TEST_F(Distributed, ZeroStageOneShardsAdamStateAndTrainsLikeTheWholeState) {
@@ -556,17 +579,16 @@ TEST_F(Distributed, ResumedRanksContinueBitIdenticallyWithWholeAndShardedState) 
   }
 }
 
-TEST_F(Distributed, GradientOffloadIsRefusedWithDataParallelism) {
-  // The all-reduce reads the gradients on the device, which the offload hooks move away.
+TEST_F(Distributed, GradientHoldersMustMatchTheTrainableParameters) {
   WorldInfo solo;
   solo.master_port = 0;
   auto group = std::make_shared<ProcessGroup>(solo);
+  torch::nn::Linear net(4, 2);
+  expect_error([&] { DistributedDataParallel(net.ptr(), group, DistributedDataParallelOptions(), {torch::zeros({2, 4})}); },
+               "1 gradient holders for 2 trainable parameters");
   expect_error([&] {
-    Trainer(make_mlp(ModelOptions().width(8).depth(1)), TrainerOptions()
-                                                         .process_group(group)
-                                                         .offload_optimizer(Offload::kHost)
-                                                         .offload_gradients(Offload::kHost));
-  }, "offload_gradients host is not supported with data parallelism yet");
+    DistributedDataParallel(net.ptr(), group, DistributedDataParallelOptions(), {torch::zeros({4, 2}), torch::zeros({2})});
+  }, "gradient holder 0 is [4, 2] but its parameter is [2, 4]");
 }
 
 TEST_F(Distributed, PipelinedTrainersTrainLikeOneTrainerAndResumeBitIdentically) {

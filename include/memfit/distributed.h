@@ -242,8 +242,19 @@ double clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_
 /// \endcode
 class DistributedDataParallel {
  public:
+  /// Hooks every trainable parameter of `module` and reduces its gradient.
+  ///
+  /// `gradient_holders`, when given (one per trainable parameter, in order),
+  /// are where each parameter's gradient is once autograd has accumulated it
+  /// and the hooks registered before this one have run: the host masters of
+  /// a MasterWeights with gradient offload (MasterWeightsOptions::gradients),
+  /// whose hooks move each gradient there. Their gradients are then reduced,
+  /// on the host (the device keeps none), including what earlier
+  /// micro-batches under NoSync accumulated there. Empty: the parameters'
+  /// own gradients.
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
-                          DistributedDataParallelOptions options = DistributedDataParallelOptions());
+                          DistributedDataParallelOptions options = DistributedDataParallelOptions(),
+                          std::vector<torch::Tensor> gradient_holders = {});
   ~DistributedDataParallel();
   DistributedDataParallel(DistributedDataParallel&&) noexcept;
   DistributedDataParallel& operator=(DistributedDataParallel&&) noexcept;

@@ -129,7 +129,8 @@ struct TrainerOptions {
   /// Offload::kHost moves each parameter's gradient to its host master as
   /// soon as backward has produced it (MasterWeightsOptions::gradients), so
   /// the device holds about one gradient at a time, also across micro-batches.
-  /// Not with data parallelism (whose all-reduce reads the gradients on the device).
+  /// With data parallelism the gradients are all-reduced from the host
+  /// masters (DistributedDataParallel's gradient holders).
   TORCH_ARG(Offload, offload_gradients) = Offload::kNone;
   /// Folder for checkpoints (Trainer::save) during fit; empty: no saving.
   TORCH_ARG(std::string, save_dir) = "";
