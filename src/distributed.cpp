@@ -471,6 +471,8 @@ class BucketedAllReduce : public GradientReducer {
   void launch_ready() {
     while (launched_ < buckets_.size() && missing_[launched_] == 0) {
       const auto& bucket = buckets_[launched_];
+      std::optional<UntrackedGuard> host;  // offloaded gradients: the bucket (and zeros) on the host too
+      if (on_host_) host.emplace();
       std::vector<torch::Tensor> pieces;
       pieces.reserve(bucket.size());
       for (size_t i : bucket) {
@@ -479,11 +481,9 @@ class BucketedAllReduce : public GradientReducer {
         pieces.push_back(g.defined() ? g.detach().reshape({-1})
                                      : torch::zeros({p.numel()}, p.options().requires_grad(false)));
       }
-      std::optional<UntrackedGuard> host;
-      if (on_host_) host.emplace();
       torch::Tensor flat = torch::cat(pieces);
       if (!flat.device().is_cpu()) {
-        UntrackedGuard host;  // the host staging copy is not device memory
+        UntrackedGuard staging;  // the host staging copy is not device memory
         flat = flat.to(torch::kCPU);
       }
       bytes_reduced_ += flat.numel() * flat.element_size();
