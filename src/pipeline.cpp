@@ -191,13 +191,11 @@ Pipeline::Pipeline(torch::nn::Sequential model, std::shared_ptr<ProcessGroup> gr
   if (options.checkpoint() != PipelineCheckpoint::kNever) {
     CheckpointedSequential ck(impl_->stage);
     const int64_t layers = static_cast<int64_t>(impl_->stage->size());
-    int64_t lead = 0;
-    while (lead < layers && ck->in_place()[static_cast<size_t>(lead)]) ++lead;
-    if (lead < layers) {
-      Schedule schedule;
-      if (lead > 0) schedule.segments.push_back(Segment{0, lead, false, {}});
-      schedule.segments.push_back(Segment{lead, layers, true, {Segment{lead, layers, false, {}}}});
-      ck->set_schedule(std::move(schedule));
+    Schedule whole;
+    whole.segments.push_back(Segment{0, layers, true, {Segment{0, layers, false, {}}}});
+    whole = avoid_in_place_starts(whole, ck->in_place());
+    if (whole.segments.back().checkpointed) {  // else every layer is in place
+      ck->set_schedule(std::move(whole));
       impl_->checkpointed = ck;
     }
   }

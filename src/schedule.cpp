@@ -304,9 +304,20 @@ bool module_is_in_place(torch::nn::AnyModule& m) {
   return false;
 }
 
-// Moves the start of each one-level checkpointed segment past in-place layers;
-// those layers join the segment before (or a plain one at the chain's start).
+} // namespace
+
+std::string Schedule::to_string() const {
+  std::string out;
+  append_text(segments, out);
+  return out;
+}
+
+void Schedule::validate(int64_t n) const { validate_cover(segments, 0, n, "top level"); }
+
 Schedule avoid_in_place_starts(const Schedule& schedule, const std::vector<bool>& in_place) {
+  TORCH_CHECK(static_cast<int64_t>(in_place.size()) == schedule.num_layers(), "avoid_in_place_starts: ",
+              in_place.size(), " in-place flags for a schedule of ", schedule.num_layers(),
+              " layers; give one per layer");
   Schedule out;
   for (const auto& s : schedule.segments) {
     if (!s.checkpointed) {
@@ -328,16 +339,6 @@ Schedule avoid_in_place_starts(const Schedule& schedule, const std::vector<bool>
   }
   return out;
 }
-
-} // namespace
-
-std::string Schedule::to_string() const {
-  std::string out;
-  append_text(segments, out);
-  return out;
-}
-
-void Schedule::validate(int64_t n) const { validate_cover(segments, 0, n, "top level"); }
 
 ScheduleKind parse_schedule_kind(const std::string& name) {
   if (name == "none") return ScheduleKind::kNone;

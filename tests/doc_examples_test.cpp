@@ -191,6 +191,11 @@ TEST_F(DocExamples, CheckpointHeader) {
 }
 
 TEST_F(DocExamples, ProfileAndScheduleHeaders) {
+  {  // avoid_in_place_starts
+    memfit::Schedule s;
+    s.segments.push_back({0, 3, true, {{0, 3, false, {}}}});
+    EXPECT_EQ(memfit::avoid_in_place_starts(s, {true, false, false}).to_string(), "[0,1) [1,3)*");
+  }
   {
     torch::nn::Sequential chain(torch::nn::Linear(16, 32), torch::nn::ReLU(),
                                 torch::nn::Linear(32, 4));

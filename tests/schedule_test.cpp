@@ -249,6 +249,16 @@ TEST_F(CheckpointedSequentialTest, CheckpointsNeverStartAtAnInPlaceLayer) {
   EXPECT_NO_THROW(model->forward(x).sum().backward());
 }
 
+TEST(AvoidInPlaceStarts, MovesCheckpointStartsAndChecksTheFlags) {
+  Schedule whole;
+  whole.segments.push_back({0, 3, true, {{0, 3, false, {}}}});
+  EXPECT_EQ(avoid_in_place_starts(whole, {true, true, false}).to_string(), "[0,2) [2,3)*");
+  EXPECT_EQ(avoid_in_place_starts(whole, {true, true, true}).to_string(), "[0,3)") << "no checkpoint left";
+  EXPECT_EQ(avoid_in_place_starts(whole, {false, true, true}).to_string(), "[0,3)*") << "only starts move";
+  testing::expect_error([&] { avoid_in_place_starts(whole, {true}); },
+                        "1 in-place flags for a schedule of 3 layers; give one per layer");
+}
+
 // The extra bytes a forward and backward of `model` needs for activations and
 // their gradients alone: the parameters are frozen and the input requires grad.
 int64_t activation_peak(const std::function<torch::Tensor(const torch::Tensor&)>& model,

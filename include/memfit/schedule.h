@@ -119,6 +119,20 @@ Schedule schedule_uniform(int64_t n, int64_t segments);
 /// \endcode
 Schedule schedule_sqrt(int64_t n);
 
+/// `schedule` with the start of each one-level checkpointed segment moved past
+/// in-place layers (`in_place[i]`: layer i modifies its input), since
+/// recomputation needs a segment's original input; the layers passed over
+/// join the checkpointed segment before, or a plain one. CheckpointedSequential
+/// applies it to the standard kinds.
+///
+/// Example:
+/// \code
+///   memfit::Schedule s;
+///   s.segments.push_back({0, 3, true, {{0, 3, false, {}}}});
+///   assert(memfit::avoid_in_place_starts(s, {true, false, false}).to_string() == "[0,1) [1,3)*");
+/// \endcode
+Schedule avoid_in_place_starts(const Schedule& schedule, const std::vector<bool>& in_place);
+
 /// Per-layer costs of a chain of n layers: the solver's and simulator's input.
 struct ChainCosts {
   std::vector<int64_t> x;          ///< n + 1 sizes: x[i] is layer i's input, x[n] the output.
