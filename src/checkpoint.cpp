@@ -26,6 +26,15 @@ struct CheckpointState : torch::CustomClassHolder {
   std::vector<bool> requires_grad;
   std::vector<torch::Device> devices;
   std::vector<torch::Tensor> host_inputs;  // Offload::kHost
+  std::function<void()> after_backward;     // runs once the recomputed graph is done
+};
+
+// Calls a state's after_backward when the backward that recomputed it ends.
+struct AfterBackward {
+  const std::function<void()>& fn;
+  ~AfterBackward() {
+    if (fn) fn();
+  }
 };
 
 // Restores the autocast and RNG state of the forward for a recomputation, and
@@ -135,6 +144,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       inputs.push_back(t);
     }
 
+    AfterBackward after{state->after_backward};
     variable_list outputs;
     {
       RecomputeScope scope(*state);
@@ -187,12 +197,14 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 namespace detail {
 std::vector<torch::Tensor> checkpoint_impl(const TensorsFn& fn,
                                            const std::vector<torch::Tensor>& inputs,
-                                           const CheckpointOptions& options) {
+                                           const CheckpointOptions& options,
+                                           std::function<void()> after_backward) {
   TORCH_CHECK(static_cast<bool>(fn), "memfit::checkpoint needs a function, got an empty one");
   if (!torch::autograd::GradMode::is_enabled()) return fn(inputs);
   auto state = c10::make_intrusive<CheckpointState>();
   state->fn = fn;
   state->options = options;
+  state->after_backward = std::move(after_backward);
   std::vector<torch::Tensor> tensors = inputs;
   tensors.push_back(torch::empty({0}, torch::requires_grad()));
   return CheckpointFunction::apply(state, at::TensorList(tensors));

@@ -232,7 +232,7 @@ PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch:
   const int64_t s = g.rank(), stages = g.size();
   const bool first = s == 0, last = s == stages - 1;
   TORCH_CHECK(input.dim() >= 1 && input.size(0) > 0, "Pipeline::train_step needs a non-empty batch");
-  TORCH_CHECK(!last || target.defined() && target.size(0) == input.size(0), "Pipeline::train_step: the target has ",
+  TORCH_CHECK(!last || (target.defined() && target.size(0) == input.size(0)), "Pipeline::train_step: the target has ",
               target.defined() ? target.size(0) : 0, " examples, the input ", input.size(0));
   TORCH_CHECK(!last || loss_fn != nullptr, "Pipeline::train_step needs a loss function");
   const int64_t batch = input.size(0);

@@ -391,6 +391,12 @@ void MasterWeights::init() {
   TORCH_CHECK(options_.gradients() == Offload::kNone || options_.offload() == Offload::kHost,
               "MasterWeights: gradients offloaded to the host go to host masters: set offload to "
               "Offload::kHost too, or gradients to Offload::kNone");
+  TORCH_CHECK(options_.parameters() == Offload::kNone ||
+                  (options_.dtype() == at::kFloat && options_.offload() == Offload::kHost &&
+                   options_.gradients() == Offload::kHost),
+              "MasterWeights: parameters offloaded to the host are streamed from float32 host masters "
+              "that also receive the gradients: set dtype kFloat, offload and gradients to "
+              "Offload::kHost (got dtype ", options_.dtype(), "), or parameters to Offload::kNone");
   for (const auto& p : params_) {
     TORCH_CHECK(p.defined() && p.scalar_type() == at::kFloat,
                 "MasterWeights needs float32 parameters to copy, got ",
@@ -431,10 +437,54 @@ void MasterWeights::init() {
       accumulators_.push_back(std::move(acc));
     }
   }
+  // After the accumulators exist (their metadata holds the full shapes): each
+  // parameter keeps its shape over one element of storage.
+  if (streamed()) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : params_) {
+      released_.push_back(torch::zeros({1}, p.options()).expand(p.sizes()));
+      p.set_data(released_.back());
+    }
+  }
 }
 
 MasterWeights::~MasterWeights() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+  if (!streamed()) return;
+  // The model is whole again; under a budget that has no room for it the
+  // parameters stay released (a destructor must not throw).
+  try {
+    for (size_t i = 0; i < params_.size(); ++i) set_parameter_data(i, fetch(i));
+  } catch (const c10::Error& e) {
+    TORCH_WARN("MasterWeights: could not put the streamed parameters back on the device (",
+               e.what_without_backtrace(), "); they stay released");
+  }
+}
+
+torch::Tensor MasterWeights::fetch(size_t i, int64_t begin, int64_t rows) const {
+  TORCH_CHECK(i < masters_.size(), "MasterWeights::fetch: no parameter ", i, " (there are ",
+              masters_.size(), ")");
+  torch::NoGradGuard no_grad;
+  const auto& m = masters_[i];
+  const auto part = rows < 0 ? m : m.narrow(0, begin, rows);
+  auto copy = torch::empty(part.sizes(), params_[i].options());
+  copy.copy_(part, /*non_blocking=*/true);
+  return copy;
+}
+
+void MasterWeights::set_parameter_data(size_t i, const torch::Tensor& data) {
+  TORCH_CHECK(streamed(), "MasterWeights::set_parameter_data needs streamed parameters "
+              "(MasterWeightsOptions::parameters(Offload::kHost))");
+  TORCH_CHECK(i < params_.size(), "MasterWeights::set_parameter_data: no parameter ", i);
+  torch::NoGradGuard no_grad;
+  params_[i].set_data(data.defined() ? data : released_[i]);
+}
+
+int64_t MasterWeights::index_of(const torch::Tensor& param) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return static_cast<int64_t>(i);
+  }
+  return -1;
 }
 MasterWeights::MasterWeights(MasterWeights&&) noexcept = default;
 MasterWeights& MasterWeights::operator=(MasterWeights&&) noexcept = default;
@@ -467,7 +517,7 @@ void MasterWeights::master_to_model() {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (masters_[i].is_same(params_[i])) continue;  // updated in place by the optimizer
-    params_[i].copy_(masters_[i]);
+    if (!streamed()) params_[i].copy_(masters_[i]);  // streamed: fetched from the masters when used
     masters_[i].mutable_grad() = torch::Tensor();
   }
 }

@@ -525,7 +525,7 @@ void CheckpointedSequentialImpl::set_schedule(Schedule schedule) {
 torch::Tensor CheckpointedSequentialImpl::forward(const torch::Tensor& input) {
   if (!torch::autograd::GradMode::is_enabled()) {
     torch::Tensor x = input;
-    for (auto& m : modules_) x = m.forward(x);
+    for (size_t i = 0; i < modules_.size(); ++i) x = run_layer(static_cast<int64_t>(i), x);
     return x;
   }
   if (schedule_.segments.empty()) plan(input);
@@ -536,7 +536,7 @@ torch::Tensor CheckpointedSequentialImpl::run(const std::vector<Segment>& segmen
                                               torch::Tensor x) {
   for (const auto& s : segments) {
     if (!s.checkpointed) {
-      for (int64_t i = s.begin; i < s.end; ++i) x = modules_[static_cast<size_t>(i)].forward(x);
+      for (int64_t i = s.begin; i < s.end; ++i) x = run_layer(i, x);
       continue;
     }
     // The recomputation may run after the schedule is replaced: keep a copy.
@@ -545,6 +545,11 @@ torch::Tensor CheckpointedSequentialImpl::run(const std::vector<Segment>& segmen
                    options_.checkpoint());
   }
   return x;
+}
+
+torch::Tensor CheckpointedSequentialImpl::run_layer(int64_t i, const torch::Tensor& x) {
+  auto& m = modules_[static_cast<size_t>(i)];
+  return runner_ ? runner_(i, m, x) : m.forward(x);
 }
 
 } // namespace memfit

@@ -20,11 +20,13 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Parameters, then buffers, by qualified name.
-std::vector<std::pair<std::string, torch::Tensor>> module_tensors(const torch::nn::Module& module) {
+// Parameters, then buffers, by qualified name (a parameter's stand-in in its place).
+std::vector<std::pair<std::string, torch::Tensor>> module_tensors(const torch::nn::Module& module,
+                                                                  const detail::StandIn& stand_in = nullptr) {
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-    out.emplace_back(item.key(), item.value());
+    const torch::Tensor other = stand_in ? stand_in(item.value()) : torch::Tensor();
+    out.emplace_back(item.key(), other.defined() ? other : item.value());
   }
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     out.emplace_back(item.key(), item.value());
@@ -88,8 +90,9 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
 
 namespace detail {
 
-void write_module(torch::serialize::OutputArchive& archive, const torch::nn::Module& module) {
-  const auto tensors = module_tensors(module);
+void write_module(torch::serialize::OutputArchive& archive, const torch::nn::Module& module,
+                  const StandIn& stand_in) {
+  const auto tensors = module_tensors(module, stand_in);
   std::string names;
   for (size_t i = 0; i < tensors.size(); ++i) {
     names += tensors[i].first + "\n";
@@ -99,12 +102,12 @@ void write_module(torch::serialize::OutputArchive& archive, const torch::nn::Mod
 }
 
 void check_module(torch::serialize::InputArchive& archive, const torch::nn::Module& module,
-                  const std::string& what) {
+                  const std::string& what, const StandIn& stand_in) {
   c10::IValue names_value;
   TORCH_CHECK(archive.try_read("names", names_value) && names_value.isString(), what,
               " holds no model tensors: it was not written by memfit");
   const auto names = split_lines(names_value.toStringRef());
-  const auto tensors = module_tensors(module);
+  const auto tensors = module_tensors(module, stand_in);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& [name, tensor] = tensors[i];
     TORCH_CHECK(i < names.size(), what, " does not match the model: the model's tensor '", name,
@@ -126,9 +129,10 @@ void check_module(torch::serialize::InputArchive& archive, const torch::nn::Modu
               "' is not in the model; load it into the model that saved it");
 }
 
-void copy_into_module(torch::serialize::InputArchive& archive, torch::nn::Module& module) {
+void copy_into_module(torch::serialize::InputArchive& archive, torch::nn::Module& module,
+                      const StandIn& stand_in) {
   torch::NoGradGuard no_grad;
-  const auto tensors = module_tensors(module);
+  const auto tensors = module_tensors(module, stand_in);
   for (size_t i = 0; i < tensors.size(); ++i) {
     torch::Tensor saved;
     archive.try_read("t" + std::to_string(i), saved);

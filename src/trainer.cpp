@@ -119,6 +119,18 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   TORCH_CHECK(options_.offload_gradients() == Offload::kNone || options_.offload_optimizer() == Offload::kHost,
               "offload_gradients host moves gradients to the host masters that offload_optimizer "
               "host keeps: set offload_optimizer to Offload::kHost too (--offload optimizer,gradients)");
+  if (options_.offload_parameters() == Offload::kHost) {
+    TORCH_CHECK(options_.offload_optimizer() == Offload::kHost && options_.offload_gradients() == Offload::kHost,
+                "offload_parameters host streams the parameters from the host masters that also take the "
+                "gradients and the optimizer state: set offload_optimizer and offload_gradients to "
+                "Offload::kHost too (--offload optimizer,gradients,parameters)");
+    TORCH_CHECK(options_.precision() == Precision::kFP32 && options_.master_weights() == MasterWeightsMode::kNone,
+                "offload_parameters host runs in fp32 (got precision ", to_string(options_.precision()),
+                "): set precision fp32 and master_weights none, or keep the parameters on the device");
+    TORCH_CHECK(options_.process_group() == nullptr, "offload_parameters host runs in one process: data "
+                "and pipeline parallelism are not supported with streamed parameters; drop the process "
+                "group, or keep the parameters on the device (offload optimizer and gradients still apply)");
+  }
   TORCH_CHECK(options_.zero_stage() == 0 || options_.zero_stage() == 1, "zero_stage must be 0 (no "
               "sharding) or 1 (optimizer state sharded over the ranks), got ", options_.zero_stage(),
               "; stages 2 and 3 are not implemented");
@@ -176,8 +188,10 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
         *model_, MasterWeightsOptions()
                      .dtype(dtype)
                      .offload(state_on_host() ? Offload::kHost : Offload::kNone)
-                     .gradients(options_.offload_gradients()));
+                     .gradients(options_.offload_gradients())
+                     .parameters(options_.offload_parameters()));
     params = master_->master_parameters();
+    if (master_->streamed()) stream_ = std::make_unique<ParameterStream>(model_, *master_, options_.stream());
   }
   std::vector<torch::Tensor> trainable;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -394,7 +408,7 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
         torch::Tensor logits;
         {
           AutocastGuard autocast(device, options_.precision());
-          logits = model_->forward(x);
+          logits = stream_ ? stream_->forward(x) : model_->forward(x);
         }
         auto loss = cross_entropy(logits, y);
         // Each micro-batch's mean loss weighted by its share of the step's
@@ -526,7 +540,7 @@ EvalResult Trainer::evaluate(const ImageDataset& data) {
     torch::Tensor logits;
     {
       AutocastGuard autocast(device, options_.precision());
-      logits = pipeline_ ? pipeline_->forward(x) : model_->forward(x);
+      logits = pipeline_ ? pipeline_->forward(x) : stream_ ? stream_->forward(x) : model_->forward(x);
     }
     if (!logits.defined()) continue;  // a pipeline's output is on its last stage
     loss_sum += cross_entropy(logits, y, /*sum=*/true).item<double>();
@@ -646,7 +660,7 @@ void Trainer::save(const std::string& dir) {
 
 void Trainer::write_state(torch::serialize::OutputArchive& a, const std::vector<std::string>& shards) const {
   torch::serialize::OutputArchive model;
-  detail::write_module(model, *model_);
+  detail::write_module(model, *model_, [this](const torch::Tensor& p) { return stand_in(p); });
   a.write("model", model);
   if (master_) {
     torch::serialize::OutputArchive masters;
@@ -664,6 +678,12 @@ void Trainer::write_state(torch::serialize::OutputArchive& a, const std::vector<
     optimizer_->save(optimizer);
     a.write("optimizer", optimizer);
   }
+}
+
+torch::Tensor Trainer::stand_in(const torch::Tensor& param) const {
+  if (!stream_) return torch::Tensor();
+  const int64_t i = master_->index_of(param);  // streamed: the host master holds its values
+  return i >= 0 ? master_->master_parameters()[static_cast<size_t>(i)] : torch::Tensor();
 }
 
 void Trainer::resume(const std::string& path_or_dir) {
@@ -694,7 +714,8 @@ void Trainer::resume(const std::string& path_or_dir) {
   }
   torch::serialize::InputArchive model, optimizer, scaler, masters;
   TORCH_CHECK(src->try_read("model", model), path, " is damaged: 'model' is missing");
-  detail::check_module(model, *model_, path);
+  const auto stand_in = [this](const torch::Tensor& p) { return this->stand_in(p); };
+  detail::check_module(model, *model_, path, stand_in);
   TORCH_CHECK(src->try_read("masters", masters) == (master_ != nullptr), path,
               master_ ? " holds no fp32 master weights, but this run keeps them: resume with the "
                         "master-weights and optimizer-offload options of the saved run"
@@ -749,7 +770,7 @@ void Trainer::resume(const std::string& path_or_dir) {
   a.try_read("order", order);
 
   // Apply: tensor by tensor into the model's storage.
-  detail::copy_into_module(model, *model_);
+  detail::copy_into_module(model, *model_, stand_in);
   {
     torch::NoGradGuard no_grad;
     const auto& m = master_ ? master_->master_parameters() : std::vector<torch::Tensor>();

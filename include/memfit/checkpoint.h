@@ -70,9 +70,12 @@ using enable_if_function_t = std::enable_if_t<
     std::conjunction_v<std::negation<is_module_holder<Fn>>, std::is_constructible<Signature, Fn>>,
     int>;
 
+// after_backward runs when the backward that recomputed `fn` ends (also by
+// an exception): a streamed layer releases its parameters there.
 std::vector<torch::Tensor> checkpoint_impl(const TensorsFn& fn,
                                            const std::vector<torch::Tensor>& inputs,
-                                           const CheckpointOptions& options);
+                                           const CheckpointOptions& options,
+                                           std::function<void()> after_backward = nullptr);
 } // namespace detail
 
 /// Runs `fn(inputs)` keeping only `inputs`; recomputes `fn` during backward.

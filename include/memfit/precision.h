@@ -258,6 +258,15 @@ struct MasterWeightsOptions {
   /// one). Hooks on the parameters' gradient accumulators do it: they are lost
   /// if a parameter changes dtype or device afterwards (module->to()).
   TORCH_ARG(Offload, gradients) = Offload::kNone;
+  /// Where the model's parameters live between uses (float32 dtype, with
+  /// offload and gradients kHost only): Offload::kHost releases each
+  /// parameter's device memory once its host master is made (the parameter
+  /// keeps its shape but shares one element of storage, reading as zeros),
+  /// and a ParameterStream (stream.h) brings each layer's parameters back
+  /// while it runs (ZeRO-Infinity's parameter offload, FSDP's CPU offload).
+  /// master_to_model() then copies nothing; the destructor puts the updated
+  /// parameters back on the device.
+  TORCH_ARG(Offload, parameters) = Offload::kNone;
 };
 
 /// Holds a model's parameters in bfloat16 or float16 with float32 master
@@ -320,6 +329,17 @@ class MasterWeights {
   const MasterWeightsOptions& options() const { return options_; }
   /// Whether parameter i is held in the low dtype (false: kept in fp32).
   bool is_cast(size_t i) const { return cast_.at(i); }
+  /// Whether the parameters are released between uses (options().parameters() kHost).
+  bool streamed() const { return options_.parameters() == Offload::kHost; }
+  /// A fresh device copy of rows [begin, begin + rows) of master i (dimension
+  /// 0; rows -1: all of it), in its parameter's dtype and on its device:
+  /// what a streamed layer computes with.
+  torch::Tensor fetch(size_t i, int64_t begin = 0, int64_t rows = -1) const;
+  /// Streamed parameters: points parameter i at `data` (a fetch()) while its
+  /// layer runs, or, with an undefined `data`, releases it again.
+  void set_parameter_data(size_t i, const torch::Tensor& data);
+  /// The index of `param` among model_parameters(), or -1.
+  int64_t index_of(const torch::Tensor& param) const;
 
  private:
   void init();
@@ -327,6 +347,7 @@ class MasterWeights {
   std::vector<torch::Tensor> params_;
   std::vector<bool> cast_;
   std::vector<torch::Tensor> masters_;
+  std::vector<torch::Tensor> released_;  // streamed: what each parameter holds between uses
   MasterWeightsOptions options_;
   // Gradient offload: the accumulators (autograd holds them weakly) and their hooks.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;

@@ -238,6 +238,12 @@ struct CheckpointedSequentialOptions {
   TORCH_ARG(CheckpointOptions, checkpoint) = CheckpointOptions();
 };
 
+/// Runs layer `index` of a CheckpointedSequential on `input` in place of
+/// `module.forward(input)`, as a ParameterStream (stream.h) does to bring the
+/// layer's parameters to the device around it.
+using LayerRunner = std::function<torch::Tensor(int64_t index, torch::nn::AnyModule& module,
+                                                const torch::Tensor& input)>;
+
 /// A module that runs a Sequential with a checkpoint schedule.
 ///
 /// The standard kinds are built in the constructor. kOptimal profiles the chain
@@ -277,15 +283,21 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   const torch::nn::Sequential& sequential() const { return sequential_; }
   /// Whether layer i modifies its input in place (as detected from its type).
   const std::vector<bool>& in_place() const { return in_place_; }
+  /// Runs every layer through `runner` from now on, in forward and in
+  /// recomputations; nullptr: through the layers' own forward. Not thread-safe
+  /// against a running forward or backward.
+  void set_layer_runner(LayerRunner runner) { runner_ = std::move(runner); }
 
  private:
   torch::Tensor run(const std::vector<Segment>& segments, torch::Tensor x);
+  torch::Tensor run_layer(int64_t i, const torch::Tensor& x);
 
   torch::nn::Sequential sequential_;
   CheckpointedSequentialOptions options_;
   std::vector<torch::nn::AnyModule> modules_;
   std::vector<bool> in_place_;
   Schedule schedule_;
+  LayerRunner runner_;
 };
 TORCH_MODULE(CheckpointedSequential);
 

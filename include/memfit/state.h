@@ -21,6 +21,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <functional>
 #include <string>
 
 namespace memfit {
@@ -55,14 +56,19 @@ void save_module(const torch::nn::Module& module, const std::string& path);
 void load_module(torch::nn::Module& module, const std::string& path);
 
 namespace detail {
+/// The tensor that holds a module tensor's values, when another one does (the
+/// host master of a streamed parameter, stream.h); undefined: the tensor itself.
+using StandIn = std::function<torch::Tensor(const torch::Tensor&)>;
 /// Writes `module`'s parameters and buffers into `archive`.
-void write_module(torch::serialize::OutputArchive& archive, const torch::nn::Module& module);
+void write_module(torch::serialize::OutputArchive& archive, const torch::nn::Module& module,
+                  const StandIn& stand_in = nullptr);
 /// Checks that `archive` (from write_module) matches `module`; throws naming
 /// the first mismatch, with `what` (the file) in the message.
 void check_module(torch::serialize::InputArchive& archive, const torch::nn::Module& module,
-                  const std::string& what);
+                  const std::string& what, const StandIn& stand_in = nullptr);
 /// Copies the checked `archive`'s tensors into `module`'s, one at a time.
-void copy_into_module(torch::serialize::InputArchive& archive, torch::nn::Module& module);
+void copy_into_module(torch::serialize::InputArchive& archive, torch::nn::Module& module,
+                      const StandIn& stand_in = nullptr);
 /// Reads `path` into host memory; throws naming the path when it cannot.
 torch::serialize::InputArchive read_archive(const std::string& path);
 /// The bytes of `archive` as a file.

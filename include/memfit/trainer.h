@@ -14,6 +14,7 @@
 #include "memfit/memory.h"
 #include "memfit/pipeline.h"
 #include "memfit/precision.h"
+#include "memfit/stream.h"
 
 #include <ATen/core/Generator.h>
 #include <torch/arg.h>
@@ -132,6 +133,15 @@ struct TrainerOptions {
   /// With data parallelism the gradients are all-reduced from the host
   /// masters (DistributedDataParallel's gradient holders).
   TORCH_ARG(Offload, offload_gradients) = Offload::kNone;
+  /// Where the parameters live between uses (with offload_optimizer and
+  /// offload_gradients kHost, fp32, one process): Offload::kHost keeps them
+  /// in the host masters only and streams each layer's to the device while
+  /// it runs (stream.h: ZeRO-Infinity's parameter offload), so the device
+  /// holds no parameters, gradients or optimizer state between layers.
+  TORCH_ARG(Offload, offload_parameters) = Offload::kNone;
+  /// How streamed parameters are cut (StreamOptions::tile_bytes tiles large
+  /// Linear layers); with offload_parameters kHost.
+  TORCH_ARG(StreamOptions, stream) = StreamOptions();
   /// Folder for checkpoints (Trainer::save) during fit; empty: no saving.
   TORCH_ARG(std::string, save_dir) = "";
   /// Save every this many steps (and at the end of fit); 0: only at the end.
@@ -316,6 +326,8 @@ class Trainer {
   GradScaler& grad_scaler() { return *scaler_; }
   /// The master weights, or nullptr without them.
   MasterWeights* master_weights() { return master_.get(); }
+  /// The parameter stream, or nullptr unless offload_parameters is kHost.
+  ParameterStream* parameter_stream() { return stream_.get(); }
 
  private:
   StepMemory breakdown(int64_t peak, int64_t model_grad_bytes) const;
@@ -326,6 +338,7 @@ class Trainer {
   int64_t rank() const;
   int64_t data_ranks() const;
   void write_state(torch::serialize::OutputArchive& archive, const std::vector<std::string>& shards) const;
+  torch::Tensor stand_in(const torch::Tensor& param) const;
 
   // The position of the run: steps taken, epoch, the epoch's shuffled order
   // (host) and how much of it is used, and the generator that shuffles.
@@ -338,6 +351,7 @@ class Trainer {
   torch::nn::Sequential model_;
   TrainerOptions options_;
   std::unique_ptr<MasterWeights> master_;
+  std::unique_ptr<ParameterStream> stream_;  // after master_: goes first
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<Pipeline> pipeline_;  // model_ is its stage
   std::unique_ptr<GradScaler> scaler_;

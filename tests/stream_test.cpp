@@ -1,0 +1,276 @@
+#include "memfit/stream.h"
+
+#include "memfit/models.h"
+#include "memfit/schedule.h"
+#include "memfit/trainer.h"
+
+#include "test_util.h"
+
+#include <filesystem>
+
+namespace memfit {
+namespace {
+
+class ParameterStreamTest : public testing::Seeded {};
+
+MasterWeightsOptions streamed() {
+  return MasterWeightsOptions()
+      .dtype(at::kFloat)
+      .offload(Offload::kHost)
+      .gradients(Offload::kHost)
+      .parameters(Offload::kHost);
+}
+
+torch::nn::Sequential copy_of(const torch::nn::Sequential& net) {
+  return std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());
+}
+
+// The plain chain's output and parameter gradients on (x, labels).
+std::pair<torch::Tensor, std::vector<torch::Tensor>> plain_step(torch::nn::Sequential net,
+                                                                const torch::Tensor& x) {
+  auto y = net->forward(x);
+  (y * y).sum().backward();
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : net->parameters()) grads.push_back(p.grad().clone());
+  return {y.detach(), grads};
+}
+
+// The same through a ParameterStream: output and the host masters' gradients.
+std::pair<torch::Tensor, std::vector<torch::Tensor>> streamed_step(torch::nn::Sequential net,
+                                                                   const torch::Tensor& x,
+                                                                   int64_t tile_bytes = 0,
+                                                                   ParameterStream** out = nullptr) {
+  MasterWeights master(*net, streamed());
+  ParameterStream stream(net, master, StreamOptions().tile_bytes(tile_bytes));
+  if (out != nullptr) *out = &stream;
+  auto y = stream.forward(x);
+  (y * y).sum().backward();
+  std::vector<torch::Tensor> grads;
+  for (const auto& m : master.master_parameters()) grads.push_back(m.grad().clone());
+  return {y.detach(), grads};
+}
+
+void expect_bitwise(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].equal(b[i])) << "gradient " << i;
+}
+
+TEST_F(ParameterStreamTest, UntiledLinearLayersGiveTheResidentGradientsBitwise) {
+  auto net = make_mlp(ModelOptions().width(96).depth(2));
+  const auto x = torch::randn({16, 1, 28, 28});
+  const auto [y_plain, g_plain] = plain_step(copy_of(net), x);
+  const auto [y_streamed, g_streamed] = streamed_step(net, x);
+  EXPECT_TRUE(y_streamed.equal(y_plain));
+  expect_bitwise(g_streamed, g_plain);
+}
+
+TEST_F(ParameterStreamTest, TiledLinearLayersMatchWithinRoundingAndTheWeightGradientsBitwise) {
+  auto net = make_mlp(ModelOptions().width(96).depth(2));
+  const auto x = torch::randn({16, 1, 28, 28});
+  const auto [y_plain, g_plain] = plain_step(copy_of(net), x);
+  // 10 rows of 784 floats per tile of the first layer: 10 tiles of it.
+  const auto [y_streamed, g_streamed] = streamed_step(net, x, 10 * 784 * 4);
+  EXPECT_TRUE(y_streamed.equal(y_plain)) << "each output column is the same dot product";
+  // The input gradient of a tiled layer is summed tile by tile: rounding differs.
+  EXPECT_LT(testing::max_relative_difference(g_streamed, g_plain), 1e-6);
+  EXPECT_TRUE(g_streamed.front().equal(g_plain.front()))
+      << "the first layer needs no input gradient: its weight's is a row block of dy^T x";
+}
+
+TEST_F(ParameterStreamTest, OtherLayersAreRecomputedWithTheResidentGradientsBitwise) {
+  torch::nn::Sequential net(torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)),
+                            torch::nn::GroupNorm(2, 4), torch::nn::ReLU(), torch::nn::Flatten(),
+                            torch::nn::Linear(4 * 8 * 8, 5));
+  const auto x = torch::randn({6, 1, 8, 8});
+  const auto [y_plain, g_plain] = plain_step(copy_of(net), x);
+  ParameterStream* stream = nullptr;
+  const auto [y_streamed, g_streamed] = streamed_step(net, x, 0, &stream);
+  EXPECT_TRUE(y_streamed.equal(y_plain));
+  expect_bitwise(g_streamed, g_plain);
+}
+
+TEST_F(ParameterStreamTest, LayersAreRunByKind) {
+  torch::nn::Sequential net(torch::nn::Flatten(), torch::nn::Linear(64, 32), torch::nn::ReLU(),
+                            torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})));
+  MasterWeights master(*net, streamed());
+  ParameterStream stream(net, master, StreamOptions().tile_bytes(8 * 64 * 4));
+  EXPECT_EQ(stream.layer_kind(0), StreamedLayer::kNone);
+  EXPECT_EQ(stream.layer_kind(1), StreamedLayer::kLinear);
+  EXPECT_EQ(stream.tiles(1), 4);
+  EXPECT_EQ(stream.layer_kind(3), StreamedLayer::kRecompute);
+  EXPECT_EQ(stream.tiles(3), 0);
+  EXPECT_EQ(streamed_bytes(*net[1], 8 * 64 * 4), 8 * 64 * 4 + 8 * 4);
+  EXPECT_EQ(streamed_bytes(*net[1], 0), 32 * 64 * 4 + 32 * 4);
+  EXPECT_EQ(streamed_bytes(*net[3], 0), 2 * 32 * 4);
+}
+
+TEST_F(ParameterStreamTest, TheDeviceHoldsOneTileInsteadOfTheModel) {
+  auto net = make_mlp(ModelOptions().width(512).depth(2));  // the default MLP: 2.55 MiB of parameters
+  int64_t param_bytes = 0;
+  for (const auto& p : net->parameters()) param_bytes += p.numel() * 4;
+  const int64_t tile = 64 << 10;
+  const int64_t resident = memory_allocated(torch::kCPU);
+  MasterWeights master(*net, streamed());
+  EXPECT_GE(resident - memory_allocated(torch::kCPU), param_bytes - 6 * 128)
+      << "the parameters leave the device, each keeping one element";
+  ParameterStream stream(net, master, StreamOptions().tile_bytes(tile));
+  const auto x = torch::randn({8, 1, 28, 28});
+  reset_peak_memory_stats(torch::kCPU);
+  const int64_t base = memory_allocated(torch::kCPU);
+  {
+    auto y = stream.forward(x);
+    (y * y).sum().backward();
+  }
+  const int64_t peak = max_memory_allocated(torch::kCPU) - base;
+  // Activations of 8 examples are 8 × (784 + 4 × 512 + 10) floats (×2 for the
+  // gradients flowing back); a tile and its gradient, or a tile and a layer's
+  // input gradient, are 2 × 64 KiB: far below one untiled weight (1.53 MiB).
+  const int64_t activations = 8 * (784 + 4 * 512 + 10) * 4;
+  EXPECT_LE(peak, 2 * activations + 2 * tile + 64 * 1024) << "peak " << peak;
+  EXPECT_LT(peak, 784 * 512 * 4);
+  EXPECT_EQ(memory_allocated(torch::kCPU), base) << "nothing stays on the device after backward";
+}
+
+TEST_F(ParameterStreamTest, ComposesWithACheckpointScheduleAndNoGradEvaluation) {
+  torch::nn::Sequential chain;
+  chain->push_back(torch::nn::Flatten());
+  for (int i = 0; i < 6; ++i) {
+    chain->push_back(torch::nn::Linear(i == 0 ? 64 : 32, 32));
+    chain->push_back(torch::nn::Tanh());
+  }
+  const auto x = torch::randn({8, 1, 8, 8});
+  const auto [y_plain, g_plain] = plain_step(copy_of(chain), x);
+  torch::Tensor y_eval_plain;
+  {
+    torch::NoGradGuard no_grad;
+    y_eval_plain = copy_of(chain)->forward(x);
+  }
+  CheckpointedSequential ck(chain, CheckpointedSequentialOptions().kind(ScheduleKind::kSqrt));
+  torch::nn::Sequential model(ck);
+  MasterWeights master(*model, streamed());
+  {
+    ParameterStream stream(model, master);
+    auto y = stream.forward(x);
+    EXPECT_TRUE(y.equal(y_plain));
+    (y * y).sum().backward();
+    std::vector<torch::Tensor> grads;
+    for (const auto& m : master.master_parameters()) grads.push_back(m.grad());
+    expect_bitwise(grads, g_plain);
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(stream.forward(x).equal(y_eval_plain));
+  }
+  // Without the stream the layer runner is gone: the released parameters read as zeros.
+  torch::NoGradGuard no_grad;
+  EXPECT_EQ(ck->forward(x).abs().sum().item<double>(), 0.0);
+}
+
+TEST_F(ParameterStreamTest, MasterWeightsPutTheParametersBackWhenTheyGo) {
+  auto net = make_mlp(ModelOptions().width(16).depth(1));
+  std::vector<torch::Tensor> before;
+  for (const auto& p : net->parameters()) before.push_back(p.detach().clone());
+  {
+    MasterWeights master(*net, streamed());
+    for (const auto& p : net->parameters()) EXPECT_EQ(p.storage().nbytes(), 4u) << "released";
+    torch::NoGradGuard no_grad;
+    const_cast<torch::Tensor&>(master.master_parameters()[0]).add_(1.0);
+  }
+  const auto after = net->parameters();
+  EXPECT_TRUE(after[0].equal(before[0] + 1.0)) << "the updated master came back";
+  for (size_t i = 1; i < after.size(); ++i) EXPECT_TRUE(after[i].equal(before[i]));
+}
+
+TEST_F(ParameterStreamTest, BadSetUpsAreRefusedWithTheFix) {
+  auto net = make_mlp(ModelOptions().width(16).depth(1));
+  testing::expect_error(
+      [&] { MasterWeights(*net, MasterWeightsOptions().dtype(at::kFloat).offload(Offload::kHost).parameters(Offload::kHost)); },
+      "set dtype kFloat, offload and gradients to Offload::kHost");
+  MasterWeights plain(*net, MasterWeightsOptions().dtype(at::kFloat).offload(Offload::kHost));
+  testing::expect_error([&] { ParameterStream(net, plain); }, "parameters(kHost)");
+  auto other = make_mlp(ModelOptions().width(16).depth(1));
+  MasterWeights master(*other, streamed());
+  testing::expect_error([&] { ParameterStream(net, master); }, "build them over the same model");
+  ParameterStream stream(other, master);
+  AutocastGuard autocast(torch::kCPU, Precision::kBF16);
+  testing::expect_error([&] { stream.forward(torch::zeros({2, 1, 28, 28})); }, "runs in fp32");
+}
+
+class StreamedTrainerTest : public testing::WithFashionMnist {};
+
+std::vector<torch::Tensor> trained_parameters(Trainer& t) {
+  UntrackedGuard host;
+  std::vector<torch::Tensor> out;
+  for (const auto& p : t.master_weights()->master_parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+TEST_F(StreamedTrainerTest, StreamedParametersTrainLikeResidentOnesWithLessMemory) {
+  const auto& data = testing::fashion_test_head(512);
+  auto run = [&](Offload parameters, int64_t tile_bytes) {
+    torch::manual_seed(4);
+    Trainer t(make_mlp(ModelOptions().width(128).depth(2)),
+              TrainerOptions().batch_size(64).steps(4).micro_batch_size(16).offload_optimizer(Offload::kHost)
+                  .offload_gradients(Offload::kHost).offload_parameters(parameters)
+                  .stream(StreamOptions().tile_bytes(tile_bytes)));
+    auto report = t.fit(data);
+    report.test = t.evaluate(data);
+    return std::make_pair(trained_parameters(t), report);
+  };
+  const auto [resident, resident_report] = run(Offload::kNone, 0);
+  const auto [streamed, streamed_report] = run(Offload::kHost, 0);
+  const auto [tiled, tiled_report] = run(Offload::kHost, 16 * 784 * 4);
+  EXPECT_EQ(testing::max_relative_difference(streamed, resident), 0.0) << "the same math, bitwise";
+  for (size_t i = 0; i < resident_report.steps.size(); ++i) {
+    EXPECT_EQ(streamed_report.steps[i].loss, resident_report.steps[i].loss);
+  }
+  EXPECT_EQ(streamed_report.test.loss, resident_report.test.loss);
+  EXPECT_LT(testing::max_relative_difference(tiled, resident), 1e-5) << "tiles round differently";
+  const int64_t params = (784 * 128 + 128 * 128 + 128 * 10 + 128 + 128 + 10) * 4;
+  EXPECT_GE(resident_report.peak_bytes - streamed_report.peak_bytes, params - 784 * 128 * 4)
+      << "the parameters leave the device; the largest layer comes and goes";
+  EXPECT_LT(tiled_report.peak_bytes, streamed_report.peak_bytes);
+  EXPECT_LT(streamed_report.step_memory.parameters, 8 * 64) << "six released parameters";
+}
+
+TEST_F(StreamedTrainerTest, SavesAndResumesTheStreamedModel) {
+  const auto& data = testing::fashion_test_head(512);
+  const auto dir = std::filesystem::temp_directory_path() / "memfit_stream_resume";
+  std::filesystem::remove_all(dir);
+  auto options = [] {
+    return TrainerOptions().batch_size(32).offload_optimizer(Offload::kHost).offload_gradients(Offload::kHost)
+        .offload_parameters(Offload::kHost).stream(StreamOptions().tile_bytes(32 << 10));
+  };
+  torch::manual_seed(5);
+  Trainer whole(make_mlp(ModelOptions().width(64).depth(1)), options().steps(6));
+  const auto all = whole.fit(data);
+  torch::manual_seed(5);
+  Trainer first(make_mlp(ModelOptions().width(64).depth(1)), options().steps(3).save_dir(dir.string()));
+  first.fit(data);
+  torch::manual_seed(99);  // other initial values: resume must replace them all
+  Trainer second(make_mlp(ModelOptions().width(64).depth(1)), options().steps(6));
+  second.resume(dir.string());
+  const auto rest = second.fit(data);
+  ASSERT_EQ(rest.steps.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(rest.steps[i].loss, all.steps[i + 3].loss);
+  // The checkpoint's model holds the trained values (for memfit generate), not the released zeros.
+  auto loaded = make_mlp(ModelOptions().width(64).depth(1));
+  load_trainer_model(*loaded, dir.string());
+  const auto masters = first.master_weights()->master_parameters();
+  const auto params = loaded->parameters();
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(params[i].equal(masters[i]));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(StreamedTrainerTest, RefusesWhatItCannotStream) {
+  testing::expect_error(
+      [] { Trainer(make_mlp(), TrainerOptions().offload_optimizer(Offload::kHost).offload_parameters(Offload::kHost)); },
+      "--offload optimizer,gradients,parameters");
+  testing::expect_error(
+      [] {
+        Trainer(make_mlp(), TrainerOptions().precision(Precision::kBF16).offload_optimizer(Offload::kHost)
+                                .offload_gradients(Offload::kHost).offload_parameters(Offload::kHost));
+      },
+      "runs in fp32 (got precision bf16)");
+}
+
+} // namespace
+} // namespace memfit
