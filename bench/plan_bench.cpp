@@ -1,9 +1,10 @@
 // The planner against exhaustive search: for the built-in models at budgets of
 // 1/2, 1/4 and 1/8 of the plain step's measured peak, the plan is run under
 // the budget (does it fit?), and every combination of the planner's grid
-// (micro-batch: the batch halved down to 1; optimizer state and gradients on
-// the device, the state on the host, or both on the host; no checkpointing,
-// else the optimal schedule for the memory left)
+// (micro-batch: the batch halved down to 1; memfit::offload_choices: optimizer
+// state and gradients on the device, the state on the host, both on the host,
+// or the parameters streamed from the host too, untiled or in tiles; no
+// checkpointing, else the optimal schedule for the memory left)
 // is run under the budget too. Reported: the budget, the plan's measured peak
 // and step time, the best measured time over the grid, their ratio, and the
 // plan's time against the plain step (run without a budget). The grid's times
@@ -18,9 +19,10 @@
 //
 // accuracy/{mlp,resnet}: the cost model's predicted step peak against the
 // measured one over a grid: batch 64 and 256, fp32 and bf16, the whole batch
-// and micro-batches of a quarter, optimizer state resident and on the host, no
-// checkpointing and sqrt(n) segments (32 settings per model); each line goes to
-// stderr, the error distribution to the counters.
+// and micro-batches of a quarter, optimizer state resident and on the host
+// (and, in fp32, the parameters streamed with the largest Linear in 16 tiles),
+// no checkpointing and sqrt(n) segments (40 settings per model); each line
+// goes to stderr, the error distribution to the counters.
 //
 //   build/bench/memfit_plan_bench --benchmark_filter=accuracy
 
@@ -74,7 +76,9 @@ Run run(const std::string& kind, int64_t batch, const memfit::StepSettings& s, i
                                                       .steps(3)
                                                       .micro_batch_size(s.micro_batch())
                                                       .offload_optimizer(s.offload_optimizer())
-                                                      .offload_gradients(s.offload_gradients()));
+                                                      .offload_gradients(s.offload_gradients())
+                                                      .offload_parameters(s.offload_parameters())
+                                                      .stream(memfit::StreamOptions().tile_bytes(s.tile_bytes())));
   memfit::set_memory_budget(torch::kCPU, budget > 0 ? base + budget : 0);
   Run r;
   try {
@@ -101,7 +105,9 @@ double side_by_side_ratio(const std::string& kind, int64_t batch, const memfit::
                                           .steps(1)
                                           .micro_batch_size(s.micro_batch())
                                           .offload_optimizer(s.offload_optimizer())
-                                          .offload_gradients(s.offload_gradients()));
+                                          .offload_gradients(s.offload_gradients())
+                                          .offload_parameters(s.offload_parameters())
+                                          .stream(memfit::StreamOptions().tile_bytes(s.tile_bytes())));
   };
   auto ta = trainer(a), tb = trainer(b);
   ta->fit(data());
@@ -125,6 +131,7 @@ double side_by_side_ratio(const std::string& kind, int64_t batch, const memfit::
 bool same(const memfit::StepSettings& a, const memfit::StepSettings& b) {
   return a.micro_batch() == b.micro_batch() && a.offload_optimizer() == b.offload_optimizer() &&
          a.offload_gradients() == b.offload_gradients() &&
+         a.offload_parameters() == b.offload_parameters() && a.tile_bytes() == b.tile_bytes() &&
          a.schedule().to_string() == b.schedule().to_string();
 }
 
@@ -158,17 +165,10 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch) {
         micro.push_back(m);
         if (m == 1) break;
       }
-      // (optimizer state, gradients): on the device, or on the host.
-      const std::vector<std::pair<memfit::Offload, memfit::Offload>> offloads = {
-          {memfit::Offload::kNone, memfit::Offload::kNone},
-          {memfit::Offload::kHost, memfit::Offload::kNone},
-          {memfit::Offload::kHost, memfit::Offload::kHost}};
-      for (const auto& offload : offloads) {
+      // Optimizer state, gradients and parameters on the device or the host, as the planner tries them.
+      for (const auto& offload : memfit::offload_choices(model, model.options())) {
         for (int64_t m : micro) {
-          auto s = memfit::StepSettings()
-                       .micro_batch(m == batch ? 0 : m)
-                       .offload_optimizer(offload.first)
-                       .offload_gradients(offload.second);
+          auto s = memfit::StepSettings(offload).micro_batch(m == batch ? 0 : m);
           Run r = run(kind, batch, s, budget);
           if (!r.fits) {
             const auto pred = model.predict(batch, s);
@@ -219,9 +219,10 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch) {
       state.counters[key + "best_ms"] = 1e3 * best;
       state.counters[key + "plan_vs_best"] = planned / best;
       state.counters[key + "plan_vs_plain"] = planned / plain.seconds;
-      fmt::print(stderr, "{} at 1/{} ({:.2f} MiB): micro {} offload {} checkpoint {}\n", kind,
+      fmt::print(stderr, "{} at 1/{} ({:.2f} MiB): micro {} offload {}{} checkpoint {}\n", kind,
                  divisor, double(budget) / (1 << 20), p->predicted.accumulation_steps > 1 ? p->settings.micro_batch() : batch,
                  memfit::offload_text(p->settings),
+                 p->settings.tile_bytes() > 0 ? fmt::format(" (tiles of {})", memfit::format_bytes(p->settings.tile_bytes())) : "",
                  p->settings.schedule().segments.empty() ? "none" : p->settings.schedule().to_string());
     }
   }
@@ -236,9 +237,17 @@ void BM_Accuracy(benchmark::State& state, std::string kind) {
     for (int64_t batch : {64, 256}) {
       for (auto precision : {memfit::Precision::kFP32, memfit::Precision::kBF16}) {
         for (int64_t micro : {int64_t(0), batch / 4}) {
-          for (auto offload : {memfit::Offload::kNone, memfit::Offload::kHost}) {
+          // none, the optimizer state on the host, or (fp32) the parameters streamed in 16 tiles.
+          for (int offload : {0, 1, 2}) {
+            if (offload == 2 && precision != memfit::Precision::kFP32) continue;
             for (bool checkpointed : {false, true}) {
-              auto s = memfit::StepSettings().micro_batch(micro).precision(precision).offload_optimizer(offload);
+              auto s = memfit::StepSettings().micro_batch(micro).precision(precision);
+              if (offload >= 1) s.offload_optimizer(memfit::Offload::kHost);
+              if (offload == 2) {
+                s.offload_gradients(memfit::Offload::kHost)
+                    .offload_parameters(memfit::Offload::kHost)
+                    .tile_bytes(model.largest_linear_bytes() / 16);
+              }
               if (checkpointed) s.schedule(memfit::schedule_sqrt(chain->size()));
               const auto predicted = model.predict(batch, s);
               const int64_t base = memfit::memory_allocated();
@@ -250,14 +259,17 @@ void BM_Accuracy(benchmark::State& state, std::string kind) {
                                                                .steps(3)
                                                                .micro_batch_size(micro)
                                                                .precision(precision)
-                                                               .offload_optimizer(offload));
+                                                               .offload_optimizer(s.offload_optimizer())
+                                                               .offload_gradients(s.offload_gradients())
+                                                               .offload_parameters(s.offload_parameters())
+                                                               .stream(memfit::StreamOptions().tile_bytes(s.tile_bytes())));
               int64_t measured = 0;
               for (const auto& r : t.fit(data()).steps) measured = std::max(measured, r.peak_bytes - base);
               const double error = double(predicted.peak_bytes - measured) / double(measured);
               errors.push_back(error);
               fmt::print(stderr, "{} batch {} {} micro {} offload {} checkpoint {}: predicted {:.2f} MiB ({}), measured {:.2f} MiB, {:+.1f}%\n",
                          kind, batch, memfit::to_string(precision), micro > 0 ? micro : batch,
-                         offload == memfit::Offload::kHost ? "host" : "none", checkpointed ? "sqrt" : "none",
+                         memfit::offload_text(s), checkpointed ? "sqrt" : "none",
                          double(predicted.peak_bytes) / (1 << 20), predicted.phase,
                          double(measured) / (1 << 20), 100 * error);
             }

@@ -1,5 +1,7 @@
 #include "memfit/plan.h"
 
+#include "memfit/stream.h"
+
 #include "memfit/compat.h"
 #include "memfit/models.h"
 
@@ -14,6 +16,8 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <tuple>
+#include <set>
 
 namespace memfit {
 namespace {
@@ -89,6 +93,31 @@ double time_gradient_offload(const std::vector<torch::Tensor>& params) {
   return median(times);
 }
 
+// Seconds to copy every parameter from host memory to a fresh device tensor
+// once, as a streamed layer fetches its parameters.
+double time_stream(const std::vector<torch::Tensor>& params) {
+  if (params.empty()) return 0.0;
+  std::vector<torch::Tensor> host;
+  {
+    UntrackedGuard untracked;
+    for (const auto& p : params) {
+      host.push_back(torch::empty(p.sizes(), p.options().device(torch::kCPU).pinned_memory(p.is_cuda())));
+      host.back().copy_(p);
+    }
+  }
+  std::vector<double> times;
+  for (int r = 0; r < 4; ++r) {
+    const auto t0 = Clock::now();
+    for (size_t i = 0; i < host.size(); ++i) {
+      auto fetched = torch::empty(params[i].sizes(), params[i].options());
+      fetched.copy_(host[i], /*non_blocking=*/true);
+    }
+    if (params.front().is_cuda()) torch::cuda::synchronize();
+    if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return median(times);
+}
+
 // v(m) on the line through (b_small, small) and (b_large, large); when that
 // line would cross zero above m = 0 or fall (timing noise), the line through
 // 0 and (b_large, large) instead, so small batches never look free.
@@ -128,6 +157,21 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
   const auto buffers = chain->buffers();
   persistent.insert(persistent.end(), buffers.begin(), buffers.end());
   parameter_bytes_ = storage_bytes(persistent);
+  buffer_bytes_ = storage_bytes(buffers);
+  for (const auto& layer : chain->children()) {
+    StreamedLayerCost c;
+    for (const auto& p : layer->parameters()) {
+      const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+      c.bytes += bytes;
+      c.largest = std::max(c.largest, bytes);
+    }
+    if (const auto* lin = layer->as<torch::nn::LinearImpl>()) {
+      c.linear = true;
+      c.rows = lin->weight.size(0);
+      c.row_bytes = streamed_bytes(*layer, 1);  // one row per tile: a row and its bias element
+    }
+    stream_layers_.push_back(c);
+  }
   std::vector<torch::Tensor> trainable;
   for (const auto& p : chain->parameters()) {
     if (!p.requires_grad()) continue;
@@ -214,6 +258,15 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
   offloaded_step_seconds_ =
       options_.offload() ? std::max(step_seconds_, time_optimizer_step(options_, trainable, true)) : 0;
   gradient_offload_seconds_ = options_.offload() ? time_gradient_offload(trainable) : 0;
+  stream_seconds_ = options_.offload() ? time_stream(chain->parameters()) : 0;
+}
+
+int64_t StepModel::largest_linear_bytes() const {
+  int64_t largest = 0;
+  for (const auto& c : stream_layers_) {
+    if (c.linear) largest = std::max(largest, c.largest);
+  }
+  return largest;
 }
 
 namespace {
@@ -349,10 +402,29 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
   const auto costs = this->costs(s.precision(), m, s.selective_recompute());
   const Schedule schedule = s.schedule().segments.empty() ? schedule_none(costs.size()) : s.schedule();
   const auto sim = simulate(schedule, costs);
+  // Streamed: what layer i's parameters add on the device while it runs. A
+  // Linear holds one weight tile (fetched for forward, or for its input's
+  // gradient, then the tile's gradient, never both) and, tiled, one tile of
+  // its output; any other layer its parameters and one gradient.
+  auto streamed_extra = [&](size_t i) -> int64_t {
+    if (i >= stream_layers_.size() || stream_layers_[i].bytes == 0) return 0;
+    const auto& c = stream_layers_[i];
+    if (!c.linear) return c.bytes + c.largest;
+    const int64_t weight_row = c.largest / std::max<int64_t>(c.rows, 1);
+    const bool tiled = s.tile_bytes() > 0 && c.largest > s.tile_bytes();
+    const int64_t rows = tiled ? std::clamp<int64_t>(s.tile_bytes() / std::max<int64_t>(weight_row, 1), 1, c.rows) : c.rows;
+    return rows * c.row_bytes + (tiled ? costs.x[i + 1] * rows / c.rows : 0);
+  };
   const bool offload = s.offload_optimizer() == Offload::kHost;
   const bool offload_gradients = s.offload_gradients() == Offload::kHost;
+  const bool streamed = s.offload_parameters() == Offload::kHost;
   TORCH_CHECK(!offload_gradients || offload, "offload_gradients kHost moves gradients to the host "
               "masters of offload_optimizer kHost: set both");
+  TORCH_CHECK(!streamed || (offload_gradients && s.precision() == Precision::kFP32),
+              "offload_parameters kHost streams fp32 parameters from the host masters that hold the "
+              "gradients and the optimizer state: set offload_optimizer and offload_gradients to kHost "
+              "and precision fp32");
+  TORCH_CHECK(s.tile_bytes() >= 0, "tile_bytes must be >= 0 (0: untiled), got ", s.tile_bytes());
   const int64_t accumulation = (batch + m - 1) / m;
   const int64_t state_device = offload ? 0 : state_bytes_;
   int64_t gradients_fb = 0;
@@ -374,15 +446,18 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
       kept_before += costs.kept[i];
       const int64_t held = std::min<int64_t>(
           sim.peak_bytes, kept_before + costs.x[i + 1] + costs.backward_extra(static_cast<int64_t>(i)));
-      const int64_t grads = offload_gradients ? layers[i].parameter_bytes : std::min(grads_from[i], trainable_bytes_);
+      int64_t grads = offload_gradients ? layers[i].parameter_bytes : std::min(grads_from[i], trainable_bytes_);
+      if (streamed) grads = streamed_extra(i);
       gradients_fb = std::max(gradients_fb, held + grads - sim.peak_bytes);
     }
   }
-  // Workspaces (CUDA's cuBLAS ones) are held through every phase.
-  const int64_t fb = workspace_bytes_ + parameter_bytes_ + state_device + m * example_bytes_ +
+  // Workspaces (CUDA's cuBLAS ones) are held through every phase; streamed
+  // parameters leave only the buffers (and one element per parameter) resident.
+  const int64_t resident = streamed ? buffer_bytes_ : parameter_bytes_;
+  const int64_t fb = workspace_bytes_ + resident + state_device + m * example_bytes_ +
                      gradients_fb + sim.peak_bytes;
   const int64_t step = workspace_bytes_ +
-                       (offload ? parameter_bytes_ + (offload_gradients ? 0 : trainable_bytes_)
+                       (offload ? resident + (offload_gradients ? 0 : trainable_bytes_)
                                 : parameter_bytes_ + state_bytes_ + trainable_bytes_ + step_temporary_bytes_);
   // Recomputation at the calibrated price (see StepModel::calibrate_recomputation).
   const double plain_time = simulate(schedule_none(costs.size()), costs).time;
@@ -394,11 +469,21 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
   r.forward_backward_bytes = fb;
   r.activation_bytes = sim.peak_bytes;
   r.optimizer_step_bytes = step;
-  r.seconds = double(accumulation) * chain_time + (offload ? offloaded_step_seconds_ : step_seconds_) +
+  // Streamed: every parameter comes over twice per micro-batch, and layers
+  // other than Linear run their forward once more in backward.
+  double stream_time = 0;
+  if (streamed) {
+    stream_time = 2 * stream_seconds_;
+    for (size_t i = 0; i < stream_layers_.size() && i < costs.forward.size(); ++i) {
+      if (!stream_layers_[i].linear && stream_layers_[i].bytes > 0) stream_time += recompute_factor_ * costs.forward[i];
+    }
+  }
+  r.seconds = double(accumulation) * (chain_time + stream_time) +
+              (offload ? offloaded_step_seconds_ : step_seconds_) +
               (offload_gradients ? double(accumulation - 1) * gradient_offload_seconds_ : 0.0);
   r.accumulation_steps = accumulation;
   r.memory.peak = r.peak_bytes;
-  r.memory.parameters = parameter_bytes_;
+  r.memory.parameters = resident;
   r.memory.gradients = fb >= step ? gradients_fb : (offload_gradients ? 0 : trainable_bytes_);
   r.memory.optimizer_state = state_device;
   r.memory.activations =
@@ -408,6 +493,7 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
 
 std::string offload_text(const StepSettings& s) {
   if (s.offload_optimizer() != Offload::kHost) return "none";
+  if (s.offload_parameters() == Offload::kHost) return "optimizer, gradients, parameters";
   return s.offload_gradients() == Offload::kHost ? "optimizer, gradients" : "optimizer";
 }
 
@@ -427,6 +513,23 @@ bool better(const StepPrediction& a, const StepPrediction& b) {
 namespace {
 Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int64_t budget);
 } // namespace
+
+std::vector<StepSettings> offload_choices(const StepModel& model, const PlanOptions& options) {
+  std::vector<StepSettings> out = {StepSettings()};
+  if (!options.offload()) return out;
+  out.push_back(StepSettings().offload_optimizer(Offload::kHost));
+  out.push_back(StepSettings().offload_optimizer(Offload::kHost).offload_gradients(Offload::kHost));
+  const auto streamed = StepSettings()
+                            .offload_optimizer(Offload::kHost)
+                            .offload_gradients(Offload::kHost)
+                            .offload_parameters(Offload::kHost);
+  out.push_back(streamed);
+  const int64_t largest = model.largest_linear_bytes();
+  for (int64_t k : {4, 16, 64}) {
+    if (largest >= 1024 * k) out.push_back(StepSettings(streamed).tile_bytes((largest + k - 1) / k));
+  }
+  return out;
+}
 
 Plan plan(const StepModel& model, int64_t batch, int64_t budget) {
   return plan_with(model, model.options(), batch, budget);
@@ -453,24 +556,22 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
     micro.push_back(m);
     if (m == 1 || !o.micro_batching()) break;
   }
-  // (optimizer state, gradients)
-  std::vector<std::pair<Offload, Offload>> offloads = {{Offload::kNone, Offload::kNone}};
-  if (o.offload()) {
-    offloads.emplace_back(Offload::kHost, Offload::kNone);
-    offloads.emplace_back(Offload::kHost, Offload::kHost);
-  }
+  const auto offloads = offload_choices(model, o);
+  // (precision, selective, micro-batch) that fit with coarser tiles: finer ones only add calls.
+  std::set<std::tuple<Precision, bool, int64_t>> streamed_fits;
 
   int64_t frugal_need = std::numeric_limits<int64_t>::max();
   StepPrediction frugal;
   for (auto precision : o.precisions()) {
     for (bool selective : model.selective_choices()) {
-      for (auto offload : offloads) {
+      for (const auto& offload : offloads) {
+        const bool streamed = offload.offload_parameters() == Offload::kHost;
+        if (streamed && precision != Precision::kFP32) continue;  // streams fp32 only
         for (int64_t m : micro) {
-          auto s = StepSettings()
+          if (streamed && streamed_fits.count({precision, selective, m}) > 0) continue;
+          auto s = StepSettings(offload)
                        .micro_batch(m == batch ? 0 : m)
                        .precision(precision)
-                       .offload_optimizer(offload.first)
-                       .offload_gradients(offload.second)
                        .selective_recompute(selective);
           auto p = model.predict(batch, s);
           ++best.candidates;
@@ -497,6 +598,7 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
             ++best.candidates;
           }
           if (p.peak_bytes > limit) continue;
+          if (streamed) streamed_fits.insert({precision, selective, m});
           if (!best.fits || better(p, best.predicted)) {
             best.fits = true;
             best.settings = s;
@@ -507,7 +609,8 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
     }
   }
   TORCH_CHECK(best.fits, "no combination of micro-batching",
-              o.checkpointing() ? ", checkpointing" : "", o.offload() ? ", optimizer offload" : "",
+              o.checkpointing() ? ", checkpointing" : "",
+              o.offload() ? ", offload (optimizer state, gradients, parameters)" : "",
               " and precision (", o.precisions().size(), " allowed) fits ", format_bytes(budget),
               " for a batch of ", batch, ": the most frugal needs about ",
               format_bytes(static_cast<int64_t>(std::ceil(double(frugal_need) / o.margin()))),
@@ -560,6 +663,15 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
     best.why.push_back("gradients moved to the host as backward produces them (accumulated there): "
                        "the device holds about one parameter's gradient at a time");
   }
+  if (s.offload_parameters() == Offload::kHost) {
+    best.why.push_back(fmt::format(
+        "parameters in host memory, streamed to the device layer by layer ({}): every parameter "
+        "crosses twice per micro-batch ({:.1f} ms each time), layers other than Linear run forward "
+        "once more",
+        s.tile_bytes() > 0 ? fmt::format("Linear weights in tiles of at most {}", format_bytes(s.tile_bytes()))
+                           : std::string("untiled"),
+        1e3 * model.stream_seconds()));
+  }
   best.why.push_back(fmt::format("predicted peak {} ({} phase), {:.1f} ms per batch, {:.2f}x the "
                                  "plain step's time",
                                  format_bytes(p.peak_bytes), p.phase, 1e3 * p.seconds,
@@ -591,7 +703,9 @@ bool verify_step(const std::function<torch::nn::Sequential()>& make_model, const
                                                       .device(device)
                                                       .precision(s.precision())
                                                       .offload_optimizer(s.offload_optimizer())
-                                                      .offload_gradients(s.offload_gradients()));
+                                                      .offload_gradients(s.offload_gradients())
+                                                      .offload_parameters(s.offload_parameters())
+                                                      .stream(StreamOptions().tile_bytes(s.tile_bytes())));
     set_memory_budget(device, base + budget);
     const auto report = trainer.fit(data);
     *peak = 0;
@@ -739,6 +853,7 @@ std::string Plan::to_json() const {
                       {"checkpoint", schedule_text(settings)},
                       {"selective_recompute", settings.selective_recompute()},
                       {"offload", offload_text(settings)},
+                      {"tile_bytes", settings.tile_bytes()},
                       {"predicted_peak_bytes", predicted.peak_bytes},
                       {"predicted_seconds", predicted.seconds},
                       {"predicted_phase", predicted.phase},

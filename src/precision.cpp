@@ -414,7 +414,8 @@ void MasterWeights::init() {
       torch::NoGradGuard no_grad;
       if (options_.offload() == Offload::kHost) {
         UntrackedGuard host;
-        master = torch::empty(p.sizes(), p.options().device(torch::kCPU).pinned_memory(p.is_cuda()));
+        const bool to_cuda = p.is_cuda() || (streamed() && options_.stream_to() && options_.stream_to()->is_cuda());
+        master = torch::empty(p.sizes(), p.options().device(torch::kCPU).pinned_memory(to_cuda));
         master.copy_(p);
       } else {
         master = p.detach().clone();
@@ -427,6 +428,17 @@ void MasterWeights::init() {
       p.set_data(p.to(options_.dtype()));
     }
   }
+  // Streamed: each parameter keeps its shape over one element of storage
+  // on the device it is streamed to, before its accumulator is made.
+  if (streamed()) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : params_) {
+      UntrackedGuard placeholder;  // a few bytes; not part of the model's device memory
+      released_.push_back(torch::zeros({1}, p.options().device(options_.stream_to().value_or(p.device())))
+                              .expand(p.sizes()));
+      p.set_data(released_.back());
+    }
+  }
   // After the casts: set_data() to another dtype gives a parameter a new accumulator.
   if (options_.gradients() == Offload::kHost) {
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -437,28 +449,15 @@ void MasterWeights::init() {
       accumulators_.push_back(std::move(acc));
     }
   }
-  // After the accumulators exist (their metadata holds the full shapes): each
-  // parameter keeps its shape over one element of storage.
-  if (streamed()) {
-    torch::NoGradGuard no_grad;
-    for (auto& p : params_) {
-      released_.push_back(torch::zeros({1}, p.options()).expand(p.sizes()));
-      p.set_data(released_.back());
-    }
-  }
 }
 
 MasterWeights::~MasterWeights() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
   if (!streamed()) return;
-  // The model is whole again; under a budget that has no room for it the
-  // parameters stay released (a destructor must not throw).
-  try {
-    for (size_t i = 0; i < params_.size(); ++i) set_parameter_data(i, fetch(i));
-  } catch (const c10::Error& e) {
-    TORCH_WARN("MasterWeights: could not put the streamed parameters back on the device (",
-               e.what_without_backtrace(), "); they stay released");
-  }
+  // The model is whole again, in host memory (the masters' own storage, no
+  // copy), where a model too large for the device was built.
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(masters_[i].detach());
 }
 
 torch::Tensor MasterWeights::fetch(size_t i, int64_t begin, int64_t rows) const {

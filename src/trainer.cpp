@@ -170,7 +170,14 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
       break;
     }
   }
-  model_->to(options_.device());
+  if (options_.offload_parameters() == Offload::kHost) {
+    // Streamed parameters go from where the model was built to their host
+    // masters (MasterWeights::stream_to); only the buffers move now.
+    torch::NoGradGuard no_grad;
+    for (auto& b : model_->buffers()) b.set_data(b.to(options_.device()));
+  } else {
+    model_->to(options_.device());
+  }
   if (options_.process_group() != nullptr && !pipeline_) {
     // Every rank starts from rank 0's parameters and buffers, before fp32
     // masters are copied from them (so DistributedDataParallel, made after
@@ -189,7 +196,8 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
                      .dtype(dtype)
                      .offload(state_on_host() ? Offload::kHost : Offload::kNone)
                      .gradients(options_.offload_gradients())
-                     .parameters(options_.offload_parameters()));
+                     .parameters(options_.offload_parameters())
+                     .stream_to(options_.device()));
     params = master_->master_parameters();
     if (master_->streamed()) stream_ = std::make_unique<ParameterStream>(model_, *master_, options_.stream());
   }

@@ -36,7 +36,7 @@ expect help 0 'train' out -- --help
 for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --seed --budget \
             --data --report --eval-batch --no-eval --quiet --threads --checkpoint \
             --checkpoint-budget --offload-checkpoints --precision --master-weights --device --clip-grad-norm --skip-nonfinite \
-            --micro-batch --freeze --offload --save --save-every --resume --plan --dist-timeout \
+            --micro-batch --freeze --offload --offload-tile --save --save-every --resume --plan --dist-timeout \
             --zero-stage --parallel --chunks --schedule --heads --context --dropout --selective-recompute --text \
             --torchscript; do
   expect "train-help-documents$flag" 0 "$flag" out -- train --help
@@ -81,8 +81,12 @@ expect clipped-run 0 'final loss' out -- \
 expect missing-data 1 'dataset-fashion-mnist' err -- train --data "$tmp/none" --steps 1
 expect over-budget 1 'out of memory.*tried to allocate' err -- \
   train --model mlp --budget 1MiB --steps 2 --no-eval -q --plan none
-expect over-budget-plan 1 'no combination of micro-batching.*fits 1.00 MiB.*most frugal needs about' err -- \
-  train --model mlp --budget 1MiB --steps 2 --no-eval -q
+expect over-budget-plan 1 'no combination of micro-batching.*parameters.*fits 16.00 KiB.*most frugal needs about' err -- \
+  train --model mlp --budget 16KiB --steps 2 --no-eval -q
+# The default MLP's 2.55 MiB of parameters train in 1 MiB: streamed from the host in tiles.
+expect streamed-plan 0 'peak memory .* of budget 1.00 MiB' out -- train --model mlp --budget 1MiB --steps 2 --no-eval
+expect streamed-plan-explains 0 'parameters in host memory, streamed to the device layer by layer' out -- \
+  train --model mlp --budget 1MiB --steps 1 --no-eval
 expect trains-and-evaluates 0 'test accuracy' out -- \
   train --model mlp --width 64 --depth 1 --steps 40 --batch 64 --budget 64MiB -q \
   --report "$tmp/report.json"
@@ -112,6 +116,12 @@ expect offload-optimizer-run 0 'optimizer state +0 bytes' out -- "${small[@]}" -
 expect offload-gradients-run 0 'gradients +0 bytes' out -- "${small[@]}" --steps 2 --offload optimizer,gradients
 expect offload-gradients-needs-optimizer 1 'set offload_optimizer to Offload::kHost too' err -- "${small[@]}" --steps 1 --offload gradients
 expect bad-offload 2 'offload' err -- train --offload gpu
+expect offload-parameters-run 0 'parameters +16 bytes' out -- "${small[@]}" --steps 2 --offload optimizer,gradients,parameters \
+  --offload-tile 8KiB
+expect offload-parameters-needs-both 1 'offload optimizer,gradients,parameters' err -- "${small[@]}" --steps 1 \
+  --offload optimizer,parameters
+expect offload-tile-needs-parameters 1 'add --offload optimizer,gradients,parameters' err -- "${small[@]}" --steps 1 \
+  --offload-tile 8KiB
 expect save-every-needs-save 2 'save-every.*requires.*save|save-every.*save' err -- train --save-every 2
 
 # Save and resume: 8 steps straight equal 4 steps, save, resume, 4 steps.
@@ -155,7 +165,7 @@ expect plan-needs-budget 2 'budget' err -- plan --model mlp
 expect plan-fits 0 '"fits": true' out -- plan --model resnet --width 4 --depth 1 --batch 64 --budget 3MiB --json
 expect plan-explains 0 'predicted peak .* per batch' out -- plan --model resnet --width 4 --depth 1 --batch 64 --budget 3MiB
 expect plan-nothing-fits 1 'most frugal needs about .* of which parameters, gradients and optimizer state take' err -- \
-  plan --model mlp --batch 64 --budget 64KiB
+  plan --model mlp --batch 64 --budget 16KiB
 expect profile-table 0 'measured plain training step: peak' out -- profile --model mlp --width 32 --depth 1 --batch 16
 expect profile-json 0 '"predicted_step_peak_bytes"' out -- profile --model mlp --width 32 --depth 1 --batch 16 --json
 expect find-batch 0 'plainly: batch [0-9]+ .*measured.*verification run' out -- \

@@ -164,7 +164,7 @@ TEST_F(ParameterStreamTest, ComposesWithACheckpointScheduleAndNoGradEvaluation) 
   EXPECT_EQ(ck->forward(x).abs().sum().item<double>(), 0.0);
 }
 
-TEST_F(ParameterStreamTest, MasterWeightsPutTheParametersBackWhenTheyGo) {
+TEST_F(ParameterStreamTest, MasterWeightsGiveTheParametersTheirMastersWhenTheyGo) {
   auto net = make_mlp(ModelOptions().width(16).depth(1));
   std::vector<torch::Tensor> before;
   for (const auto& p : net->parameters()) before.push_back(p.detach().clone());

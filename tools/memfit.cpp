@@ -88,6 +88,7 @@ struct TrainArgs : ModelArgs {
   int64_t micro_batch = 0;
   std::vector<std::string> freeze;
   std::vector<std::string> offload;
+  std::string offload_tile;
   std::string save;
   int64_t save_every = 0;
   std::string resume;
@@ -325,9 +326,15 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
   train->add_option("--offload", a.offload,
                     "Keep in host memory: optimizer (fp32 masters and optimizer state, stepped "
                     "there), gradients (moved to the host as backward produces them; needs "
-                    "optimizer) and/or checkpoints (like --offload-checkpoints); comma-separated")
+                    "optimizer), parameters (streamed to the device layer by layer; needs "
+                    "optimizer,gradients; fp32, one process) and/or checkpoints (like "
+                    "--offload-checkpoints); comma-separated")
       ->delimiter(',')
-      ->check(CLI::IsMember({"optimizer", "gradients", "checkpoints"}));
+      ->check(CLI::IsMember({"optimizer", "gradients", "parameters", "checkpoints"}));
+  train->add_option("--offload-tile", a.offload_tile,
+                    "With --offload parameters: run Linear weights larger than SIZE in tiles of at "
+                    "most SIZE (e.g. 256KiB), so the device holds one tile instead of the weight; "
+                    "default: untiled");
   auto* save = train->add_option("--save", a.save,
                                  "Save a checkpoint (model, optimizer, scaler, RNG, data position) "
                                  "to DIR/checkpoint.pt at the end, atomically");
@@ -553,6 +560,8 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
                                                                     : f.settings.schedule().to_string(),
                              f.settings.selective_recompute() ? ", selective recomputation of attention" : "",
                              f.settings.offload_optimizer() != memfit::Offload::kHost ? "on the device"
+                             : f.settings.offload_parameters() == memfit::Offload::kHost
+                                 ? "gradients and parameters on the host"
                              : f.settings.offload_gradients() == memfit::Offload::kHost ? "and gradients on the host"
                                                                                         : "on the host"));
     };
@@ -618,6 +627,8 @@ int run_train(const TrainArgs& a) {
     TORCH_CHECK(a.pipeline_checkpoint == "never", "--pipeline-checkpoint needs --parallel pipeline; for one "
                 "process or data parallelism use --checkpoint (sqrt, optimal, ...)");
   }
+  TORCH_CHECK(a.offload_tile.empty() || offloads("parameters"), "--offload-tile cuts streamed Linear "
+              "weights into tiles: add --offload optimizer,gradients,parameters, or drop --offload-tile");
   // With a budget, plan the knobs unless they were set by hand.
   const bool by_hand = pipelined || a.micro_batch > 0 || a.checkpoint != "none" || !a.offload.empty() ||
                        a.offload_checkpoints || a.master_weights != "none";
@@ -649,7 +660,6 @@ int run_train(const TrainArgs& a) {
                                       world.world_size);
   }
   memfit::set_memory_budget(device, budget);
-  memfit::reset_peak_memory_stats(device);
   memfit::CheckpointedSequential checkpointed(chain, ck_options);
   if (plan && !plan->settings.schedule().segments.empty()) {
     checkpointed->set_schedule(plan->settings.schedule());
@@ -683,6 +693,13 @@ int run_train(const TrainArgs& a) {
                                                                memfit::Offload::kHost)
                              ? memfit::Offload::kHost
                              : memfit::Offload::kNone)
+      .offload_parameters(offloads("parameters") || (plan && plan->settings.offload_parameters() ==
+                                                                memfit::Offload::kHost)
+                              ? memfit::Offload::kHost
+                              : memfit::Offload::kNone)
+      .stream(memfit::StreamOptions().tile_bytes(
+          plan ? plan->settings.tile_bytes()
+               : a.offload_tile.empty() ? 0 : memfit::parse_memory_size(a.offload_tile)))
       .save_dir(a.save)
       .save_every(a.save_every)
       .process_group(group)
@@ -701,6 +718,10 @@ int run_train(const TrainArgs& a) {
   const std::string schedule_text =
       pipelined ? "none (pipeline stages)" : checkpointed->schedule().to_string();
   memfit::Trainer trainer(model, options);
+  // The run's peak from here: with streamed parameters the model built in
+  // (tracked) memory has just gone to its host masters, as on a GPU, where
+  // it would have been built in host memory.
+  memfit::reset_peak_memory_stats(device);
   if (!a.save.empty() && world.rank == 0) {  // what `memfit generate` needs to build the model again
     nlohmann::json card = {{"model", a.model},     {"width", a.width},     {"depth", a.depth},
                            {"heads", a.heads},     {"context", a.context}, {"dropout", a.dropout},

@@ -95,7 +95,8 @@ struct PlanOptions {
   TORCH_ARG(std::vector<Precision>, precisions) = {Precision::kFP32};
   /// Whether the plan may checkpoint activations.
   TORCH_ARG(bool, checkpointing) = true;
-  /// Whether the plan may keep the optimizer state, and then the gradients, on the host.
+  /// Whether the plan may keep the optimizer state, then the gradients, then
+  /// the parameters (streamed, stream.h; fp32 only) on the host.
   TORCH_ARG(bool, offload) = true;
   /// The larger of the two batch sizes profiled (the other is half of it).
   TORCH_ARG(int64_t, profile_batch) = 32;
@@ -125,13 +126,18 @@ struct StepSettings {
   /// Where gradients accumulate (kHost needs offload_optimizer kHost): moved
   /// to the host as backward produces them (TrainerOptions::offload_gradients).
   TORCH_ARG(Offload, offload_gradients) = Offload::kNone;
+  /// Where the parameters live between uses (kHost needs both offloads
+  /// above): streamed from the host layer by layer (TrainerOptions::offload_parameters).
+  TORCH_ARG(Offload, offload_parameters) = Offload::kNone;
+  /// Streamed Linear weights run in tiles of at most this many bytes; 0: untiled.
+  TORCH_ARG(int64_t, tile_bytes) = 0;
   /// Whether the model's transformer blocks recompute their attention scores,
   /// softmax and attention dropout in backward (set_selective_recompute).
   TORCH_ARG(bool, selective_recompute) = false;
 };
 
-/// What a step keeps on the host: "none", "optimizer" or "optimizer, gradients"
-/// (the "offload" of Plan::to_json).
+/// What a step keeps on the host: "none", "optimizer", "optimizer, gradients"
+/// or "optimizer, gradients, parameters" (the "offload" of Plan::to_json).
 ///
 /// Example:
 /// \code
@@ -186,6 +192,12 @@ class StepModel {
   /// Measured recomputation time over the simulator's (which prices a no-grad
   /// forward like one with grad); scales predicted recomputation.
   double recompute_factor() const { return recompute_factor_; }
+  /// Seconds to bring every parameter from the host to the device once (a
+  /// streamed micro-batch does it twice: forward and backward).
+  double stream_seconds() const { return stream_seconds_; }
+  /// Bytes of the largest Linear weight among the chain's layers (0: none):
+  /// the tile sizes the planner tries are fractions of it.
+  int64_t largest_linear_bytes() const;
 
  private:
   double calibrate_recomputation(const torch::nn::Sequential& chain, const torch::Tensor& x,
@@ -212,6 +224,17 @@ class StepModel {
   double offloaded_step_seconds_ = 0;
   double gradient_offload_seconds_ = 0;  // adding every gradient into host copies once
   double recompute_factor_ = 1.0;
+  // Streamed parameters: per layer of the chain.
+  struct StreamedLayerCost {
+    bool linear = false;       // written out and tiled; else recomputed
+    int64_t rows = 0;          // Linear: output rows
+    int64_t row_bytes = 0;     // Linear: bytes of one weight row plus its bias element
+    int64_t bytes = 0;         // all its parameters
+    int64_t largest = 0;       // its largest parameter
+  };
+  std::vector<StreamedLayerCost> stream_layers_;
+  int64_t buffer_bytes_ = 0;
+  double stream_seconds_ = 0;
 };
 
 /// A plan: the knobs, what they are predicted to cost, and why.
@@ -229,11 +252,27 @@ struct Plan {
   /// {"fits", "budget_bytes", "predicted_peak_bytes", "predicted_seconds",
   /// "plain_peak_bytes", "plain_seconds", "batch", "micro_batch",
   /// "accumulation_steps", "precision", "checkpoint", "selective_recompute",
-  /// "offload", "why"}.
+  /// "offload", "tile_bytes", "why"}.
   std::string to_json() const;
   /// The plan and its reasons as text.
   std::string explain() const;
 };
+
+/// The offload settings plan() tries (optimizer state, gradients, parameters
+/// and tile sizes; the other knobs at their defaults): nothing on the host;
+/// the optimizer state; the state and the gradients; and, with those, the
+/// parameters streamed, untiled and with the largest Linear weight in 4, 16
+/// and 64 tiles (where a tile is at least 1 KiB). With PlanOptions::offload
+/// false, nothing on the host only.
+///
+/// Example:
+/// \code
+///   auto net = memfit::make_mlp();
+///   memfit::StepModel model(net, torch::zeros({1, 1, 28, 28}));
+///   auto choices = memfit::offload_choices(model, model.options());
+///   assert(choices.size() == 7 && choices.back().tile_bytes() == 784 * 512 * 4 / 64);
+/// \endcode
+std::vector<StepSettings> offload_choices(const StepModel& model, const PlanOptions& options);
 
 /// The plan with the least predicted time per logical batch of `batch` whose
 /// predicted peak fits options.margin() × `budget`.

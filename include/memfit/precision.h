@@ -264,9 +264,16 @@ struct MasterWeightsOptions {
   /// keeps its shape but shares one element of storage, reading as zeros),
   /// and a ParameterStream (stream.h) brings each layer's parameters back
   /// while it runs (ZeRO-Infinity's parameter offload, FSDP's CPU offload).
-  /// master_to_model() then copies nothing; the destructor puts the updated
-  /// parameters back on the device.
+  /// master_to_model() then copies nothing; the destructor gives each
+  /// parameter its master's storage: the trained model is whole again, in
+  /// host memory (move it with ->to(device)).
   TORCH_ARG(Offload, parameters) = Offload::kNone;
+  /// Streamed parameters: the device they are fetched to (nullopt: the one
+  /// they are on). A model built in host memory then never lands on the
+  /// device whole: each parameter goes from where it was built to its host
+  /// master, and its one-element placeholder (not counted by the CPU
+  /// tracking allocator) lives on this device.
+  TORCH_ARG(c10::optional<torch::Device>, stream_to) = c10::nullopt;
 };
 
 /// Holds a model's parameters in bfloat16 or float16 with float32 master
