@@ -118,6 +118,30 @@ double time_stream(const std::vector<torch::Tensor>& params) {
   return median(times);
 }
 
+// `segments` as a streamed chain runs them: every layer with parameters
+// other than a Linear (recomputed[i]) outside a checkpoint becomes a
+// checkpoint of its own, also inside recomputations.
+std::vector<Segment> as_streamed(const std::vector<Segment>& segments, const std::vector<bool>& recomputed) {
+  std::vector<Segment> out;
+  for (const auto& s : segments) {
+    if (s.checkpointed) {
+      Segment c = s;
+      c.inner = as_streamed(s.inner, recomputed);
+      out.push_back(std::move(c));
+      continue;
+    }
+    int64_t plain_begin = s.begin;
+    for (int64_t i = s.begin; i < s.end; ++i) {
+      if (!recomputed[static_cast<size_t>(i)]) continue;
+      if (plain_begin < i) out.push_back(Segment{plain_begin, i, false, {}});
+      out.push_back(Segment{i, i + 1, true, {Segment{i, i + 1, false, {}}}});
+      plain_begin = i + 1;
+    }
+    if (plain_begin < s.end) out.push_back(Segment{plain_begin, s.end, false, {}});
+  }
+  return out;
+}
+
 // v(m) on the line through (b_small, small) and (b_large, large); when that
 // line would cross zero above m = 0 or fall (timing noise), the line through
 // 0 and (b_large, large) instead, so small batches never look free.
@@ -400,7 +424,14 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
               s.micro_batch());
   const int64_t m = s.micro_batch() > 0 ? std::min(s.micro_batch(), batch) : batch;
   const auto costs = this->costs(s.precision(), m, s.selective_recompute());
-  const Schedule schedule = s.schedule().segments.empty() ? schedule_none(costs.size()) : s.schedule();
+  Schedule schedule = s.schedule().segments.empty() ? schedule_none(costs.size()) : s.schedule();
+  if (s.offload_parameters() == Offload::kHost) {
+    std::vector<bool> recomputed(static_cast<size_t>(costs.size()), false);
+    for (size_t i = 0; i < stream_layers_.size() && i < recomputed.size(); ++i) {
+      recomputed[i] = !stream_layers_[i].linear && stream_layers_[i].bytes > 0;
+    }
+    schedule.segments = as_streamed(schedule.segments, recomputed);
+  }
   const auto sim = simulate(schedule, costs);
   // Streamed: what layer i's parameters add on the device while it runs. A
   // Linear holds one weight tile (fetched for forward, or for its input's
@@ -469,15 +500,9 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
   r.forward_backward_bytes = fb;
   r.activation_bytes = sim.peak_bytes;
   r.optimizer_step_bytes = step;
-  // Streamed: every parameter comes over twice per micro-batch, and layers
-  // other than Linear run their forward once more in backward.
-  double stream_time = 0;
-  if (streamed) {
-    stream_time = 2 * stream_seconds_;
-    for (size_t i = 0; i < stream_layers_.size() && i < costs.forward.size(); ++i) {
-      if (!stream_layers_[i].linear && stream_layers_[i].bytes > 0) stream_time += recompute_factor_ * costs.forward[i];
-    }
-  }
+  // Streamed: every parameter comes over twice per micro-batch (the
+  // recomputation of layers other than Linear is in the simulated schedule).
+  const double stream_time = streamed ? 2 * stream_seconds_ : 0.0;
   r.seconds = double(accumulation) * (chain_time + stream_time) +
               (offload ? offloaded_step_seconds_ : step_seconds_) +
               (offload_gradients ? double(accumulation - 1) * gradient_offload_seconds_ : 0.0);

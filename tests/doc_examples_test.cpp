@@ -10,6 +10,7 @@
 #include "memfit/memory.h"
 #include "memfit/profile.h"
 #include "memfit/schedule.h"
+#include "memfit/stream.h"
 #include "memfit/models.h"
 #include "memfit/plan.h"
 #include "memfit/precision.h"
@@ -401,6 +402,34 @@ TEST_F(DocExamples, DataAndTrainerHeaders) {
     std::filesystem::remove(dir + "/checkpoint.pt");
     std::filesystem::remove(dir);
   }
+}
+
+TEST_F(DocExamples, StreamHeader) {
+  {  // ParameterStream
+    auto net = memfit::make_mlp(memfit::ModelOptions().width(32).depth(1));
+    memfit::MasterWeights master(*net, memfit::MasterWeightsOptions()
+                                           .dtype(torch::kFloat)
+                                           .offload(memfit::Offload::kHost)
+                                           .gradients(memfit::Offload::kHost)
+                                           .parameters(memfit::Offload::kHost));
+    memfit::ParameterStream stream(net, master, memfit::StreamOptions().tile_bytes(16 << 10));
+    torch::optim::SGD sgd(master.master_parameters(), torch::optim::SGDOptions(0.1));
+    stream.forward(torch::zeros({4, 1, 28, 28})).sum().backward();
+    sgd.step();
+    master.master_to_model();
+  }
+  {  // streamed_bytes
+    torch::nn::Linear lin(100, 64);  // 25.6 KB of weight
+    EXPECT_EQ(memfit::streamed_bytes(*lin, 6400), 16 * 100 * 4 + 16 * 4);
+  }
+}
+
+TEST_F(DocExamples, OffloadChoices) {
+  auto net = memfit::make_mlp();
+  memfit::StepModel model(net, torch::zeros({1, 1, 28, 28}));
+  auto choices = memfit::offload_choices(model, model.options());
+  EXPECT_EQ(choices.size(), 7u);
+  EXPECT_EQ(choices.back().tile_bytes(), 784 * 512 * 4 / 64);
 }
 
 } // namespace

@@ -35,7 +35,9 @@ int64_t measured_peak(const std::string& kind, int64_t batch, const StepSettings
                                               .micro_batch_size(s.micro_batch())
                                               .precision(s.precision())
                                               .offload_optimizer(s.offload_optimizer())
-                                              .offload_gradients(s.offload_gradients()));
+                                              .offload_gradients(s.offload_gradients())
+                                              .offload_parameters(s.offload_parameters())
+                                              .stream(StreamOptions().tile_bytes(s.tile_bytes())));
   if (budget > 0) set_memory_budget(torch::kCPU, base + budget);
   const auto report = t.fit(small_data());
   set_memory_budget(torch::kCPU, 0);
@@ -45,25 +47,40 @@ int64_t measured_peak(const std::string& kind, int64_t batch, const StepSettings
 }
 
 TEST_F(Planner, PredictedPeakIsWithinTenPercentOnAGridOfSettings) {
-  std::vector<double> errors;
+  std::vector<double> errors, streamed_errors;
   for (const std::string kind : {"mlp", "resnet"}) {
     auto chain = make(kind);
     StepModel model(chain, small_data().images.narrow(0, 0, 1),
                     PlanOptions().precisions({Precision::kFP32, Precision::kBF16}));
     for (auto precision : {Precision::kFP32, Precision::kBF16}) {
       for (int64_t micro : {int64_t(0), int64_t(16)}) {
-        // Offload: 0 none, 1 the optimizer state, 2 the state and the gradients.
-        for (int offload : {0, 1, 2}) {
+        // Offload: 0 none, 1 the optimizer state, 2 the state and the gradients,
+        // 3 (fp32) the parameters streamed too, the largest Linear in 8 tiles.
+        for (int offload : {0, 1, 2, 3}) {
+          if (offload == 3 && precision != Precision::kFP32) continue;
           for (bool checkpointed : {false, true}) {
             auto s = StepSettings()
                          .micro_batch(micro)
                          .precision(precision)
                          .offload_optimizer(offload > 0 ? Offload::kHost : Offload::kNone)
-                         .offload_gradients(offload > 1 ? Offload::kHost : Offload::kNone);
+                         .offload_gradients(offload > 1 ? Offload::kHost : Offload::kNone)
+                         .offload_parameters(offload > 2 ? Offload::kHost : Offload::kNone)
+                         .tile_bytes(offload > 2 ? model.largest_linear_bytes() / 8 : 0);
             if (checkpointed) s.schedule(schedule_sqrt(chain->size()));
             const auto predicted = model.predict(64, s).peak_bytes;
             const auto measured = measured_peak(kind, 64, s);
             const double error = double(predicted - measured) / double(measured);
+            // Streamed settings are held to a looser bound on the safe side:
+            // their peaks are small (no model state on the device), so the
+            // model's conservative backward accounting (a layer's output is
+            // counted until its own backward ends) weighs more: +11% to +18%.
+            if (offload == 3) {
+              streamed_errors.push_back(error);
+              EXPECT_TRUE(error >= -0.10 && error <= 0.20)
+                  << kind << " micro " << micro << " streamed, checkpointed " << checkpointed
+                  << ": predicted " << predicted << " measured " << measured;
+              continue;
+            }
             errors.push_back(error);
             EXPECT_LE(std::abs(error), 0.10)
                 << kind << " " << to_string(precision) << " micro " << micro << " offload "
@@ -77,6 +94,9 @@ TEST_F(Planner, PredictedPeakIsWithinTenPercentOnAGridOfSettings) {
   std::sort(errors.begin(), errors.end());
   std::cout << "prediction error over " << errors.size() << " settings: min " << errors.front()
             << " median " << errors[errors.size() / 2] << " max " << errors.back() << "\n";
+  std::sort(streamed_errors.begin(), streamed_errors.end());
+  std::cout << "streamed parameters, " << streamed_errors.size() << " settings: min " << streamed_errors.front()
+            << " max " << streamed_errors.back() << "\n";
 }
 
 TEST_F(Planner, PlansFitTheirBudgetWhenRun) {
@@ -86,14 +106,8 @@ TEST_F(Planner, PlansFitTheirBudgetWhenRun) {
     const int64_t plain = model.predict(128, StepSettings()).peak_bytes;
     for (int divisor : {2, 4, 8}) {
       const int64_t budget = plain / divisor;
-      Plan p;
-      try {
-        p = plan(model, 128, budget);
-      } catch (const c10::Error& e) {
-        // Parameters, gradients and state alone may exceed 1/8 of the plain peak.
-        EXPECT_NE(std::string(e.msg()).find("the most frugal needs about"), std::string::npos) << e.msg();
-        continue;
-      }
+      // Every budget fits: below the model state's own bytes, streamed parameters.
+      const Plan p = plan(model, 128, budget);
       ASSERT_TRUE(p.fits);
       EXPECT_LE(p.predicted.peak_bytes, budget);
       int64_t measured = 0;
@@ -110,13 +124,28 @@ TEST_F(Planner, NothingFitsNamesTheSmallestBudgetAndWhatDominates) {
   auto chain = make("mlp");
   StepModel model(chain, small_data().images.narrow(0, 0, 1));
   try {
-    plan(model, 64, 64 * 1024);
-    FAIL() << "64 KiB cannot hold the parameters";
+    plan(model, 64, 8 * 1024);
+    FAIL() << "8 KiB cannot hold one example and one tile of the first layer";
   } catch (const c10::Error& e) {
     const std::string msg = e.msg();
-    EXPECT_NE(msg.find("fits 64.00 KiB for a batch of 64: the most frugal needs about"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("fits 8.00 KiB for a batch of 64: the most frugal needs about"), std::string::npos) << msg;
     EXPECT_NE(msg.find("of which parameters, gradients and optimizer state take"), std::string::npos) << msg;
   }
+}
+
+TEST_F(Planner, StreamsParametersOnlyWhereTheModelStateDoesNotFit) {
+  auto chain = make("mlp");
+  StepModel model(chain, small_data().images.narrow(0, 0, 1));
+  int64_t parameters = 0;
+  for (const auto& p : chain->parameters()) parameters += p.numel() * 4;
+  const auto roomy = plan(model, 128, 4 * model.predict(128, StepSettings()).peak_bytes);
+  EXPECT_EQ(roomy.settings.offload_parameters(), Offload::kNone) << "copies cost time: not without need";
+  const auto tight = plan(model, 128, parameters / 2);
+  EXPECT_EQ(tight.settings.offload_parameters(), Offload::kHost) << tight.explain();
+  EXPECT_EQ(offload_text(tight.settings), "optimizer, gradients, parameters");
+  EXPECT_GT(tight.settings.tile_bytes(), 0) << "the first layer alone (784 x 256 floats) is 0.77 of the budget";
+  EXPECT_NE(tight.explain().find("streamed to the device layer by layer"), std::string::npos);
+  EXPECT_LE(measured_peak("mlp", 128, tight.settings, parameters / 2), parameters / 2);
 }
 
 TEST_F(Planner, PlanJsonHoldsTheKnobsAndPrediction) {
@@ -125,7 +154,7 @@ TEST_F(Planner, PlanJsonHoldsTheKnobsAndPrediction) {
   const auto p = plan(model, 64, model.predict(64, StepSettings()).peak_bytes / 3);
   const auto j = nlohmann::json::parse(p.to_json());
   for (const char* key : {"fits", "predicted_peak_bytes", "micro_batch", "accumulation_steps",
-                          "precision", "checkpoint", "offload", "why"}) {
+                          "precision", "checkpoint", "offload", "tile_bytes", "why"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   EXPECT_TRUE(j["fits"].get<bool>());
