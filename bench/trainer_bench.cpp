@@ -12,6 +12,8 @@
 //     frozen       the first layers frozen (ResNet: stem and stage 0; MLP: fc0)
 //     offload      optimizer state (and fp32 masters) on the host
 //     offload_grads  and the gradients, moved there as backward produces them
+//     stream       and the parameters, streamed from the host layer by layer
+//     stream_tiled and Linear weights in tiles of at most 64 KiB
 //   and evaluation: the peak of a no-grad forward against the same forward with grad.
 //
 //   build/bench/memfit_trainer_bench
@@ -91,6 +93,14 @@ void BM_Techniques(benchmark::State& state, std::string model) {
       {"offload", memfit::TrainerOptions(base).offload_optimizer(memfit::Offload::kHost), true},
       {"offload_grads",
        memfit::TrainerOptions(base).offload_optimizer(memfit::Offload::kHost).offload_gradients(memfit::Offload::kHost),
+       true},
+      {"stream",
+       memfit::TrainerOptions(base).offload_optimizer(memfit::Offload::kHost).offload_gradients(memfit::Offload::kHost)
+           .offload_parameters(memfit::Offload::kHost),
+       true},
+      {"stream_tiled",
+       memfit::TrainerOptions(base).offload_optimizer(memfit::Offload::kHost).offload_gradients(memfit::Offload::kHost)
+           .offload_parameters(memfit::Offload::kHost).stream(memfit::StreamOptions().tile_bytes(64 << 10)),
        true},
   };
   // Memory first, one trainer alive at a time: bytes are the trainer's own.

@@ -25,6 +25,8 @@ grep -q "gradients identical" "$work/checkpointing-run.log"
 grep -q "mixed precision matches fp32" "$work/mixed-precision-run.log"
 "$work/find/trainer_state" | tee "$work/trainer-state-run.log"
 grep -q "resume bit-identical" "$work/trainer-state-run.log"
+"$work/find/parameter_offload" | tee "$work/parameter-offload-run.log"
+grep -q "streamed parameters train like resident ones" "$work/parameter-offload-run.log"
 echo "ok   find_package(memfit CONFIG REQUIRED)"
 
 cmake -S "$consumer" -B "$work/subdir" -DCMAKE_BUILD_TYPE=Release \

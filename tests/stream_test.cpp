@@ -89,6 +89,22 @@ TEST_F(ParameterStreamTest, OtherLayersAreRecomputedWithTheResidentGradientsBitw
   expect_bitwise(g_streamed, g_plain);
 }
 
+TEST_F(ParameterStreamTest, AGptWithDropoutStreamsWithTheResidentGradientsBitwise) {
+  // Embedding, blocks (attention, dropout) and a head on 3-D inputs: all recomputed.
+  const auto options = ModelOptions().num_classes(50).width(32).depth(2).heads(2).context(16).dropout(0.1);
+  const auto tokens = torch::randint(50, {4, 16}, torch::kLong);
+  torch::manual_seed(3);
+  auto resident = make_gpt(options);
+  torch::manual_seed(3);
+  auto net = make_gpt(options);
+  torch::manual_seed(7);
+  const auto [y_plain, g_plain] = plain_step(resident, tokens);
+  torch::manual_seed(7);
+  const auto [y_streamed, g_streamed] = streamed_step(net, tokens);
+  EXPECT_TRUE(y_streamed.equal(y_plain)) << "the same dropout masks";
+  expect_bitwise(g_streamed, g_plain);
+}
+
 TEST_F(ParameterStreamTest, LayersAreRunByKind) {
   torch::nn::Sequential net(torch::nn::Flatten(), torch::nn::Linear(64, 32), torch::nn::ReLU(),
                             torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})));

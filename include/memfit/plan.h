@@ -31,6 +31,9 @@
 /// micro-batch size (the batch, halved down to 1), and for each the
 /// schedule: none when it fits, else the optimal checkpoint schedule for the
 /// memory left; it keeps the fitting plan with the least predicted time.
+/// Predicted times within 3% of each other are a tie (the time model's noise
+/// on a shared machine), which the plan without recomputation, then with
+/// less offload, wins.
 ///
 /// Thread safety: a StepModel is a value after construction. Sync points: the
 /// profiling runs. Extra memory: profiling runs one layer at a time at the
@@ -275,7 +278,8 @@ struct Plan {
 std::vector<StepSettings> offload_choices(const StepModel& model, const PlanOptions& options);
 
 /// The plan with the least predicted time per logical batch of `batch` whose
-/// predicted peak fits options.margin() × `budget`.
+/// predicted peak fits options.margin() × `budget` (times within 3% are a
+/// tie, won by the plan without recomputation, then with less offload).
 ///
 /// Throws c10::Error when nothing fits, giving the smallest budget that the
 /// most frugal combination needs and the part that dominates it.
