@@ -20,7 +20,11 @@
 /// Bytes are linear in the batch; times are fitted piecewise through more
 /// measured batches (1, 2, profile_batch / 8 and, up to PlanOptions::time_batch,
 /// 4× steps above profile_batch), so that micro-batches are priced from
-/// measurements rather than extrapolated. Time per logical batch is the
+/// measurements rather than extrapolated. Every batch is timed in two passes,
+/// the second in reverse order, and each layer keeps its faster time. With
+/// streamed parameters (StepSettings::offload_parameters) layers other than
+/// Linear are simulated as checkpoints of their own, each Linear adds one
+/// weight tile, and each micro-batch two measured copies of every parameter. Time per logical batch is the
 /// simulated forward, recomputation and backward time of each micro-batch plus
 /// a measured optimizer step (with the host copies when offloaded);
 /// recomputation is priced by one measurement of the chain with sqrt(n)
