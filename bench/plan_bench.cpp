@@ -71,14 +71,8 @@ Run run(const std::string& kind, int64_t batch, const memfit::StepSettings& s, i
   auto chain = make(kind);
   memfit::CheckpointedSequential model(chain);
   if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
-  memfit::Trainer t(torch::nn::Sequential(model), memfit::TrainerOptions()
-                                                      .batch_size(batch)
-                                                      .steps(3)
-                                                      .micro_batch_size(s.micro_batch())
-                                                      .offload_optimizer(s.offload_optimizer())
-                                                      .offload_gradients(s.offload_gradients())
-                                                      .offload_parameters(s.offload_parameters())
-                                                      .stream(memfit::StreamOptions().tile_bytes(s.tile_bytes())));
+  memfit::Trainer t(torch::nn::Sequential(model),
+                    memfit::trainer_options(s, memfit::TrainerOptions().batch_size(batch).steps(3)));
   memfit::set_memory_budget(torch::kCPU, budget > 0 ? base + budget : 0);
   Run r;
   try {
@@ -100,14 +94,7 @@ double side_by_side_ratio(const std::string& kind, int64_t batch, const memfit::
     memfit::CheckpointedSequential model(make(kind));
     if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
     return std::make_unique<memfit::Trainer>(
-        torch::nn::Sequential(model), memfit::TrainerOptions()
-                                          .batch_size(batch)
-                                          .steps(1)
-                                          .micro_batch_size(s.micro_batch())
-                                          .offload_optimizer(s.offload_optimizer())
-                                          .offload_gradients(s.offload_gradients())
-                                          .offload_parameters(s.offload_parameters())
-                                          .stream(memfit::StreamOptions().tile_bytes(s.tile_bytes())));
+        torch::nn::Sequential(model), memfit::trainer_options(s, memfit::TrainerOptions().batch_size(batch).steps(1)));
   };
   auto ta = trainer(a), tb = trainer(b);
   ta->fit(data());
@@ -254,15 +241,8 @@ void BM_Accuracy(benchmark::State& state, std::string kind) {
               auto c = make(kind);
               memfit::CheckpointedSequential cs(c);
               if (checkpointed) cs->set_schedule(s.schedule());
-              memfit::Trainer t(torch::nn::Sequential(cs), memfit::TrainerOptions()
-                                                               .batch_size(batch)
-                                                               .steps(3)
-                                                               .micro_batch_size(micro)
-                                                               .precision(precision)
-                                                               .offload_optimizer(s.offload_optimizer())
-                                                               .offload_gradients(s.offload_gradients())
-                                                               .offload_parameters(s.offload_parameters())
-                                                               .stream(memfit::StreamOptions().tile_bytes(s.tile_bytes())));
+              memfit::Trainer t(torch::nn::Sequential(cs),
+                                memfit::trainer_options(s, memfit::TrainerOptions().batch_size(batch).steps(3)));
               int64_t measured = 0;
               for (const auto& r : t.fit(data()).steps) measured = std::max(measured, r.peak_bytes - base);
               const double error = double(predicted.peak_bytes - measured) / double(measured);

@@ -458,10 +458,8 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
     if (i >= stream_layers_.size() || stream_layers_[i].bytes == 0) return 0;
     const auto& c = stream_layers_[i];
     if (!c.linear) return c.bytes + c.largest;
-    const int64_t weight_row = c.largest / std::max<int64_t>(c.rows, 1);
-    const bool tiled = s.tile_bytes() > 0 && c.largest > s.tile_bytes();
-    const int64_t rows = tiled ? std::clamp<int64_t>(s.tile_bytes() / std::max<int64_t>(weight_row, 1), 1, c.rows) : c.rows;
-    return rows * c.row_bytes + (tiled ? costs.x[i + 1] * rows / c.rows : 0);
+    const int64_t rows = linear_tile_rows(c.rows, c.largest, s.tile_bytes());
+    return rows * c.row_bytes + (rows < c.rows ? costs.x[i + 1] * rows / c.rows : 0);
   };
   const bool offload = s.offload_optimizer() == Offload::kHost;
   const bool offload_gradients = s.offload_gradients() == Offload::kHost;
@@ -531,6 +529,15 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
   r.memory.activations =
       std::max<int64_t>(0, r.peak_bytes - r.memory.parameters - r.memory.gradients - r.memory.optimizer_state);
   return r;
+}
+
+TrainerOptions trainer_options(const StepSettings& s, TrainerOptions base) {
+  return base.micro_batch_size(s.micro_batch())
+      .precision(s.precision())
+      .offload_optimizer(s.offload_optimizer())
+      .offload_gradients(s.offload_gradients())
+      .offload_parameters(s.offload_parameters())
+      .stream(StreamOptions().tile_bytes(s.tile_bytes()));
 }
 
 std::string offload_text(const StepSettings& s) {
@@ -757,18 +764,13 @@ bool verify_step(const std::function<torch::nn::Sequential()>& make_model, const
     set_selective_recompute(chain, s.selective_recompute());
     CheckpointedSequential model(chain);
     if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
-    Trainer trainer(torch::nn::Sequential(model), TrainerOptions()
-                                                      .batch_size(batch)
-                                                      .steps(2)
-                                                      .optimizer(o.optimizer())
-                                                      .momentum(o.momentum())
-                                                      .weight_decay(o.weight_decay())
-                                                      .device(device)
-                                                      .precision(s.precision())
-                                                      .offload_optimizer(s.offload_optimizer())
-                                                      .offload_gradients(s.offload_gradients())
-                                                      .offload_parameters(s.offload_parameters())
-                                                      .stream(StreamOptions().tile_bytes(s.tile_bytes())));
+    Trainer trainer(torch::nn::Sequential(model), trainer_options(s, TrainerOptions()
+                                                                         .batch_size(batch)
+                                                                         .steps(2)
+                                                                         .optimizer(o.optimizer())
+                                                                         .momentum(o.momentum())
+                                                                         .weight_decay(o.weight_decay())
+                                                                         .device(device)));
     set_memory_budget(device, base + budget);
     const auto report = trainer.fit(data);
     *peak = 0;

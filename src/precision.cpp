@@ -327,6 +327,24 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
 
 // ---------------------------------------------------------------- MasterWeights
 
+namespace detail {
+void add_to_host_grad(const torch::Tensor& master, const torch::Tensor& g, int64_t begin, bool copy) {
+  torch::NoGradGuard no_grad;
+  UntrackedGuard host;
+  auto& grad = const_cast<torch::Tensor&>(master).mutable_grad();
+  if (!grad.defined()) {
+    grad = torch::empty(master.sizes(), master.options().pinned_memory(g.is_cuda()));
+    copy = true;
+  }
+  auto part = g.sizes() == master.sizes() ? grad : grad.narrow(0, begin, g.size(0));
+  if (copy) {
+    part.copy_(g);
+  } else {
+    part.add_(g.to(part.options()));
+  }
+}
+} // namespace detail
+
 MasterWeights::MasterWeights(std::vector<torch::Tensor> params, MasterWeightsOptions options)
     : params_(std::move(params)), cast_(params_.size(), true), options_(std::move(options)) {
   init();
@@ -340,18 +358,7 @@ struct GradientToHost : torch::autograd::FunctionPostHook {
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list& /*inputs*/) override {
     if (!param_.grad().defined()) return outputs;
-    torch::NoGradGuard no_grad;
-    {
-      UntrackedGuard host;
-      const auto& g = param_.grad();
-      if (!master_.grad().defined()) {
-        auto copy = torch::empty(master_.sizes(), master_.options().pinned_memory(g.is_cuda()));
-        copy.copy_(g);
-        master_.mutable_grad() = copy;
-      } else {
-        master_.mutable_grad().add_(g.to(master_.options()));
-      }
-    }
+    detail::add_to_host_grad(master_, param_.grad());
     param_.mutable_grad() = torch::Tensor();
     return outputs;
   }

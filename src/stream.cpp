@@ -2,7 +2,6 @@
 
 #include "memfit/checkpoint.h"
 #include "memfit/compat.h"
-#include "memfit/memory.h"
 #include "memfit/schedule.h"
 
 #include <ATen/ExpandUtils.h>
@@ -19,14 +18,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Rows of a Linear weight per tile: all of them, or as many whole rows as
-// fit in tile_bytes (at least one).
 int64_t tile_rows(const torch::Tensor& weight, int64_t tile_bytes) {
-  const int64_t rows = weight.size(0);
-  const int64_t bytes = weight.numel() * static_cast<int64_t>(weight.element_size());
-  if (tile_bytes <= 0 || bytes <= tile_bytes || rows == 0) return std::max<int64_t>(rows, 1);
-  const int64_t row_bytes = bytes / rows;
-  return std::clamp<int64_t>(tile_bytes / std::max<int64_t>(row_bytes, 1), 1, rows);
+  return linear_tile_rows(weight.size(0), weight.numel() * static_cast<int64_t>(weight.element_size()), tile_bytes);
 }
 
 // One streamed Linear: its weight's and bias' indices among the masters.
@@ -57,28 +50,6 @@ struct LinearState : torch::CustomClassHolder {
     return y;
   }
 
-  // Adds `g` into rows [begin, begin + len) of master i's gradient, on the
-  // host; `fresh`: this backward allocated that gradient, so it is copied.
-  void to_master_grad(size_t i, int64_t begin, int64_t len, const torch::Tensor& g, bool fresh) const {
-    UntrackedGuard host;
-    auto& grad = const_cast<torch::Tensor&>(master_of(i)).mutable_grad();
-    auto part = tiles() == 1 ? grad : grad.narrow(0, begin, len);
-    if (fresh) {
-      part.copy_(g);
-    } else {
-      part.add_(g.to(part.options()));
-    }
-  }
-
-  // Allocates master i's gradient when it has none; whether it did.
-  bool prepare_grad(size_t i) const {
-    auto& m = const_cast<torch::Tensor&>(master_of(i));
-    if (!m.requires_grad()) return false;
-    if (m.grad().defined()) return false;
-    UntrackedGuard host;
-    m.mutable_grad() = torch::empty(m.sizes(), m.options().pinned_memory(master->model_parameters()[i].is_cuda()));
-    return true;
-  }
 };
 
 struct StreamedLinearFunction : public torch::autograd::Function<StreamedLinearFunction> {
@@ -100,10 +71,13 @@ struct StreamedLinearFunction : public torch::autograd::Function<StreamedLinearF
     const auto& dy = grad_outputs[0];
     torch::NoGradGuard no_grad;
     const bool need_dx = ctx->needs_input_grad(0);  // edges count tensor inputs only: x
-    const bool fresh_w = state->prepare_grad(state->weight);
-    const bool fresh_b = state->bias >= 0 && state->prepare_grad(static_cast<size_t>(state->bias));
-    const bool grad_w = state->master_of(state->weight).requires_grad();
-    const bool grad_b = state->bias >= 0 && state->master_of(static_cast<size_t>(state->bias)).requires_grad();
+    const auto& weight = state->master_of(state->weight);
+    const auto& bias = state->bias >= 0 ? state->master_of(static_cast<size_t>(state->bias)) : torch::Tensor();
+    const bool grad_w = weight.requires_grad();
+    const bool grad_b = bias.defined() && bias.requires_grad();
+    // Tiles of the gradients this backward starts are copied, not added.
+    const bool fresh_w = !weight.grad().defined();
+    const bool fresh_b = bias.defined() && !bias.grad().defined();
     const bool tiled = state->tiles() > 1;
     torch::Tensor dx;
     for (int64_t begin = 0; begin < state->out; begin += state->rows) {
@@ -118,10 +92,10 @@ struct StreamedLinearFunction : public torch::autograd::Function<StreamedLinearF
         }
       }
       if (grad_w) {  // as mm_mat2_backward for weight.t(): (grad.t().mm(input)), transposed twice
-        state->to_master_grad(state->weight, begin, len, dy_t.t().mm(x), fresh_w);
+        detail::add_to_host_grad(weight, dy_t.t().mm(x), begin, fresh_w);
       }
       if (grad_b) {  // as addmm's bias gradient: summed to the bias' shape
-        state->to_master_grad(static_cast<size_t>(state->bias), begin, len, at::sum_to(dy_t, c10::IntArrayRef(&len, 1)), fresh_b);
+        detail::add_to_host_grad(bias, at::sum_to(dy_t, c10::IntArrayRef(&len, 1)), begin, fresh_b);
       }
     }
     return {torch::Tensor(), dx, torch::Tensor()};
@@ -280,6 +254,12 @@ int64_t ParameterStream::tiles(size_t i) const {
 }
 
 const StreamOptions& ParameterStream::options() const { return impl_->options; }
+
+int64_t linear_tile_rows(int64_t rows, int64_t weight_bytes, int64_t tile_bytes) {
+  if (tile_bytes <= 0 || weight_bytes <= tile_bytes || rows <= 0) return std::max<int64_t>(rows, 1);
+  const int64_t row_bytes = std::max<int64_t>(weight_bytes / rows, 1);
+  return std::clamp<int64_t>(tile_bytes / row_bytes, 1, rows);
+}
 
 int64_t streamed_bytes(const torch::nn::Module& layer, int64_t tile_bytes) {
   if (const auto* lin = layer.as<torch::nn::LinearImpl>()) {

@@ -418,10 +418,17 @@ TEST_F(DocExamples, StreamHeader) {
     sgd.step();
     master.master_to_model();
   }
+  EXPECT_EQ(memfit::linear_tile_rows(64, 64 * 400, 6400), 16);
   {  // streamed_bytes
     torch::nn::Linear lin(100, 64);  // 25.6 KB of weight
     EXPECT_EQ(memfit::streamed_bytes(*lin, 6400), 16 * 100 * 4 + 16 * 4);
   }
+}
+
+TEST_F(DocExamples, TrainerOptionsFromSettings) {
+  auto options = memfit::trainer_options(memfit::StepSettings().micro_batch(16),
+                                         memfit::TrainerOptions().batch_size(64));
+  EXPECT_TRUE(options.micro_batch_size() == 16 && options.batch_size() == 64);
 }
 
 TEST_F(DocExamples, OffloadChoices) {

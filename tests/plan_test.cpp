@@ -29,15 +29,7 @@ int64_t measured_peak(const std::string& kind, int64_t batch, const StepSettings
   auto chain = make(kind);
   CheckpointedSequential model(chain);
   if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
-  Trainer t(torch::nn::Sequential(model), TrainerOptions()
-                                              .batch_size(batch)
-                                              .steps(3)
-                                              .micro_batch_size(s.micro_batch())
-                                              .precision(s.precision())
-                                              .offload_optimizer(s.offload_optimizer())
-                                              .offload_gradients(s.offload_gradients())
-                                              .offload_parameters(s.offload_parameters())
-                                              .stream(StreamOptions().tile_bytes(s.tile_bytes())));
+  Trainer t(torch::nn::Sequential(model), trainer_options(s, TrainerOptions().batch_size(batch).steps(3)));
   if (budget > 0) set_memory_budget(torch::kCPU, base + budget);
   const auto report = t.fit(small_data());
   set_memory_budget(torch::kCPU, 0);

@@ -143,6 +143,19 @@ struct StepSettings {
   TORCH_ARG(bool, selective_recompute) = false;
 };
 
+/// TrainerOptions that run a step with `settings`' knobs over `base`:
+/// micro-batch, precision, the offloads and the stream's tiles. The schedule
+/// and selective recomputation belong to the model
+/// (CheckpointedSequential::set_schedule, set_selective_recompute).
+///
+/// Example:
+/// \code
+///   auto options = memfit::trainer_options(memfit::StepSettings().micro_batch(16),
+///                                          memfit::TrainerOptions().batch_size(64));
+///   assert(options.micro_batch_size() == 16 && options.batch_size() == 64);
+/// \endcode
+TrainerOptions trainer_options(const StepSettings& settings, TrainerOptions base = TrainerOptions());
+
 /// What a step keeps on the host: "none", "optimizer", "optimizer, gradients"
 /// or "optimizer, gradients, parameters" (the "offload" of Plan::to_json).
 ///

@@ -276,6 +276,15 @@ struct MasterWeightsOptions {
   TORCH_ARG(c10::optional<torch::Device>, stream_to) = c10::nullopt;
 };
 
+namespace detail {
+// Adds `g` into rows [begin, begin + g.size(0)) of `master`'s host gradient
+// (all of it when g has master's shape), allocating that gradient (pinned
+// when g is on CUDA) when it has none; `copy`: the rows hold nothing of this
+// step yet, so g is copied rather than added. Gradient offload and streamed
+// Linear tiles both land here.
+void add_to_host_grad(const torch::Tensor& master, const torch::Tensor& g, int64_t begin = 0, bool copy = false);
+} // namespace detail
+
 /// Holds a model's parameters in bfloat16 or float16 with float32 master
 /// copies that the optimizer updates, as in mixed precision training
 /// (Micikevicius et al. 2018).

@@ -119,6 +119,16 @@ class ParameterStream {
   std::shared_ptr<Impl> impl_;
 };
 
+/// Output rows per tile of a Linear weight of `rows` rows and `weight_bytes`
+/// bytes: all of them when `tile_bytes` is 0 or the weight fits in it, else
+/// as many whole rows as fit in `tile_bytes` (at least one).
+///
+/// Example:
+/// \code
+///   assert(memfit::linear_tile_rows(64, 64 * 400, 6400) == 16);
+/// \endcode
+int64_t linear_tile_rows(int64_t rows, int64_t weight_bytes, int64_t tile_bytes);
+
 /// The bytes a layer's streamed parameters take on the device at once: its
 /// parameters' bytes, or for a Linear larger than `tile_bytes` (> 0) the
 /// largest tile of its weight plus that tile's bias; the planner counts twice
