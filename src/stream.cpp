@@ -49,7 +49,6 @@ struct LinearState : torch::CustomClassHolder {
     }
     return y;
   }
-
 };
 
 struct StreamedLinearFunction : public torch::autograd::Function<StreamedLinearFunction> {
