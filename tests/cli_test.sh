@@ -120,6 +120,8 @@ expect offload-parameters-run 0 'parameters +16 bytes' out -- "${small[@]}" --st
   --offload-tile 8KiB
 expect offload-parameters-needs-both 1 'offload optimizer,gradients,parameters' err -- "${small[@]}" --steps 1 \
   --offload optimizer,parameters
+expect malformed-offload-tile 1 "12XB" err -- "${small[@]}" --steps 1 --offload optimizer,gradients,parameters \
+  --offload-tile 12XB
 expect offload-tile-needs-parameters 1 'add --offload optimizer,gradients,parameters' err -- "${small[@]}" --steps 1 \
   --offload-tile 8KiB
 expect save-every-needs-save 2 'save-every.*requires.*save|save-every.*save' err -- train --save-every 2

@@ -205,6 +205,8 @@ TEST_F(ParameterStreamTest, BadSetUpsAreRefusedWithTheFix) {
   auto other = make_mlp(ModelOptions().width(16).depth(1));
   MasterWeights master(*other, streamed());
   testing::expect_error([&] { ParameterStream(net, master); }, "build them over the same model");
+  testing::expect_error([&] { ParameterStream(other, master, StreamOptions().tile_bytes(-1)); },
+                        "tile_bytes must be >= 0 (0: no tiling), got -1");
   ParameterStream stream(other, master);
   AutocastGuard autocast(torch::kCPU, Precision::kBF16);
   testing::expect_error([&] { stream.forward(torch::zeros({2, 1, 28, 28})); }, "runs in fp32");
