@@ -14,10 +14,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <optional>
-#include <tuple>
 #include <set>
+#include <tuple>
 
 namespace memfit {
 namespace {
@@ -27,6 +28,19 @@ using Clock = std::chrono::steady_clock;
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// The median time of `timed` over three rounds after a first one that warms
+// up (or creates state); `before` runs ahead of each round, untimed.
+double median_round_seconds(const std::function<void()>& timed, const std::function<void()>& before = nullptr) {
+  std::vector<double> times;
+  for (int r = 0; r < 4; ++r) {
+    if (before) before();
+    const auto t0 = Clock::now();
+    timed();
+    if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return median(times);
 }
 
 // Times an optimizer step over copies of `params` with random gradients,
@@ -54,21 +68,20 @@ double time_optimizer_step(const PlanOptions& o, const std::vector<torch::Tensor
                                       .weight_decay(o.weight_decay()),
                                   stepped);
   host.reset();
-  std::vector<double> times;
-  for (int r = 0; r < 4; ++r) {  // the first creates the state
-    for (auto& c : copies) c.mutable_grad() = torch::randn_like(c);
-    const auto t0 = Clock::now();
-    if (master) master->grads_to_master();
-    {
-      std::optional<UntrackedGuard> on_host;
-      if (offload) on_host.emplace();
-      optimizer->step();
-    }
-    if (master) master->master_to_model();
-    if (copies.front().is_cuda()) torch::cuda::synchronize();
-    if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  return median(times);
+  return median_round_seconds(
+      [&] {  // the first round creates the state
+        if (master) master->grads_to_master();
+        {
+          std::optional<UntrackedGuard> on_host;
+          if (offload) on_host.emplace();
+          optimizer->step();
+        }
+        if (master) master->master_to_model();
+        if (copies.front().is_cuda()) torch::cuda::synchronize();
+      },
+      [&] {
+        for (auto& c : copies) c.mutable_grad() = torch::randn_like(c);
+      });
 }
 
 // Seconds to add a gradient of each of `params` into a host copy, as
@@ -81,16 +94,10 @@ double time_gradient_offload(const std::vector<torch::Tensor>& params) {
     UntrackedGuard untracked;
     host.push_back(torch::zeros(p.sizes(), p.options().device(torch::kCPU).pinned_memory(p.is_cuda())));
   }
-  std::vector<double> times;
-  for (int r = 0; r < 4; ++r) {
-    const auto t0 = Clock::now();
-    {
-      UntrackedGuard untracked;
-      for (size_t i = 0; i < grads.size(); ++i) host[i].add_(grads[i].to(host[i].options()));
-    }
-    if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  return median(times);
+  return median_round_seconds([&] {
+    UntrackedGuard untracked;
+    for (size_t i = 0; i < grads.size(); ++i) host[i].add_(grads[i].to(host[i].options()));
+  });
 }
 
 // Seconds to copy every parameter from host memory to a fresh device tensor
@@ -105,17 +112,13 @@ double time_stream(const std::vector<torch::Tensor>& params) {
       host.back().copy_(p);
     }
   }
-  std::vector<double> times;
-  for (int r = 0; r < 4; ++r) {
-    const auto t0 = Clock::now();
+  return median_round_seconds([&] {
     for (size_t i = 0; i < host.size(); ++i) {
       auto fetched = torch::empty(params[i].sizes(), params[i].options());
       fetched.copy_(host[i], /*non_blocking=*/true);
     }
     if (params.front().is_cuda()) torch::cuda::synchronize();
-    if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  return median(times);
+  });
 }
 
 // `segments` as a streamed chain runs them: every layer with parameters
