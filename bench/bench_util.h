@@ -4,12 +4,14 @@
 // median over iterations of each iteration's time ratio.
 
 #include "memfit/data.h"
+#include "memfit/environment.h"
 #include "memfit/memory.h"
 
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <string>
 #include <utility>
@@ -31,6 +33,16 @@ inline ImageDataset fashion_train_head(int64_t n) {
   d.images = fashion_train().images.narrow(0, 0, n).clone();
   d.labels = fashion_train().labels.narrow(0, 0, n).clone();
   return d;
+}
+
+/// Records LibTorch's version, the thread count and the BLAS in the
+/// benchmark's output header (Google Benchmark's context, key
+/// "memfit_environment") and prints the BLAS warning, if any, to stderr.
+/// Call after setting the thread count, before RunSpecifiedBenchmarks.
+inline void record_environment() {
+  benchmark::AddCustomContext("memfit_environment", environment().to_string());
+  const auto warning = check_blas();
+  if (!warning.empty()) std::fprintf(stderr, "memfit: warning: %s\n", warning.c_str());
 }
 
 struct Variant {

@@ -25,6 +25,7 @@
 
 #include "memfit/data.h"
 #include "memfit/distributed.h"
+#include "memfit/environment.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
 #include "memfit/pipeline.h"
@@ -261,6 +262,9 @@ int main(int argc, char** argv) {
     fmt::print("this build has no c10d Gloo process group: nothing to measure\n");
     return 0;
   }
+  // The workers set their own thread counts (the table's rows); the BLAS is theirs too.
+  fmt::print("{}\n", memfit::environment().to_string());
+  if (const auto warning = memfit::check_blas(); !warning.empty()) fmt::print(stderr, "memfit: warning: {}\n", warning);
   fmt::print("global batch {}, Adam, {} steps, median step time of steps 6..{}\n\n", kGlobalBatch, steps, steps);
   for (const auto& model : models) {
     fmt::print("### {}\n\n", model);

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-from run_report import mib, plan_knobs
+from run_report import environment_text, mib, plan_knobs
 
 SHAPE = ["--model", "gpt", "--width", "64", "--depth", "4", "--heads", "4", "--context", "128"]
 
@@ -38,7 +38,7 @@ def train(exe, args, extra, tmp, name):
     knobs = plan_knobs(r.get("plan", {}), args.batch)
     return {"peak": max(s["peak_bytes"] for s in steps),
             "seconds": statistics.median(s["seconds"] for s in steps[1:]), "test_loss": r["summary"]["test_loss"],
-            "knobs": ", ".join(knobs) or "none"}
+            "knobs": ", ".join(knobs) or "none", "environment": environment_text(r)}
 
 
 def main():
@@ -62,7 +62,7 @@ def main():
                                capture_output=True, text=True)
     print(f"GPT: width 64, 4 blocks, 4 heads, context 128, batch {args.batch}, Adam, {args.steps} steps, "
           f"{args.threads} threads; time is the median step time of steps 2..{args.steps}; the test loss is "
-          f"the mean next-byte cross-entropy on the test windows after the steps.\n")
+          f"the mean next-byte cross-entropy on the test windows after the steps.\n{plain['environment']}.\n")
     print("| budget | plan | step peak | time per sample vs plain | test loss | vs plain |")
     print("|---|---|---:|---:|---:|---:|")
     for budget, r in rows:

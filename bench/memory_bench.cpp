@@ -99,4 +99,11 @@ BENCHMARK_CAPTURE(BM_TrainStep, mlp_b64, memfit::ModelKind::kMlp, 64)
 
 } // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  memfit::bench::record_environment();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

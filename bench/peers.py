@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from run_report import mib, plan_knobs
+from run_report import environment_text, mib, plan_knobs, python_blas
 
 try:
     import numpy as np
@@ -259,7 +259,7 @@ def run_memfit(exe, model_args, budget, batch, steps, threads):
         steps_ = r["steps"]
         return {"side": "memfit", "config": f"--budget {mib(budget)}: " + (", ".join(knobs) or "plain"),
                 "peak": max(s["peak_bytes"] for s in steps_), "seconds": statistics.median(s["seconds"] for s in steps_[1:]),
-                "loss": r["summary"]["final_loss"], "budget": budget}
+                "loss": r["summary"]["final_loss"], "budget": budget, "environment": environment_text(r)}
 
 
 def main():
@@ -277,6 +277,9 @@ def main():
         if not os.path.exists(f):
             sys.exit(f"peers.py: {f} is missing: build memfit first (make)")
     torch.set_num_threads(a.threads)
+    blas, warning = python_blas()
+    if warning:
+        print(f"peers.py: warning: {warning}", file=sys.stderr)
     tmp = tempfile.mkdtemp()
     if a.model == "gpt":
         n = a.batch * a.steps
@@ -325,7 +328,9 @@ def main():
 
     print(f"Model: {description}; batch {a.batch}, Adam, {a.steps} steps, {a.threads} threads; peak from memfit's "
           f"byte-exact meter on "
-          f"both sides; step time the median of steps 2..{a.steps}, the fastest of {a.repeats} run(s).\n")
+          f"both sides; step time the median of steps 2..{a.steps}, the fastest of {a.repeats} run(s).")
+    memfit_env = next((r["environment"] for r in rows if "environment" in r), "no memfit run succeeded")
+    print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads, BLAS: {blas}; memfit: {memfit_env}.\n")
     print("| side | configuration | peak | vs plain peak | step time | vs plain time |")
     print("|---|---|---:|---:|---:|---:|")
     for r in rows:

@@ -281,6 +281,7 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark(("accuracy/" + kind).c_str(), BM_Accuracy, kind)
         ->Unit(benchmark::kSecond)->Iterations(1);
   }
+  memfit::bench::record_environment();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -1,5 +1,8 @@
 """Reading `memfit train --report` JSON, for bench/peers.py and bench/gpt_budget.py."""
 
+import os
+
+
 
 def mib(b):
     return f"{b / 2**20:.2f} MiB"
@@ -19,3 +22,38 @@ def plan_knobs(plan, batch):
     if plan.get("offload", "none") != "none":
         knobs.append("offload " + plan["offload"])
     return knobs
+
+
+def environment_text(report):
+    """The LibTorch version, threads and BLAS a `memfit train --report` run recorded, in one line."""
+    env = report.get("environment")
+    if not env:
+        return "not recorded"
+    blas = env.get("blas", {})
+    library = f" ({blas['library']})" if blas.get("library") else ""
+    return (f"LibTorch {env.get('libtorch', '?')}, {env.get('threads', '?')} threads, "
+            f"BLAS: {blas.get('name', '?')}{library}")
+
+
+def python_blas():
+    """The BLAS this Python process calls (after `import torch`), as (text, warning or None).
+
+    Debian's python3-torch calls whichever libblas.so.3 the alternatives select;
+    /proc/self/maps names the files mapped, symbolic links resolved."""
+    libraries = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line[line.find("/"):].strip() if "/" in line else ""
+            name = path.rsplit("/", 1)[-1]
+            if (name.startswith("libblas.so") or name.startswith("libopenblas")) and path not in libraries:
+                libraries.append(path)
+    text = ", ".join(libraries) or "none mapped (built into torch)"
+    silenced = os.environ.get("MEMFIT_BLAS_CHECK", "").lower() in ("0", "off", "false")
+    warning = None
+    if any("/blas/libblas.so" in path for path in libraries):
+        warning = ("PyTorch's CPU matrix products run on the netlib reference BLAS, often hundreds of times slower "
+                   "than OpenBLAS: install libopenblas0-openmp")
+    elif any("openblas-pthread" in path for path in libraries):
+        warning = ("OpenBLAS's pthread variant oversubscribes the cores beside PyTorch's OpenMP threads: "
+                   "install libopenblas0-openmp and select it with update-alternatives")
+    return text, None if silenced else warning

@@ -104,6 +104,7 @@ check() {
   shift
   if "$@"; then echo "ok   $name"; passed=$((passed + 1)); else echo "FAIL $name"; failed=$((failed + 1)); fi
 }
+lacks() { ! grep -q -- "$1" "$2"; }  # lacks PATTERN FILE
 
 # Micro-batching, freezing, offloading the optimizer.
 small=(train --model mlp --width 32 --depth 1 --no-eval -q)
@@ -275,6 +276,31 @@ expect train-zero-needs-ranks 1 'zero_stage 1 shards the optimizer state over th
   train --model mlp --width 32 --depth 1 --steps 1 --no-eval --zero-stage 1
 expect train-zero-stage-2 2 'zero-stage' err -- train --model mlp --steps 1 --no-eval --zero-stage 2
 RANK=0 WORLD_SIZE=x expect train-dist-bad-env 1 "WORLD_SIZE='x' is not an integer" err -- train --model mlp --steps 1 --no-eval
+
+# The BLAS check (issue: Debian's LibTorch on the reference BLAS): with each
+# of Debian's libblas.so.3 builds preloaded, whichever the alternatives select.
+arch=$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
+reference=/usr/lib/$arch/blas/libblas.so.3
+openmp=/usr/lib/$arch/openblas-openmp/libblas.so.3
+tiny=(--model mlp --width 16 --depth 1 --batch 16)
+if [ -e "$reference" ] && [ -e "$openmp" ]; then
+  LD_PRELOAD=$reference expect blas-reference-train-warns 0 \
+    'memfit: warning: .*netlib reference BLAS \(/usr/lib/.*/blas/libblas\.so\.3[0-9.]*\).*install libopenblas0-openmp' err -- \
+    train "${tiny[@]}" --steps 1 --no-eval -q --report "$tmp/blas.json"
+  check blas-warning-is-one-line test "$(grep -c 'warning:' "$tmp/err")" -eq 1
+  check blas-recorded-in-report grep -q '"vendor": "reference"' "$tmp/blas.json"
+  "$bin" report "$tmp/blas.json" -o "$tmp/blas.html" >/dev/null
+  check blas-shown-in-html-report grep -q 'netlib reference BLAS' "$tmp/blas.html"
+  LD_PRELOAD=$reference expect blas-reference-plan-warns 0 'reference BLAS' err -- plan "${tiny[@]}" --budget 64MiB
+  LD_PRELOAD=$reference expect blas-reference-profile-warns 0 'reference BLAS' err -- profile "${tiny[@]}"
+  LD_PRELOAD=$reference MEMFIT_BLAS_CHECK=0 "$bin" plan "${tiny[@]}" --budget 64MiB >/dev/null 2>"$tmp/err"
+  check blas-check-off-silences lacks 'warning' "$tmp/err"
+  LD_PRELOAD=$openmp "$bin" plan "${tiny[@]}" --budget 64MiB >/dev/null 2>"$tmp/err"
+  check blas-openmp-draws-no-warning lacks 'warning' "$tmp/err"
+  LD_PRELOAD=$openmp expect version-names-blas 0 'BLAS: OpenBLAS [0-9.]+ \(OpenMP\)' out -- --version
+else
+  echo "skip blas-*: needs $reference and $openmp (scripts/install-deps.sh installs both)"
+fi
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -3,6 +3,7 @@
 
 #include "memfit/compat.h"
 #include "memfit/data.h"
+#include "memfit/environment.h"
 #include "memfit/freeze.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
@@ -428,9 +429,13 @@ std::vector<memfit::Precision> plan_precisions(const std::string& text, const to
   return {text == "auto" ? memfit::auto_precision(device) : memfit::parse_precision(text)};
 }
 
-void set_threads(int threads) {
+// Sets LibTorch's intra-op threads (every hardware thread unless --threads)
+// and, when `speak`, warns in one line of a BLAS that slows LibTorch down.
+void set_threads(int threads, bool speak = true) {
   const unsigned hw = std::thread::hardware_concurrency();
   at::set_num_threads(threads > 0 ? threads : static_cast<int>(hw > 0 ? hw : 1));
+  const auto warning = speak ? memfit::check_blas() : std::string();
+  if (!warning.empty()) fmt::print(stderr, "memfit: warning: {}\n", warning);
 }
 
 // The three commands built on a StepModel.
@@ -596,7 +601,7 @@ int run_train(const TrainArgs& a) {
   }
   memfit::memory_allocated(device);  // begins tracking before anything is allocated
   torch::manual_seed(a.seed);
-  set_threads(a.threads);
+  set_threads(a.threads, world.rank == 0);
 
   const auto workload = load_workload(a, /*with_test=*/!a.no_eval);
   const auto& train_data = workload.train;
@@ -824,6 +829,7 @@ int run_train(const TrainArgs& a) {
   if (!a.save.empty()) fmt::print("checkpoint saved to {}/checkpoint.pt\n", a.save);
   if (!a.report.empty() && world.rank == 0) {
     auto json = nlohmann::json::parse(report.to_json());
+    json["environment"] = nlohmann::json::parse(memfit::environment().to_json());
     if (plan) {
       json["plan"] = nlohmann::json::parse(plan->to_json());
       json["summary"]["predicted_peak_bytes"] = plan->predicted.peak_bytes;
@@ -841,10 +847,11 @@ int main(int argc, char** argv) {
       "memfit: train LibTorch models and batches that do not fit in memory.\n"
       "Exit codes: 0 success, 1 failed run (e.g. out of memory under --budget), 2 bad usage.",
       "memfit"};
-  app.set_version_flag("--version", fmt::format("memfit 0.1.0 (LibTorch {}, {}, {})", TORCH_VERSION,
+  app.set_version_flag("--version", fmt::format("memfit 0.1.0 (LibTorch {}, {}, {}; BLAS: {})", TORCH_VERSION,
                                                  memfit::compat::kBuiltWithCuda ? "CUDA" : "CPU only",
                                                  memfit::distributed_available() ? "c10d Gloo"
-                                                                                 : "no c10d Gloo"));
+                                                                                 : "no c10d Gloo",
+                                                 memfit::blas_info().name()));
   app.require_subcommand(1);
   TrainArgs train_args;
   add_train_command(app, train_args);

@@ -147,6 +147,16 @@ std::string report_html(const std::string& json_text, const std::string& title) 
     fact("speed", fmt::format("{:.0f} samples/s", sum["samples_per_second"].get<double>()));
   }
   if (sum.contains("precision")) fact("precision", sum["precision"].get<std::string>());
+  if (run.contains("environment")) {
+    const auto& env = run["environment"];
+    fact("LibTorch", fmt::format("{}, {}, {} threads", env.value("libtorch", std::string()),
+                                 env.value("cuda", false) ? "CUDA" : "CPU only", env.value("threads", 0)));
+    if (env.contains("blas")) {
+      const auto& blas = env["blas"];
+      const auto library = blas.value("library", std::string());
+      fact("BLAS", blas.value("name", std::string()) + (library.empty() ? "" : " (" + library + ")"));
+    }
+  }
   std::string plan = "<p>No plan: the run had no budget, or its knobs were set by hand.</p>";
   if (run.contains("plan")) {
     const auto& p = run["plan"];

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Re-runs the CPU measurements that the README and docs/ quote, one after
+# another (never two at once: on 2 cores a second run slows the first many
+# times over), each into docs/NAME_DATE.txt, headed by its command, the date,
+# `memfit --version` (LibTorch, BLAS) and the load, and closed by its wall time.
+#
+# Usage (after `make build`): bash bench/remeasure.sh [NAME...]
+#   NAMES: main memory checkpoint precision trainer plan accuracy distributed
+#          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
+#   BUILD=build OUT=docs bash bench/remeasure.sh ...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${BUILD:-build}
+out=${OUT:-docs}
+day=$(date -u +%F)
+mkdir -p "$out"
+
+# run NAME COMMAND...: the command's output into $out/NAME_$day.txt, written
+# through a temporary file so an interrupted run leaves the old file.
+run() {
+  local name=$1; shift
+  local file="$out/${name}_$day.txt" start
+  echo "remeasure: $name: $*" >&2
+  start=$(date +%s)
+  {
+    echo "# $*"
+    echo "# $(date -u +%FT%TZ), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); $("$build/memfit" --version)"
+    "$@" 2>&1
+    echo "# wall time: $(( $(date +%s) - start )) s"
+  } >"$file.tmp"
+  mv "$file.tmp" "$file"
+}
+
+bench() { run "$1" "$build/bench/$2" "${@:3}"; }
+
+measure() {
+  case "$1" in
+    main) run main "$build/memfit" train --model resnet --epochs 1 --budget 64MiB ;;
+    memory) bench memory memfit_bench ;;
+    checkpoint) bench checkpoint memfit_checkpoint_bench ;;
+    precision) bench precision memfit_precision_bench ;;
+    trainer) bench trainer memfit_trainer_bench ;;
+    plan) bench plan memfit_plan_bench --benchmark_filter=plan ;;
+    accuracy) bench plan_accuracy memfit_plan_bench --benchmark_filter=accuracy ;;
+    distributed) bench distributed memfit_distributed_bench --steps 40 ;;
+    gpt_train) run gpt_train "$build/memfit" train --model gpt --width 64 --depth 2 --context 64 --batch 32 --steps 100 ;;
+    gpt_budget) run gpt_budget python3 bench/gpt_budget.py --build "$build" ;;
+    peers) run peers /usr/bin/python3 bench/peers.py --build "$build" --steps 8 --batch 128 --repeats 2 ;;
+    peers_gpt) run peers_gpt /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 4 --batch 16 --repeats 2 ;;
+  esac
+}
+
+all=(main memory checkpoint precision trainer plan accuracy distributed gpt_train gpt_budget peers peers_gpt)
+names=("$@")
+[ ${#names[@]} -gt 0 ] || names=("${all[@]}")
+for name in "${names[@]}"; do  # every name checked before anything runs
+  [[ " ${all[*]} " == *" $name "* ]] || { echo "remeasure: unknown measurement '$name'; one of: ${all[*]}" >&2; exit 2; }
+done
+[ -x "$build/memfit" ] || { echo "remeasure: $build/memfit is missing: run make build first" >&2; exit 2; }
+for name in "${names[@]}"; do measure "$name"; done

@@ -1,0 +1,112 @@
+#pragma once
+/// \file environment.h
+/// What a run's speed depends on besides memfit: the LibTorch version, CUDA,
+/// the intra-op thread count and, above all on the CPU, which BLAS LibTorch's
+/// fp32 matrix products call.
+///
+/// Debian's LibTorch (BLAS_INFO=generic) calls whichever `libblas.so.3` the
+/// system's alternatives select. The netlib reference implementation is
+/// hundreds of times slower than OpenBLAS on large fp32 products, and
+/// OpenBLAS's pthread variant starts threads of its own beside LibTorch's
+/// OpenMP threads, oversubscribing the cores. blas_info() asks the dynamic
+/// loader which library provides the `sgemm_` that LibTorch calls (so
+/// `LD_PRELOAD` and the alternatives are both seen), and asks that library
+/// what it is. check_blas() turns that into one warning line for the tools
+/// and benchmarks; it never refuses to run.
+///
+/// Setting the environment variable `MEMFIT_BLAS_CHECK=0` (or `off`,
+/// `false`) turns the warning off; detection and recording go on.
+///
+/// Thread safety: the functions are safe to call from any thread. Sync
+/// points: none. Extra memory: none (no tensor is allocated).
+
+#include <string>
+
+namespace memfit {
+
+/// The implementation behind LibTorch's CPU BLAS calls.
+enum class BlasVendor {
+  kUnknown,    ///< no `sgemm_` was found, or a library memfit does not know
+  kReference,  ///< netlib's reference BLAS (Debian's `libblas3`)
+  kOpenBLAS,
+  kMKL,
+  kBLIS,
+  kATLAS,
+};
+
+/// How a BLAS runs threads of its own.
+enum class BlasThreading {
+  kUnknown,
+  kSequential,  ///< one thread (the reference BLAS, OpenBLAS's serial variant)
+  kPthreads,    ///< a thread pool of its own (OpenBLAS's pthread variant)
+  kOpenMP,      ///< OpenMP, shared with LibTorch's intra-op threads
+};
+
+/// Which BLAS LibTorch's CPU matrix products run on.
+///
+/// Example:
+/// \code
+///   const auto blas = memfit::blas_info();
+///   std::cout << blas.name() << " from " << blas.library << "\n";  // OpenBLAS 0.3.21 (OpenMP) from /usr/...
+/// \endcode
+struct BlasInfo {
+  BlasVendor vendor = BlasVendor::kUnknown;
+  BlasThreading threading = BlasThreading::kUnknown;
+  /// The file that provides `sgemm_`, symbolic links resolved; empty when
+  /// none was found.
+  std::string library;
+  /// The library's own description (`openblas_get_config()`), or LibTorch's
+  /// `BLAS_INFO` when the BLAS is built into LibTorch; may be empty.
+  std::string config;
+  /// The BLAS's own thread count, or -1 when it cannot say.
+  int threads = -1;
+
+  /// A short name: "OpenBLAS 0.3.21 (OpenMP)", "netlib reference BLAS".
+  std::string name() const;
+  /// One line saying why this BLAS slows LibTorch down and what to install
+  /// instead, or empty when it does not: the reference BLAS, or a BLAS with
+  /// threads of its own (more than one) beside `torch_threads` (more than
+  /// one) OpenMP threads.
+  std::string warning(int torch_threads) const;
+};
+
+/// Detects the BLAS behind LibTorch's CPU matrix products (see the file
+/// comment). Cheap: a few dynamic-loader look-ups, no product is run.
+BlasInfo blas_info();
+
+/// The LibTorch version, CUDA, threads and BLAS of this process: what a
+/// benchmark's header and a run's report record.
+///
+/// Example:
+/// \code
+///   const auto env = memfit::environment();
+///   std::cout << env.to_string() << "\n";  // LibTorch 1.13.0, CPU only, 2 threads, BLAS: OpenBLAS ...
+/// \endcode
+struct Environment {
+  std::string libtorch;   ///< TORCH_VERSION at build time
+  bool cuda = false;      ///< built with CUDA and a device is present
+  int threads = 0;        ///< at::get_num_threads()
+  BlasInfo blas;
+
+  /// One line, as printed at the top of a benchmark's output.
+  std::string to_string() const;
+  /// {"libtorch": ..., "cuda": ..., "threads": ..., "blas": {"name", "vendor",
+  /// "threading", "library", "config", "threads"}}.
+  std::string to_json() const;
+};
+
+/// The environment as it is now (call after setting the thread count).
+Environment environment();
+
+/// The BLAS warning for this process (BlasInfo::warning with LibTorch's
+/// current thread count), or empty when there is none or when
+/// `MEMFIT_BLAS_CHECK` is `0`, `off` or `false`.
+///
+/// Example:
+/// \code
+///   const auto warning = memfit::check_blas();
+///   if (!warning.empty()) std::cerr << "warning: " << warning << "\n";
+/// \endcode
+std::string check_blas();
+
+} // namespace memfit

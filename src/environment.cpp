@@ -1,0 +1,227 @@
+#include "memfit/environment.h"
+
+#include "memfit/compat.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <torch/cuda.h>
+#include <torch/version.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+
+namespace memfit {
+namespace {
+
+using IntGetter = int (*)();
+using TextGetter = char* (*)();
+
+// LibTorch's own BLAS_INFO ("generic", "mkl", "open", ...) from its build settings.
+std::string torch_blas_info() {
+  const std::string config = at::show_config();
+  const std::string key = "BLAS_INFO=";
+  const auto at = config.find(key);
+  if (at == std::string::npos) return "";
+  const auto start = at + key.size();
+  return config.substr(start, config.find_first_of(", \n", start) - start);
+}
+
+BlasVendor vendor_from_torch_blas_info(const std::string& text) {
+  if (text == "mkl") return BlasVendor::kMKL;
+  if (text == "open") return BlasVendor::kOpenBLAS;
+  if (text == "blis") return BlasVendor::kBLIS;
+  if (text == "atlas") return BlasVendor::kATLAS;
+  return BlasVendor::kUnknown;
+}
+
+std::string resolved_path(const char* path) {
+  std::error_code error;
+  const auto canonical = std::filesystem::canonical(path, error);
+  return error ? std::string(path) : canonical.string();
+}
+
+// What `library` (the loaded object that provides sgemm_) is, from the
+// symbols of it and its dependencies.
+void identify(BlasInfo& info, void* handle) {
+  const auto symbol = [&](const char* name) { return handle ? dlsym(handle, name) : nullptr; };
+  if (auto config = reinterpret_cast<TextGetter>(symbol("openblas_get_config"))) {
+    info.vendor = BlasVendor::kOpenBLAS;
+    info.config = config();
+    if (auto parallel = reinterpret_cast<IntGetter>(symbol("openblas_get_parallel"))) {
+      const int kind = parallel();  // OpenBLAS: 0 sequential, 1 pthreads, 2 OpenMP
+      info.threading = kind == 0 ? BlasThreading::kSequential
+                       : kind == 1 ? BlasThreading::kPthreads
+                       : kind == 2 ? BlasThreading::kOpenMP
+                                   : BlasThreading::kUnknown;
+    }
+    if (auto threads = reinterpret_cast<IntGetter>(symbol("openblas_get_num_threads"))) info.threads = threads();
+    return;
+  }
+  if (auto threads = reinterpret_cast<IntGetter>(symbol("mkl_get_max_threads"))) {
+    info.vendor = BlasVendor::kMKL;
+    info.threads = threads();
+    return;
+  }
+  if (auto version = reinterpret_cast<const char* (*)()>(symbol("bli_info_get_version_str"))) {
+    info.vendor = BlasVendor::kBLIS;
+    info.config = std::string("BLIS ") + version();
+    return;
+  }
+  if (symbol("ATL_buildinfo")) {
+    info.vendor = BlasVendor::kATLAS;
+    return;
+  }
+  const std::filesystem::path path(info.library);
+  if (path.filename().string().rfind("libtorch", 0) == 0) {  // built into LibTorch (pip wheels)
+    info.config = "BLAS_INFO=" + torch_blas_info();
+    info.vendor = vendor_from_torch_blas_info(torch_blas_info());
+    return;
+  }
+  // Debian's netlib reference BLAS (libblas3) is .../blas/libblas.so.3: no
+  // vendor symbols, one thread.
+  if (path.parent_path().filename() == "blas" && path.filename().string().rfind("libblas.so", 0) == 0) {
+    info.vendor = BlasVendor::kReference;
+    info.threading = BlasThreading::kSequential;
+    info.threads = 1;
+  }
+}
+
+const char* threading_name(BlasThreading threading) {
+  switch (threading) {
+    case BlasThreading::kSequential: return "sequential";
+    case BlasThreading::kPthreads: return "pthreads";
+    case BlasThreading::kOpenMP: return "OpenMP";
+    case BlasThreading::kUnknown: break;
+  }
+  return "unknown";
+}
+
+const char* vendor_name(BlasVendor vendor) {
+  switch (vendor) {
+    case BlasVendor::kReference: return "reference";
+    case BlasVendor::kOpenBLAS: return "OpenBLAS";
+    case BlasVendor::kMKL: return "MKL";
+    case BlasVendor::kBLIS: return "BLIS";
+    case BlasVendor::kATLAS: return "ATLAS";
+    case BlasVendor::kUnknown: break;
+  }
+  return "unknown";
+}
+
+bool blas_check_disabled() {
+  const char* value = std::getenv("MEMFIT_BLAS_CHECK");
+  if (!value) return false;
+  std::string text(value);
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  return text == "0" || text == "off" || text == "false";
+}
+
+} // namespace
+
+std::string BlasInfo::name() const {
+  std::string base;
+  switch (vendor) {
+    case BlasVendor::kReference:
+      base = "netlib reference BLAS";
+      break;
+    case BlasVendor::kOpenBLAS: {
+      // "OpenBLAS 0.3.21 DYNAMIC_ARCH ..." -> "OpenBLAS 0.3.21"
+      std::istringstream words(config);
+      std::string product, version;
+      words >> product >> version;
+      base = product == "OpenBLAS" && !version.empty() ? "OpenBLAS " + version : "OpenBLAS";
+      break;
+    }
+    case BlasVendor::kUnknown:
+      base = library.empty() ? "no BLAS found" : "unknown BLAS";
+      break;
+    default:
+      base = vendor_name(vendor);
+  }
+  return threading == BlasThreading::kUnknown ? base : fmt::format("{} ({})", base, threading_name(threading));
+}
+
+std::string BlasInfo::warning(int torch_threads) const {
+  constexpr const char* kSilence = "; MEMFIT_BLAS_CHECK=0 silences this";
+  if (vendor == BlasVendor::kReference) {
+    return fmt::format(
+        "LibTorch's CPU matrix products run on the netlib reference BLAS ({}), often hundreds of times "
+        "slower than OpenBLAS: install libopenblas0-openmp (apt-get install libopenblas0-openmp), which "
+        "Debian's LibTorch then uses{}",
+        library, kSilence);
+  }
+  if (threading != BlasThreading::kOpenMP && threads > 1 && torch_threads > 1) {
+    return fmt::format(
+        "{} ({}) runs {} threads of its own beside LibTorch's {} OpenMP threads, oversubscribing the "
+        "cores: install libopenblas0-openmp and select it (update-alternatives --set "
+        "libblas.so.3-x86_64-linux-gnu /usr/lib/x86_64-linux-gnu/openblas-openmp/libblas.so.3), or set "
+        "OPENBLAS_NUM_THREADS=1{}",
+        name(), library, threads, torch_threads, kSilence);
+  }
+  return "";
+}
+
+BlasInfo blas_info() {
+  BlasInfo info;
+  Dl_info where{};
+  void* sgemm = dlsym(RTLD_DEFAULT, "sgemm_");
+  if (!sgemm || !dladdr(sgemm, &where) || !where.dli_fname) {
+    // No exported sgemm_: a BLAS linked statically into LibTorch, or none.
+    const auto torch_info = torch_blas_info();
+    info.vendor = vendor_from_torch_blas_info(torch_info);
+    if (!torch_info.empty()) info.config = "BLAS_INFO=" + torch_info;
+    return info;
+  }
+  info.library = resolved_path(where.dli_fname);
+  // RTLD_NOLOAD: the object already loaded under that name; dlsym on it
+  // searches it and its dependencies (OpenBLAS's libblas.so.3 calls into
+  // libopenblas.so.0, which answers openblas_get_config).
+  void* handle = dlopen(where.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  identify(info, handle);
+  if (handle) dlclose(handle);
+  return info;
+}
+
+std::string Environment::to_string() const {
+  return fmt::format("LibTorch {}, {}, {} thread{}, BLAS: {}{}", libtorch, cuda ? "CUDA" : "CPU only", threads,
+                     threads == 1 ? "" : "s", blas.name(), blas.library.empty() ? "" : " (" + blas.library + ")");
+}
+
+std::string Environment::to_json() const {
+  const nlohmann::json j = {
+      {"libtorch", libtorch},
+      {"cuda", cuda},
+      {"threads", threads},
+      {"blas",
+       {{"name", blas.name()},
+        {"vendor", vendor_name(blas.vendor)},
+        {"threading", threading_name(blas.threading)},
+        {"library", blas.library},
+        {"config", blas.config},
+        {"threads", blas.threads}}}};
+  return j.dump();
+}
+
+Environment environment() {
+  Environment env;
+  env.libtorch = TORCH_VERSION;
+  env.cuda = compat::kBuiltWithCuda && torch::cuda::is_available();
+  env.threads = at::get_num_threads();
+  env.blas = blas_info();
+  return env;
+}
+
+std::string check_blas() {
+  if (blas_check_disabled()) return "";
+  return blas_info().warning(at::get_num_threads());
+}
+
+} // namespace memfit

@@ -1,0 +1,133 @@
+#include "memfit/environment.h"
+
+#include "test_util.h"
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+
+namespace memfit {
+namespace {
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// The BLAS libraries (libblas.so*) mapped into this process, as the kernel
+// names them in /proc/self/maps (symbolic links resolved): a source of truth
+// independent of the dynamic loader's symbol look-ups.
+std::set<std::string> mapped_blas_libraries() {
+  std::set<std::string> out;
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    const auto slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    const std::string path = line.substr(slash);
+    if (std::filesystem::path(path).filename().string().rfind("libblas.so", 0) == 0) out.insert(path);
+  }
+  return out;
+}
+
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (old_.empty()) unsetenv(name_);
+    else setenv(name_, old_.c_str(), 1);
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+};
+
+TEST(Environment, FindsTheLibraryThatLibTorchCallsForSgemm) {
+  const auto mapped = mapped_blas_libraries();
+  if (mapped.size() != 1) GTEST_SKIP() << "needs exactly one libblas.so mapped, found " << mapped.size();
+  const auto blas = blas_info();
+  EXPECT_EQ(blas.library, *mapped.begin());
+  if (contains(blas.library, "/openblas-openmp/")) {
+    EXPECT_EQ(blas.vendor, BlasVendor::kOpenBLAS);
+    EXPECT_EQ(blas.threading, BlasThreading::kOpenMP);
+    EXPECT_TRUE(contains(blas.name(), "OpenBLAS 0.")) << blas.name();
+    EXPECT_EQ(blas.warning(2), "");
+  } else if (contains(blas.library, "/blas/")) {
+    EXPECT_EQ(blas.vendor, BlasVendor::kReference);
+    EXPECT_NE(blas.warning(1), "");
+  }
+}
+
+// Run by ctest under LD_PRELOAD (tests/CMakeLists.txt: environment.preloaded_*),
+// with MEMFIT_EXPECT_BLAS naming what the preloaded library is.
+TEST(Environment, DetectsAPreloadedBlas) {
+  const char* expected = std::getenv("MEMFIT_EXPECT_BLAS");
+  if (!expected) GTEST_SKIP() << "run by ctest's environment.preloaded_* tests with LD_PRELOAD and MEMFIT_EXPECT_BLAS";
+  const auto blas = blas_info();
+  const std::string preloaded = std::getenv("LD_PRELOAD") ? std::getenv("LD_PRELOAD") : "";
+  EXPECT_EQ(blas.library, std::filesystem::canonical(preloaded).string());
+  if (std::string(expected) == "reference") {
+    EXPECT_EQ(blas.vendor, BlasVendor::kReference);
+    EXPECT_EQ(blas.name(), "netlib reference BLAS (sequential)");
+    EXPECT_TRUE(contains(check_blas(), "libopenblas0-openmp")) << check_blas();
+    ScopedEnv off("MEMFIT_BLAS_CHECK", "0");
+    EXPECT_EQ(check_blas(), "") << "MEMFIT_BLAS_CHECK=0 silences the warning";
+  } else {
+    EXPECT_EQ(blas.vendor, BlasVendor::kOpenBLAS);
+    EXPECT_EQ(blas.threading, BlasThreading::kOpenMP);
+    EXPECT_EQ(check_blas(), "");
+  }
+}
+
+TEST(Environment, WarnsOfTheReferenceBlasAndNamesThePackage) {
+  BlasInfo blas;
+  blas.vendor = BlasVendor::kReference;
+  blas.threading = BlasThreading::kSequential;
+  blas.library = "/usr/lib/x86_64-linux-gnu/blas/libblas.so.3";
+  const auto warning = blas.warning(1);
+  EXPECT_TRUE(contains(warning, "reference BLAS (/usr/lib/x86_64-linux-gnu/blas/libblas.so.3)")) << warning;
+  EXPECT_TRUE(contains(warning, "install libopenblas0-openmp")) << warning;
+  EXPECT_TRUE(contains(warning, "MEMFIT_BLAS_CHECK=0")) << warning;
+  EXPECT_EQ(warning.find('\n'), std::string::npos) << "one line";
+}
+
+TEST(Environment, WarnsOfABlasThatOversubscribesTheCores) {
+  BlasInfo blas;
+  blas.vendor = BlasVendor::kOpenBLAS;
+  blas.threading = BlasThreading::kPthreads;
+  blas.config = "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Haswell MAX_THREADS=64";
+  blas.library = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3";
+  blas.threads = 2;
+  EXPECT_EQ(blas.name(), "OpenBLAS 0.3.21 (pthreads)");
+  const auto warning = blas.warning(2);
+  EXPECT_TRUE(contains(warning, "runs 2 threads of its own beside LibTorch's 2 OpenMP threads")) << warning;
+  EXPECT_TRUE(contains(warning, "openblas-openmp/libblas.so.3")) << warning;
+  EXPECT_EQ(blas.warning(1), "") << "one LibTorch thread: nothing to oversubscribe";
+  blas.threads = 1;  // OPENBLAS_NUM_THREADS=1
+  EXPECT_EQ(blas.warning(2), "");
+  blas.threads = 2;
+  blas.threading = BlasThreading::kOpenMP;  // shares LibTorch's OpenMP threads
+  EXPECT_EQ(blas.warning(2), "");
+}
+
+TEST(Environment, RecordsVersionThreadsAndBlas) {
+  at::set_num_threads(1);
+  const auto env = environment();
+  EXPECT_EQ(env.libtorch, TORCH_VERSION);
+  EXPECT_EQ(env.threads, 1);
+  EXPECT_TRUE(contains(env.to_string(), std::string("LibTorch ") + TORCH_VERSION + ", ")) << env.to_string();
+  EXPECT_TRUE(contains(env.to_string(), "1 thread, BLAS: " + env.blas.name())) << env.to_string();
+  const auto j = nlohmann::json::parse(env.to_json());
+  EXPECT_EQ(j.at("threads"), 1);
+  EXPECT_EQ(j.at("blas").at("name"), env.blas.name());
+  EXPECT_EQ(j.at("blas").at("library"), env.blas.library);
+}
+
+} // namespace
+} // namespace memfit
