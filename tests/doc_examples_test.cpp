@@ -4,6 +4,7 @@
 #include "memfit/checkpoint.h"
 #include "memfit/data.h"
 #include "memfit/distributed.h"
+#include "memfit/environment.h"
 #include "memfit/pipeline.h"
 #include "memfit/freeze.h"
 #include "memfit/state.h"
@@ -19,6 +20,7 @@
 #include "test_util.h"
 
 #include <filesystem>
+#include <sstream>
 
 namespace memfit {
 namespace {
@@ -245,6 +247,22 @@ TEST_F(DocExamples, FreezeHeader) {
   torch::optim::Adam adam(net->parameters());
   EXPECT_EQ(memfit::freeze(*net, "fc0.*", &adam), 2);  // 2 parameters frozen
   EXPECT_EQ(memfit::unfreeze(*net, "fc0.*", &adam), 2);
+}
+
+TEST_F(DocExamples, EnvironmentHeader) {
+  std::ostringstream out, err;
+  {
+    const auto blas = memfit::blas_info();
+    out << blas.name() << " from " << blas.library << "\n";  // OpenBLAS 0.3.21 (OpenMP) from /usr/...
+  }
+  {
+    const auto env = memfit::environment();
+    out << env.to_string() << "\n";  // LibTorch 1.13.0, CPU only, 2 threads, BLAS: OpenBLAS ...
+    EXPECT_NE(out.str().find("LibTorch " TORCH_VERSION), std::string::npos) << out.str();
+  }
+  const auto warning = memfit::check_blas();
+  if (!warning.empty()) err << "warning: " << warning << "\n";
+  EXPECT_EQ(err.str().empty(), warning.empty());
 }
 
 TEST_F(DocExamples, DistributedHeader) {

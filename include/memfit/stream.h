@@ -14,9 +14,12 @@
 ///     the weight fetched tile by tile: rows of at most
 ///     StreamOptions::tile_bytes (DeepSpeed's TiledLinear). No recomputation.
 ///     Each tile's weight gradient goes into the host master's gradient as
-///     soon as it is computed. Untiled, gradients equal the resident layer's
-///     bitwise; tiled, the input's gradient is summed tile by tile (rounding
-///     differs; weights' and bias' gradients stay bitwise).
+///     soon as it is computed. Untiled, outputs and gradients equal the
+///     resident layer's bitwise; tiled, they agree within rounding (relative
+///     1e-6 in the tests): the input's gradient is summed tile by tile, and a
+///     blocked BLAS such as OpenBLAS rounds a tile's product, a narrower
+///     matrix, differently from the whole (netlib's reference BLAS, one dot
+///     product per element, gave outputs and weight gradients bitwise).
 ///   - any other layer with parameters: fetched for its forward, which keeps
 ///     only the layer's input (a checkpoint); fetched again in backward, where
 ///     the layer is recomputed and its gradients go to the host masters
