@@ -46,7 +46,7 @@ measure() {
     gpt_train) run gpt_train "$build/memfit" train --model gpt --width 64 --depth 2 --context 64 --batch 32 --steps 100 ;;
     gpt_budget) run gpt_budget python3 bench/gpt_budget.py --build "$build" ;;
     peers) run peers /usr/bin/python3 bench/peers.py --build "$build" --steps 8 --batch 128 --repeats 2 ;;
-    peers_gpt) run peers_gpt /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 4 --batch 16 --repeats 2 ;;
+    peers_gpt) run peers_gpt /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 8 --batch 16 --repeats 3 ;;
   esac
 }
 
