@@ -206,11 +206,19 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch) {
       state.counters[key + "best_ms"] = 1e3 * best;
       state.counters[key + "plan_vs_best"] = planned / best;
       state.counters[key + "plan_vs_plain"] = planned / plain.seconds;
-      fmt::print(stderr, "{} at 1/{} ({:.2f} MiB): micro {} offload {}{} checkpoint {}\n", kind,
-                 divisor, double(budget) / (1 << 20), p->predicted.accumulation_steps > 1 ? p->settings.micro_batch() : batch,
-                 memfit::offload_text(p->settings),
-                 p->settings.tile_bytes() > 0 ? fmt::format(" (tiles of {})", memfit::format_bytes(p->settings.tile_bytes())) : "",
-                 p->settings.schedule().segments.empty() ? "none" : p->settings.schedule().to_string());
+      const auto describe = [&](const memfit::StepSettings& s) {
+        return fmt::format("micro {} offload {}{} checkpoint {}", s.micro_batch() > 0 ? s.micro_batch() : batch,
+                           memfit::offload_text(s),
+                           s.tile_bytes() > 0 ? fmt::format(" (tiles of {})", memfit::format_bytes(s.tile_bytes())) : "",
+                           s.schedule().segments.empty() ? "none" : s.schedule().to_string());
+      };
+      fmt::print(stderr, "{} at 1/{} ({:.2f} MiB): {}\n", kind, divisor, double(budget) / (1 << 20),
+                 describe(p->settings));
+      if (best_settings && !same(*best_settings, p->settings)) {
+        fmt::print(stderr, "  the grid's fastest: {}: {:.1f} ms measured, {:.1f} ms predicted; the plan {:.1f} ms "
+                   "measured, {:.1f} ms predicted (single runs)\n", describe(*best_settings), 1e3 * best,
+                   1e3 * model.predict(batch, *best_settings).seconds, 1e3 * planned, 1e3 * p->predicted.seconds);
+      }
     }
   }
 }

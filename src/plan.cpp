@@ -195,6 +195,7 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
     if (const auto* lin = layer->as<torch::nn::LinearImpl>()) {
       c.linear = true;
       c.rows = lin->weight.size(0);
+      c.cols = lin->weight.size(1);
       c.row_bytes = streamed_bytes(*layer, 1);  // one row per tile: a row and its bias element
     }
     stream_layers_.push_back(c);
@@ -303,6 +304,44 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
       options_.offload() ? std::max(step_seconds_, time_optimizer_step(options_, trainable, true)) : 0;
   gradient_offload_seconds_ = options_.offload() ? time_gradient_offload(trainable) : 0;
   stream_seconds_ = options_.offload() ? time_stream(chain->parameters()) : 0;
+}
+
+double StepModel::tile_seconds(int64_t micro_batch, int64_t tile_bytes) const {
+  TORCH_CHECK(micro_batch > 0, "tile_seconds: micro_batch must be positive, got ", micro_batch);
+  if (tile_bytes <= 0) return 0.0;
+  const auto key = std::make_pair(micro_batch, tile_bytes);
+  if (const auto it = tile_seconds_.find(key); it != tile_seconds_.end()) return it->second;
+  const auto options = torch::TensorOptions().device(device_).dtype(torch::kFloat);
+  torch::NoGradGuard no_grad;
+  double extra = 0.0;
+  for (const auto& c : stream_layers_) {
+    const int64_t rows = c.linear ? linear_tile_rows(c.rows, c.largest, tile_bytes) : c.rows;
+    if (!c.linear || rows >= c.rows) continue;
+    const auto x = torch::randn({micro_batch, c.cols}, options);
+    const auto w = torch::randn({c.rows, c.cols}, options);
+    const auto b = torch::randn({c.rows}, options);
+    const auto dy = torch::randn({micro_batch, c.rows}, options);
+    // ParameterStream's products with `tile` rows a tile (stream.cpp).
+    auto products = [&](int64_t tile) {
+      auto y = torch::empty({micro_batch, c.rows}, options);
+      torch::Tensor dx;
+      for (int64_t begin = 0; begin < c.rows; begin += tile) {
+        const int64_t len = std::min(tile, c.rows - begin);
+        const bool whole = len == c.rows;
+        const auto w_t = whole ? w : w.narrow(0, begin, len);
+        const auto dy_t = whole ? dy : dy.narrow(1, begin, len);
+        const auto y_t = torch::addmm(whole ? b : b.narrow(0, begin, len), x, w_t.t());
+        if (!whole) y.narrow(1, begin, len).copy_(y_t);
+        dx = dx.defined() ? dx.addmm_(dy_t, w_t) : dy_t.mm(w_t);
+        dy_t.t().mm(x);
+      }
+      if (device_.is_cuda()) torch::cuda::synchronize();
+    };
+    extra += median_round_seconds([&] { products(rows); }) - median_round_seconds([&] { products(c.rows); });
+  }
+  extra = std::max(0.0, extra);  // the difference of two medians may dip below 0
+  tile_seconds_[key] = extra;
+  return extra;
 }
 
 int64_t StepModel::largest_linear_bytes() const {
@@ -518,9 +557,10 @@ StepPrediction StepModel::predict(int64_t batch, const StepSettings& s) const {
   r.forward_backward_bytes = fb;
   r.activation_bytes = sim.peak_bytes;
   r.optimizer_step_bytes = step;
-  // Streamed: every parameter comes over twice per micro-batch (the
-  // recomputation of layers other than Linear is in the simulated schedule).
-  const double stream_time = streamed ? 2 * stream_seconds_ : 0.0;
+  // Streamed: every parameter comes over twice per micro-batch, and tiles
+  // cost what their smaller products cost more (the recomputation of layers
+  // other than Linear is in the simulated schedule).
+  const double stream_time = streamed ? 2 * stream_seconds_ + tile_seconds(m, s.tile_bytes()) : 0.0;
   r.seconds = double(accumulation) * (chain_time + stream_time) +
               (offload ? offloaded_step_seconds_ : step_seconds_) +
               (offload_gradients ? double(accumulation - 1) * gradient_offload_seconds_ : 0.0);
@@ -741,8 +781,11 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
         "parameters in host memory, streamed to the device layer by layer ({}): every parameter "
         "crosses twice per micro-batch ({:.1f} ms each time), layers other than Linear run forward "
         "once more",
-        s.tile_bytes() > 0 ? fmt::format("Linear weights in tiles of at most {}", format_bytes(s.tile_bytes()))
-                           : std::string("untiled"),
+        s.tile_bytes() > 0
+            ? fmt::format("Linear weights in tiles of at most {}, whose smaller products add {:.1f} ms a "
+                          "micro-batch", format_bytes(s.tile_bytes()),
+                          1e3 * model.tile_seconds(s.micro_batch() > 0 ? s.micro_batch() : batch, s.tile_bytes()))
+            : std::string("untiled"),
         1e3 * model.stream_seconds()));
   }
   best.why.push_back(fmt::format("predicted peak {} ({} phase), {:.1f} ms per batch, {:.2f}x the "

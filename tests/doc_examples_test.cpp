@@ -249,6 +249,42 @@ TEST_F(DocExamples, FreezeHeader) {
   EXPECT_EQ(memfit::unfreeze(*net, "fc0.*", &adam), 2);
 }
 
+// README.md's "Your own model": the pieces on a module with its own forward.
+struct ReadmeNetImpl : torch::nn::Module {
+  ReadmeNetImpl()
+      : encoder(register_module("encoder", torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::ReLU()))),
+        head(register_module("head", torch::nn::Linear(32, 4))) {}
+  torch::nn::Sequential encoder;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(ReadmeNet);
+
+TEST_F(DocExamples, ReadmeOwnModel) {
+  ReadmeNet net;
+  torch::optim::SGD optimizer(net->parameters(), 0.1);
+  memfit::GradScaler scaler;
+  const auto x = torch::randn({8, 16});
+  const auto y = torch::randint(4, {8});
+  std::ostringstream out;
+  memfit::set_memory_budget(torch::kCPU, memfit::parse_memory_size("512MiB"));  // over it: c10::OutOfMemoryError
+  memfit::PeakMeter meter;
+  torch::Tensor loss;
+  {
+    memfit::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);           // torch.autocast
+    auto h = memfit::checkpoint(net->encoder, x);                            // torch.utils.checkpoint
+    loss = torch::nll_loss(net->head->forward(h).to(torch::kFloat).log_softmax(1), y);
+  }
+  scaler.scale(loss).backward();                                             // memfit::GradScaler
+  scaler.unscale_(optimizer);
+  torch::nn::utils::clip_grad_norm_(net->parameters(), 1.0);
+  scaler.step(optimizer);
+  scaler.update();
+  out << memfit::breakdown_step(meter.peak(), net->parameters(), net->buffers(), optimizer).table();
+  memfit::set_memory_budget(torch::kCPU, 0);
+  EXPECT_TRUE(net->encoder->parameters()[0].grad().defined()) << "the checkpointed encoder got gradients";
+  EXPECT_NE(out.str().find("parameters"), std::string::npos) << out.str();
+}
+
 TEST_F(DocExamples, EnvironmentHeader) {
   std::ostringstream out, err;
   {

@@ -140,6 +140,31 @@ TEST_F(Planner, StreamsParametersOnlyWhereTheModelStateDoesNotFit) {
   EXPECT_LE(measured_peak("mlp", 128, tight.settings, parameters / 2), parameters / 2);
 }
 
+TEST_F(Planner, TiledStreamingIsPricedByItsMeasuredProducts) {
+  auto chain = make("mlp");
+  StepModel model(chain, small_data().images.narrow(0, 0, 1));
+  const int64_t largest = model.largest_linear_bytes();
+  ASSERT_EQ(largest, 784 * 256 * 4);
+  EXPECT_EQ(model.tile_seconds(64, 0), 0.0) << "untiled";
+  EXPECT_EQ(model.tile_seconds(64, largest), 0.0) << "no weight is cut";
+  const int64_t tile = largest / 16;
+  const double extra = model.tile_seconds(64, tile);
+  EXPECT_GE(extra, 0.0);
+  EXPECT_EQ(model.tile_seconds(64, tile), extra) << "measured once, then kept";
+  // Whatever the BLAS makes of small products, the prediction adds exactly
+  // that much per micro-batch and nothing else changes in the time.
+  const auto streamed = StepSettings()
+                            .offload_optimizer(Offload::kHost)
+                            .offload_gradients(Offload::kHost)
+                            .offload_parameters(Offload::kHost)
+                            .micro_batch(64);
+  const auto untiled = model.predict(128, streamed);
+  const auto tiled = model.predict(128, StepSettings(streamed).tile_bytes(tile));
+  EXPECT_NEAR(tiled.seconds - untiled.seconds, 2 * extra, 1e-12 * tiled.seconds) << "two micro-batches of 64";
+  EXPECT_LT(tiled.peak_bytes, untiled.peak_bytes);
+  testing::expect_error([&] { model.tile_seconds(0, tile); }, "micro_batch must be positive, got 0");
+}
+
 TEST_F(Planner, PlanJsonHoldsTheKnobsAndPrediction) {
   auto chain = make("resnet");
   StepModel model(chain, small_data().images.narrow(0, 0, 1));

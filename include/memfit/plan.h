@@ -57,6 +57,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace memfit {
@@ -218,6 +219,17 @@ class StepModel {
   /// Bytes of the largest Linear weight among the chain's layers (0: none):
   /// the tile sizes the planner tries are fractions of it.
   int64_t largest_linear_bytes() const;
+  /// Seconds that cutting the streamed Linear weights into tiles of at most
+  /// `tile_bytes` adds to a micro-batch of `micro_batch` examples (0 for
+  /// `tile_bytes` 0 or a chain without a Linear that large): each Linear's
+  /// products as ParameterStream computes them (forward, input and weight
+  /// gradients) timed tile by tile against whole, on the device profiled.
+  /// Many small products cost more than one large one on a blocked BLAS
+  /// (OpenBLAS: the MLP's 98 KiB tiles at 256 rows, 1.5x the step) and about
+  /// the same on the reference BLAS. Measured on first use of each pair and
+  /// kept; the temporaries are a micro-batch's inputs and outputs of one
+  /// layer, the weight and its gradient. Sync points: on CUDA, one per round.
+  double tile_seconds(int64_t micro_batch, int64_t tile_bytes) const;
 
  private:
   double calibrate_recomputation(const torch::nn::Sequential& chain, const torch::Tensor& x,
@@ -248,6 +260,7 @@ class StepModel {
   struct StreamedLayerCost {
     bool linear = false;       // written out and tiled; else recomputed
     int64_t rows = 0;          // Linear: output rows
+    int64_t cols = 0;          // Linear: input features
     int64_t row_bytes = 0;     // Linear: bytes of one weight row plus its bias element
     int64_t bytes = 0;         // all its parameters
     int64_t largest = 0;       // its largest parameter
@@ -255,6 +268,7 @@ class StepModel {
   std::vector<StreamedLayerCost> stream_layers_;
   int64_t buffer_bytes_ = 0;
   double stream_seconds_ = 0;
+  mutable std::map<std::pair<int64_t, int64_t>, double> tile_seconds_;  // by (micro-batch, tile bytes)
 };
 
 /// A plan: the knobs, what they are predicted to cost, and why.
