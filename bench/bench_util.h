@@ -45,6 +45,18 @@ inline void record_environment() {
   if (!warning.empty()) std::fprintf(stderr, "memfit: warning: %s\n", warning.c_str());
 }
 
+/// A benchmark program's main after its own set-up (threads, registration):
+/// records the environment, parses Google Benchmark's flags (an unknown one
+/// exits 1), runs the benchmarks chosen and returns main's exit code.
+inline int run_benchmarks(int argc, char** argv) {
+  record_environment();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
 struct Variant {
   std::string name;            ///< Counter prefix: NAME_ms.
   std::function<void()> run;   ///< One unit of work (sets its own state up).

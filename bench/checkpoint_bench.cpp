@@ -362,10 +362,6 @@ void register_all() {
 int main(int argc, char** argv) {
   at::set_num_threads(1);  // one core per run keeps the pairs comparable on a shared machine
   at::globalContext().setFlushDenormal(true);
-  memfit::bench::record_environment();
   register_all();
-  benchmark::Initialize(&argc, argv);
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return memfit::bench::run_benchmarks(argc, argv);
 }

@@ -100,10 +100,5 @@ BENCHMARK_CAPTURE(BM_TrainStep, mlp_b64, memfit::ModelKind::kMlp, 64)
 } // namespace
 
 int main(int argc, char** argv) {
-  memfit::bench::record_environment();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return memfit::bench::run_benchmarks(argc, argv);
 }

@@ -289,10 +289,5 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark(("accuracy/" + kind).c_str(), BM_Accuracy, kind)
         ->Unit(benchmark::kSecond)->Iterations(1);
   }
-  memfit::bench::record_environment();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return memfit::bench::run_benchmarks(argc, argv);
 }

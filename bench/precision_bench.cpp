@@ -149,10 +149,6 @@ int main(int argc, char** argv) {
     at::globalContext().setFlushDenormal(true);
   }
   memfit::memory_allocated(torch::kCPU);  // track from the start
-  memfit::bench::record_environment();
   register_all();
-  benchmark::Initialize(&argc, argv);
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return memfit::bench::run_benchmarks(argc, argv);
 }

@@ -152,11 +152,6 @@ int main(int argc, char** argv) {
   memfit::memory_allocated(device());  // tracking from the start
   const unsigned hw = std::thread::hardware_concurrency();
   at::set_num_threads(hw > 0 ? static_cast<int>(hw) : 1);
-  memfit::bench::record_environment();
   register_all();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return memfit::bench::run_benchmarks(argc, argv);
 }

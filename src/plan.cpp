@@ -315,8 +315,9 @@ double StepModel::tile_seconds(int64_t micro_batch, int64_t tile_bytes) const {
   torch::NoGradGuard no_grad;
   double extra = 0.0;
   for (const auto& c : stream_layers_) {
-    const int64_t rows = c.linear ? linear_tile_rows(c.rows, c.largest, tile_bytes) : c.rows;
-    if (!c.linear || rows >= c.rows) continue;
+    if (!c.linear) continue;
+    const int64_t rows = linear_tile_rows(c.rows, c.largest, tile_bytes);
+    if (rows >= c.rows) continue;  // this weight is not cut
     const auto x = torch::randn({micro_batch, c.cols}, options);
     const auto w = torch::randn({c.rows, c.cols}, options);
     const auto b = torch::randn({c.rows}, options);
