@@ -13,11 +13,14 @@
 /// read and steer the CUDA caching allocator.
 ///
 /// Thread safety: all functions and the allocator are thread-safe (atomic
-/// counters); UntrackedGuard is thread-local.
+/// counters; the allocator's size table in 16 locked shards); UntrackedGuard
+/// is thread-local.
 /// Sync points: none (the CPU counters are plain atomics; CUDA stats are host
 /// side).
-/// Extra memory: 64 bytes of header in front of each tracked CPU allocation
-/// (not counted, so counts equal tensor bytes exactly).
+/// Extra memory: one entry of a side table (about 40 bytes of host memory)
+/// per live tracked CPU allocation, not counted, so counts equal tensor bytes
+/// exactly; the data itself is laid out as LibTorch's default allocator lays
+/// it out.
 
 #include <torch/types.h>
 
