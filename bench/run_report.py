@@ -3,7 +3,6 @@
 import os
 
 
-
 def mib(b):
     return f"{b / 2**20:.2f} MiB"
 

@@ -34,12 +34,15 @@ std::string torch_blas_info() {
   return config.substr(start, config.find_first_of(", \n", start) - start);
 }
 
-BlasVendor vendor_from_torch_blas_info(const std::string& text) {
-  if (text == "mkl") return BlasVendor::kMKL;
-  if (text == "open") return BlasVendor::kOpenBLAS;
-  if (text == "blis") return BlasVendor::kBLIS;
-  if (text == "atlas") return BlasVendor::kATLAS;
-  return BlasVendor::kUnknown;
+// The vendor and config of a BLAS built into LibTorch, as its BLAS_INFO says.
+void from_torch_blas_info(BlasInfo& info) {
+  const auto text = torch_blas_info();
+  if (!text.empty()) info.config = "BLAS_INFO=" + text;
+  info.vendor = text == "mkl"     ? BlasVendor::kMKL
+                : text == "open"  ? BlasVendor::kOpenBLAS
+                : text == "blis"  ? BlasVendor::kBLIS
+                : text == "atlas" ? BlasVendor::kATLAS
+                                  : BlasVendor::kUnknown;
 }
 
 std::string resolved_path(const char* path) {
@@ -81,8 +84,7 @@ void identify(BlasInfo& info, void* handle) {
   }
   const std::filesystem::path path(info.library);
   if (path.filename().string().rfind("libtorch", 0) == 0) {  // built into LibTorch (pip wheels)
-    info.config = "BLAS_INFO=" + torch_blas_info();
-    info.vendor = vendor_from_torch_blas_info(torch_blas_info());
+    from_torch_blas_info(info);
     return;
   }
   // Debian's netlib reference BLAS (libblas3) is .../blas/libblas.so.3: no
@@ -174,10 +176,7 @@ BlasInfo blas_info() {
   Dl_info where{};
   void* sgemm = dlsym(RTLD_DEFAULT, "sgemm_");
   if (!sgemm || !dladdr(sgemm, &where) || !where.dli_fname) {
-    // No exported sgemm_: a BLAS linked statically into LibTorch, or none.
-    const auto torch_info = torch_blas_info();
-    info.vendor = vendor_from_torch_blas_info(torch_info);
-    if (!torch_info.empty()) info.config = "BLAS_INFO=" + torch_info;
+    from_torch_blas_info(info);  // no exported sgemm_: a BLAS linked statically into LibTorch, or none
     return info;
   }
   info.library = resolved_path(where.dli_fname);

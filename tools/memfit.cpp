@@ -847,11 +847,11 @@ int main(int argc, char** argv) {
       "memfit: train LibTorch models and batches that do not fit in memory.\n"
       "Exit codes: 0 success, 1 failed run (e.g. out of memory under --budget), 2 bad usage.",
       "memfit"};
-  app.set_version_flag("--version", fmt::format("memfit 0.1.0 (LibTorch {}, {}, {}; BLAS: {})", TORCH_VERSION,
-                                                 memfit::compat::kBuiltWithCuda ? "CUDA" : "CPU only",
-                                                 memfit::distributed_available() ? "c10d Gloo"
-                                                                                 : "no c10d Gloo",
-                                                 memfit::blas_info().name()));
+  app.set_version_flag("--version", [] {  // the BLAS is looked up only when asked for
+    return fmt::format("memfit 0.1.0 (LibTorch {}, {}, {}; BLAS: {})", TORCH_VERSION,
+                       memfit::compat::kBuiltWithCuda ? "CUDA" : "CPU only",
+                       memfit::distributed_available() ? "c10d Gloo" : "no c10d Gloo", memfit::blas_info().name());
+  });
   app.require_subcommand(1);
   TrainArgs train_args;
   add_train_command(app, train_args);
