@@ -1,7 +1,25 @@
 # memfit — the two set-up commands are `make run` and `make test`.
+# LIBTORCH=debian (Debian's libtorch-dev 1.13, the default) or pip (PyPI's
+# torch 2.15 with CUDA, installed by scripts/install-torch.sh into a venv
+# under ~/.cache/memfit); each has its own build folder.
+LIBTORCH  ?= debian
+ifeq ($(LIBTORCH),debian)
 BUILD_DIR ?= build
+else ifeq ($(LIBTORCH),pip)
+BUILD_DIR ?= build-pip
+DEPS_FLAGS = --torch
+else
+$(error LIBTORCH is '$(LIBTORCH)'; use LIBTORCH=debian (Debian's libtorch-dev 1.13) or LIBTORCH=pip (PyPI's torch 2.15))
+endif
 JOBS      ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
+# A compiler cache when there is one (scripts/install-deps.sh installs ccache);
+# the sloppiness lets it cache the sources that use the precompiled header.
+CCACHE    := $(shell command -v ccache 2>/dev/null)
+ifneq ($(CCACHE),)
+CACHE_FLAGS = -DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE)
+export CCACHE_SLOPPINESS = pch_defines,time_macros,include_file_mtime,include_file_ctime
+endif
 # The main job: one epoch of a ResNet-style CNN on Fashion-MNIST under a 64 MiB budget.
 RUN_ARGS  ?= train --model resnet --epochs 1 --budget 64MiB --report $(BUILD_DIR)/run-report.json
 
@@ -10,12 +28,12 @@ RUN_ARGS  ?= train --model resnet --epochs 1 --budget 64MiB --report $(BUILD_DIR
 all: build
 
 deps:
-	@bash scripts/install-deps.sh
+	@bash scripts/install-deps.sh $(DEPS_FLAGS)
 
-$(BUILD_DIR)/CMakeCache.txt:
-	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
-
-configure: deps $(BUILD_DIR)/CMakeCache.txt
+# Configured on every make (about 2 s), so a changed LIBTORCH is never built
+# against the LibTorch an older configure found.
+configure: deps
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DMEMFIT_LIBTORCH=$(LIBTORCH) $(CACHE_FLAGS) $(CMAKE_FLAGS)
 
 build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)

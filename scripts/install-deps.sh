@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# Installs memfit's Debian 12 packages, skipping those already present.
-# Usage: scripts/install-deps.sh   (as root, or with sudo available)
+# Installs memfit's Debian 12 packages, skipping those already present; with
+# --torch, also PyPI's torch for the LibTorch 2.x build (scripts/install-torch.sh).
+# Usage: scripts/install-deps.sh [--torch]   (as root, or with sudo available)
 set -euo pipefail
 
+with_torch=0
+for arg in "$@"; do
+  case "$arg" in
+    --torch) with_torch=1 ;;
+    *) echo "install-deps: unknown argument '$arg'; use --torch (or nothing)" >&2; exit 2 ;;
+  esac
+done
+
 packages=(
-  build-essential cmake make pkg-config
+  build-essential cmake make pkg-config ccache
   libtorch-dev libgloo-dev zlib1g-dev
   libopenblas0-openmp libblas3
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
   dataset-fashion-mnist jargon-text
-  python3-torch python3-torchvision
+  python3-torch python3-torchvision python3-venv python3-dev
   chromium
 )
 
@@ -60,3 +69,7 @@ for lib in libblas.so.3 liblapack.so.3 libopenblas.so.0; do
       fi ;;
   esac
 done
+
+if [ "$with_torch" = 1 ]; then
+  bash "$(dirname "$0")/install-torch.sh"
+fi

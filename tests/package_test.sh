@@ -29,8 +29,10 @@ grep -q "resume bit-identical" "$work/trainer-state-run.log"
 grep -q "streamed parameters train like resident ones" "$work/parameter-offload-run.log"
 echo "ok   find_package(memfit CONFIG REQUIRED)"
 
+# The same LibTorch as the build under test (MEMFIT_LIBTORCH=debian or pip).
+libtorch=$(sed -n 's/^MEMFIT_LIBTORCH:[A-Z]*=//p' "$build/CMakeCache.txt")
 cmake -S "$consumer" -B "$work/subdir" -DCMAKE_BUILD_TYPE=Release \
-  -DMEMFIT_SOURCE_DIR="$src" >"$work/subdir-configure.log"
+  -DMEMFIT_SOURCE_DIR="$src" -DMEMFIT_LIBTORCH="${libtorch:-debian}" >"$work/subdir-configure.log"
 cmake --build "$work/subdir" -j "$jobs" >"$work/subdir-build.log"
 "$work/subdir/consumer" | grep -q "refused as expected"
 echo "ok   add_subdirectory(memfit)"
