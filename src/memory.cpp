@@ -198,6 +198,11 @@ c10::DeviceIndex cuda_index(const torch::Device& device) {
   const c10::DeviceIndex index = device.has_index() ? device.index() : c10::DeviceIndex(0);
   static std::once_flag once[64];
   TORCH_CHECK(index >= 0 && index < 64, "memfit: CUDA device index ", int(index), " out of range");
+  const auto count = static_cast<int64_t>(c10::cuda::device_count());
+  TORCH_CHECK(index < count, "memfit: device ", device.str(), " is not here: this build has CUDA, but ",
+              count == 0 ? std::string("no CUDA device is visible (no GPU or no driver)")
+                         : fmt::format("only {} CUDA device{} are visible", count, count == 1 ? "" : "s"),
+              ". Use torch::kCPU", count == 0 ? "" : " or a visible device");
   std::call_once(once[index], [&] {
     at::empty({0}, at::TensorOptions().device(torch::Device(torch::kCUDA, index)));
   });

@@ -453,13 +453,15 @@ void MasterWeights::init() {
       auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
       TORCH_INTERNAL_ASSERT(acc != nullptr);
       hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradientToHost>(params_[i], masters_[i])));
-      accumulators_.push_back(std::move(acc));
+      accumulators_.push_back(compat::hold_node(std::move(acc)));
     }
   }
 }
 
 MasterWeights::~MasterWeights() {
-  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    static_cast<torch::autograd::Node*>(accumulators_[i].get())->del_post_hook(hook_keys_[i]);
+  }
   if (!streamed()) return;
   // The model is whole again, in host memory (the masters' own storage, no
   // copy), where a model too large for the device was built.

@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
+#include <fmt/format.h>
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -96,7 +98,7 @@ void write_module(torch::serialize::OutputArchive& archive, const torch::nn::Mod
   std::string names;
   for (size_t i = 0; i < tensors.size(); ++i) {
     names += tensors[i].first + "\n";
-    archive.write("t" + std::to_string(i), tensors[i].second.detach());
+    archive.write(fmt::format("t{}", i), tensors[i].second.detach());
   }
   archive.write("names", c10::IValue(names));
 }
@@ -114,7 +116,7 @@ void check_module(torch::serialize::InputArchive& archive, const torch::nn::Modu
                 "' ", describe(tensor), " is not in the checkpoint (it holds ", names.size(),
                 " tensors, the model ", tensors.size(), "); load it into the model that saved it");
     torch::Tensor saved;
-    TORCH_CHECK(archive.try_read("t" + std::to_string(i), saved), what, " is damaged: tensor '",
+    TORCH_CHECK(archive.try_read(fmt::format("t{}", i), saved), what, " is damaged: tensor '",
                 names[i], "' is missing");
     TORCH_CHECK(names[i] == name, what, " does not match the model: tensor ", i, " is '",
                 names[i], "' in the checkpoint but '", name,
@@ -135,7 +137,7 @@ void copy_into_module(torch::serialize::InputArchive& archive, torch::nn::Module
   const auto tensors = module_tensors(module, stand_in);
   for (size_t i = 0; i < tensors.size(); ++i) {
     torch::Tensor saved;
-    archive.try_read("t" + std::to_string(i), saved);
+    archive.try_read(fmt::format("t{}", i), saved);
     auto dst = tensors[i].second;
     dst.copy_(saved);  // into the tensor's own storage, on its device
   }

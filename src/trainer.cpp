@@ -10,6 +10,7 @@
 #include <torch/optim.h>
 #include <torch/torch.h>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -673,7 +674,7 @@ void Trainer::write_state(torch::serialize::OutputArchive& a, const std::vector<
   if (master_) {
     torch::serialize::OutputArchive masters;
     const auto& m = master_->master_parameters();
-    for (size_t i = 0; i < m.size(); ++i) masters.write("m" + std::to_string(i), m[i].detach());
+    for (size_t i = 0; i < m.size(); ++i) masters.write(fmt::format("m{}", i), m[i].detach());
     a.write("masters", masters);
   }
   if (zero_ != nullptr) {
@@ -733,7 +734,7 @@ void Trainer::resume(const std::string& path_or_dir) {
   if (master_) {
     const auto& m = master_->master_parameters();
     for (size_t i = 0; i < m.size(); ++i) {
-      saved_masters.push_back(read_tensor(masters, "m" + std::to_string(i), path));
+      saved_masters.push_back(read_tensor(masters, fmt::format("m{}", i), path));
       TORCH_CHECK(saved_masters.back().sizes() == m[i].sizes(), path,
                   " does not match the model: master ", i, " has another shape");
     }

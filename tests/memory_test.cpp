@@ -1,5 +1,7 @@
 #include "memfit/memory.h"
 
+#include "memfit/compat.h"
+
 #include "memory_internal.h"
 #include "test_util.h"
 
@@ -279,15 +281,21 @@ TEST_F(Budget, BudgetBelowCurrentUseOnlyRefusesNewAllocations) {
   EXPECT_EQ(a[0].item<float>(), 2.0f);
 }
 
-TEST_F(Budget, CudaDeviceOnCpuBuildIsAClearError) {
+TEST_F(Budget, CudaDeviceWithoutOneIsAClearError) {
+  // A CPU-only build, or a CUDA build on a machine without a GPU: one line
+  // naming the device, why it is not there, and what to use instead.
   if (torch::cuda::is_available()) {
-    GTEST_SKIP() << "CUDA is available; this checks the CPU-only build's error";
+    GTEST_SKIP() << "CUDA is available; this checks the error where it is not";
   }
   try {
     memory_allocated(torch::Device(torch::kCUDA, 0));
     ADD_FAILURE() << "expected an error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.msg()).find("cuda"), std::string::npos) << e.msg();
+    const std::string why = compat::kBuiltWithCuda ? "this build has CUDA, but no CUDA device is visible"
+                                                    : "needs a CUDA build of memfit and LibTorch";
+    EXPECT_NE(std::string(e.msg()).find("memfit: device cuda:0"), std::string::npos) << e.msg();
+    EXPECT_NE(std::string(e.msg()).find(why), std::string::npos) << e.msg();
+    EXPECT_NE(std::string(e.msg()).find("Use torch::kCPU"), std::string::npos) << e.msg();
   }
 }
 

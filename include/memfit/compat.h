@@ -17,8 +17,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/optim/optimizer.h>
 
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -34,6 +36,14 @@
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#endif
+
+#if defined(MEMFIT_WITH_DISTRIBUTED)
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#else
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
 #endif
 
 /// True when the LibTorch being compiled against is at least major.minor.
@@ -248,6 +258,29 @@ auto optimizer_state_key(const at::Tensor& p) {
   } else {
     return static_cast<Key>(p.unsafeGetTensorImpl());
   }
+}
+
+#if defined(MEMFIT_WITH_DISTRIBUTED)
+/// The base class of c10d's Gloo and NCCL process groups, whose virtual
+/// collectives memfit calls: c10d::ProcessGroup in 1.x, c10d::Backend in 2.x.
+#if TORCH_VERSION_MAJOR >= 2
+using C10dBackend = c10d::Backend;
+#else
+using C10dBackend = c10d::ProcessGroup;
+#endif
+#endif
+
+/// What autograd hands out for a node such as a parameter's gradient
+/// accumulator: std::shared_ptr in LibTorch 1.x and early 2.x,
+/// c10::intrusive_ptr in 2.15.
+using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+/// Keeps `node` alive as long as the returned handle, whose type is the same
+/// in every LibTorch (for members of public headers). Autograd holds a
+/// parameter's accumulator weakly; hooks on it live only while someone holds it.
+inline std::shared_ptr<void> hold_node(NodePtr node) {
+  auto* raw = node.get();
+  return std::shared_ptr<void>(raw, [held = std::move(node)](void*) mutable { held = nullptr; });
 }
 
 /// Collects the messages of c10 warnings (TORCH_WARN) raised on this thread

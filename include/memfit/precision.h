@@ -365,8 +365,9 @@ class MasterWeights {
   std::vector<torch::Tensor> masters_;
   std::vector<torch::Tensor> released_;  // streamed: what each parameter holds between uses
   MasterWeightsOptions options_;
-  // Gradient offload: the accumulators (autograd holds them weakly) and their hooks.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  // Gradient offload: the accumulators (autograd holds them weakly; held
+  // through compat::hold_node) and their hooks.
+  std::vector<std::shared_ptr<void>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
 };
 
