@@ -1,5 +1,7 @@
 #include "memfit/distributed.h"
 
+#include "memfit/compat.h"
+
 #include "memfit/memory.h"
 #include "memfit/state.h"
 
@@ -10,6 +12,10 @@
 
 #if defined(MEMFIT_WITH_DISTRIBUTED)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#if defined(MEMFIT_WITH_NCCL)
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #endif
 
@@ -85,6 +91,14 @@ bool distributed_available() {
 #endif
 }
 
+bool nccl_available() {
+#if defined(MEMFIT_WITH_NCCL)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // ---------------------------------------------------------------------------
 // The process group
 
@@ -95,7 +109,8 @@ struct ProcessGroupImpl {
   WorldInfo world;
   ProcessGroupOptions options;
   c10::intrusive_ptr<c10d::TCPStore> store;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  c10::intrusive_ptr<compat::C10dBackend> backend;  // Gloo or NCCL
+  torch::Device device{torch::kCPU};               // where the backend reduces
   int64_t payload = 0;
 
   void count(const torch::Tensor& t) { payload += t.numel() * static_cast<int64_t>(t.element_size()); }
@@ -111,7 +126,6 @@ struct ProcessGroup::Pending::Work {
 
 namespace {
 
-// Gloo reduces host tensors; a CUDA tensor is staged through a host copy.
 void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const char* what,
               const detail::ProcessGroupImpl& g) {
   try {
@@ -121,6 +135,61 @@ void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const char* what,
                 " failed (another rank died, hung past the ", g.options.timeout().count(),
                 " ms timeout, or called a different collective): ", e.what());
   }
+}
+
+} // namespace
+
+namespace {
+
+void join_gloo(detail::ProcessGroupImpl& g) {
+  auto o = c10d::ProcessGroupGloo::Options::create(g.options.timeout());
+  const bool local = g.world.master_addr == "127.0.0.1" || g.world.master_addr == "localhost";
+  o->devices.push_back(local ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                             : c10d::ProcessGroupGloo::createDefaultDevice());
+  o->threads = 2;
+  g.backend = c10::make_intrusive<c10d::ProcessGroupGloo>(g.store, static_cast<int>(g.world.rank),
+                                                          static_cast<int>(g.world.world_size), o);
+  g.device = torch::kCPU;
+}
+
+void join_nccl(detail::ProcessGroupImpl& g) {
+#if defined(MEMFIT_WITH_NCCL)
+  TORCH_CHECK(torch::cuda::is_available(), "ProcessGroup: the NCCL backend needs a CUDA device and none is "
+              "visible; use ProcessGroupOptions().backend(ProcessGroupBackend::kGloo)");
+  g.device = torch::Device(torch::kCUDA, c10::cuda::current_device());
+  auto o = c10d::ProcessGroupNCCL::Options::create();
+  o->timeout = g.options.timeout();
+  g.backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(g.store, static_cast<int>(g.world.rank),
+                                                          static_cast<int>(g.world.world_size), o);
+#else
+  TORCH_CHECK(false, "ProcessGroup: the NCCL backend needs memfit built against a CUDA LibTorch with NCCL "
+              "(MEMFIT_LIBTORCH=pip, with the CUDA toolkit's nccl.h); this build has ",
+              compat::kBuiltWithCuda ? "CUDA but not NCCL" : "no CUDA",
+              "; use ProcessGroupOptions().backend(ProcessGroupBackend::kGloo)");
+#endif
+}
+
+// A tensor that is not a contiguous tensor on the backend's device is staged
+// through a copy there (Gloo: the host; NCCL: the CUDA device).
+template <typename Launch>
+void staged(const detail::ProcessGroupImpl& g, torch::Tensor& tensor, Launch&& launch) {
+  if (tensor.device() == g.device && tensor.is_contiguous()) {
+    launch(tensor);
+    return;
+  }
+  torch::Tensor copy;
+  {
+    UntrackedGuard untracked;  // a staging copy, not the model's memory
+    copy = tensor.to(g.device).contiguous();
+  }
+  launch(copy);
+  tensor.copy_(copy);
+}
+
+void check_on_device(const detail::ProcessGroupImpl& g, const torch::Tensor& tensor, const char* what) {
+  TORCH_CHECK(tensor.device() == g.device && tensor.is_contiguous(), what, " needs a contiguous tensor on ",
+              g.device, " (the process group's device), got ", tensor.device(),
+              tensor.is_contiguous() ? "" : " (not contiguous)");
 }
 
 } // namespace
@@ -152,18 +221,18 @@ ProcessGroup::ProcessGroup(const WorldInfo& world, ProcessGroupOptions options)
                 " ms (is rank 0 running, and MASTER_ADDR/MASTER_PORT the same everywhere?): ", e.what());
   }
   impl_->world.master_port = impl_->store->getPort();
-  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
-  const bool local = world.master_addr == "127.0.0.1" || world.master_addr == "localhost";
-  gloo_options->devices.push_back(local ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                        : c10d::ProcessGroupGloo::createDefaultDevice());
-  gloo_options->threads = 2;
   try {
-    impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        impl_->store, static_cast<int>(world.rank), static_cast<int>(world.world_size), gloo_options);
+    if (options.backend() == ProcessGroupBackend::kNccl) {
+      join_nccl(*impl_);
+    } else {
+      join_gloo(*impl_);
+    }
+  } catch (const c10::Error&) {
+    throw;
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "rank ", world.rank, " of ", world.world_size,
-                ": the Gloo process group could not connect all ranks within ",
-                options.timeout().count(), " ms: ", e.what());
+    TORCH_CHECK(false, "rank ", world.rank, " of ", world.world_size, ": the ",
+                options.backend() == ProcessGroupBackend::kNccl ? "NCCL" : "Gloo",
+                " process group could not connect all ranks within ", options.timeout().count(), " ms: ", e.what());
   }
 }
 
@@ -174,55 +243,40 @@ ProcessGroup& ProcessGroup::operator=(ProcessGroup&&) noexcept = default;
 int64_t ProcessGroup::rank() const { return impl_->world.rank; }
 int64_t ProcessGroup::size() const { return impl_->world.world_size; }
 const ProcessGroupOptions& ProcessGroup::options() const { return impl_->options; }
+torch::Device ProcessGroup::device() const { return impl_->device; }
 
-namespace {
-template <typename Launch>
-void on_host(torch::Tensor& tensor, Launch&& launch) {
-  if (tensor.device().is_cpu() && tensor.is_contiguous()) {
-    launch(tensor);
-    return;
-  }
-  torch::Tensor host;
-  {
-    UntrackedGuard untracked;  // a staging copy, not the model's memory
-    host = tensor.to(torch::kCPU).contiguous();
-  }
-  launch(host);
-  tensor.copy_(host);
-}
-} // namespace
 
 void ProcessGroup::all_reduce_(torch::Tensor& tensor) {
   impl_->count(tensor);
-  on_host(tensor, [&](torch::Tensor& t) {
+  staged(*impl_, tensor, [&](torch::Tensor& t) {
     std::vector<torch::Tensor> v{t};
-    wait_for(impl_->gloo->allreduce(v), "all-reduce", *impl_);
+    wait_for(impl_->backend->allreduce(v), "all-reduce", *impl_);
   });
 }
 
 void ProcessGroup::all_reduce_max_(torch::Tensor& tensor) {
   impl_->count(tensor);
-  on_host(tensor, [&](torch::Tensor& t) {
+  staged(*impl_, tensor, [&](torch::Tensor& t) {
     std::vector<torch::Tensor> v{t};
     c10d::AllreduceOptions o;
     o.reduceOp = c10d::ReduceOp::MAX;
-    wait_for(impl_->gloo->allreduce(v, o), "all-reduce (max)", *impl_);
+    wait_for(impl_->backend->allreduce(v, o), "all-reduce (max)", *impl_);
   });
 }
 
 void ProcessGroup::broadcast_(torch::Tensor& tensor, int64_t root) {
   TORCH_CHECK(root >= 0 && root < size(), "broadcast_: root ", root, " is not a rank in [0, ", size(), ")");
   impl_->count(tensor);
-  on_host(tensor, [&](torch::Tensor& t) {
+  staged(*impl_, tensor, [&](torch::Tensor& t) {
     std::vector<torch::Tensor> v{t};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    wait_for(impl_->gloo->broadcast(v, o), "broadcast", *impl_);
+    wait_for(impl_->backend->broadcast(v, o), "broadcast", *impl_);
   });
 }
 
 void ProcessGroup::barrier() {
-  wait_for(impl_->gloo->barrier(), "barrier", *impl_);
+  wait_for(impl_->backend->barrier(), "barrier", *impl_);
 }
 
 int64_t ProcessGroup::payload_bytes() const { return impl_->payload; }
@@ -246,14 +300,12 @@ std::vector<torch::Tensor> ProcessGroup::gather(const torch::Tensor& tensor, int
 }
 
 ProcessGroup::Pending ProcessGroup::all_reduce_async_(torch::Tensor& tensor) {
-  TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(),
-              "all_reduce_async_ needs a contiguous CPU tensor, got ", tensor.device(),
-              tensor.is_contiguous() ? "" : " (not contiguous)");
+  check_on_device(*impl_, tensor, "all_reduce_async_");
   impl_->count(tensor);
   std::vector<torch::Tensor> v{tensor};
   Pending p;
   p.work_ = std::make_unique<Pending::Work>();
-  p.work_->work = impl_->gloo->allreduce(v);
+  p.work_->work = impl_->backend->allreduce(v);
   p.work_->what = "all-reduce";
   return p;
 }
@@ -261,13 +313,12 @@ ProcessGroup::Pending ProcessGroup::all_reduce_async_(torch::Tensor& tensor) {
 ProcessGroup::Pending ProcessGroup::send(const torch::Tensor& tensor, int64_t dst, int64_t tag) {
   TORCH_CHECK(dst >= 0 && dst < size() && dst != rank(), "send: rank ", dst, " is not another rank of [0, ",
               size(), ")");
-  TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(), "send needs a contiguous CPU tensor, got ",
-              tensor.device(), tensor.is_contiguous() ? "" : " (not contiguous)");
+  check_on_device(*impl_, tensor, "send");
   impl_->count(tensor);
   std::vector<torch::Tensor> v{tensor};
   Pending p;
   p.work_ = std::make_unique<Pending::Work>();
-  p.work_->work = impl_->gloo->send(v, static_cast<int>(dst), static_cast<int>(tag));
+  p.work_->work = impl_->backend->send(v, static_cast<int>(dst), static_cast<int>(tag));
   p.work_->what = fmt::format("rank {} of {}: send to rank {}", rank(), size(), dst);
   p.work_->timeout = impl_->options.timeout();
   p.work_->keep = tensor;
@@ -277,11 +328,10 @@ ProcessGroup::Pending ProcessGroup::send(const torch::Tensor& tensor, int64_t ds
 void ProcessGroup::recv_(torch::Tensor& tensor, int64_t src, int64_t tag) {
   TORCH_CHECK(src >= 0 && src < size() && src != rank(), "recv_: rank ", src, " is not another rank of [0, ",
               size(), ")");
-  TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(), "recv_ needs a contiguous CPU tensor, got ",
-              tensor.device(), tensor.is_contiguous() ? "" : " (not contiguous)");
+  check_on_device(*impl_, tensor, "recv_");
   impl_->count(tensor);
   std::vector<torch::Tensor> v{tensor};
-  auto work = impl_->gloo->recv(v, static_cast<int>(src), static_cast<int>(tag));
+  auto work = impl_->backend->recv(v, static_cast<int>(src), static_cast<int>(tag));
   try {
     work->wait(impl_->options.timeout());
   } catch (const std::exception& e) {
@@ -332,6 +382,7 @@ const ProcessGroupOptions& ProcessGroup::options() const {
   static const ProcessGroupOptions o;
   return o;
 }
+torch::Device ProcessGroup::device() const { return torch::kCPU; }
 void ProcessGroup::all_reduce_(torch::Tensor&) {}
 void ProcessGroup::all_reduce_max_(torch::Tensor&) {}
 void ProcessGroup::broadcast_(torch::Tensor&, int64_t) {}
@@ -482,9 +533,9 @@ class BucketedAllReduce : public GradientReducer {
                                      : torch::zeros({p.numel()}, p.options().requires_grad(false)));
       }
       torch::Tensor flat = torch::cat(pieces);
-      if (!flat.device().is_cpu()) {
-        UntrackedGuard staging;  // the host staging copy is not device memory
-        flat = flat.to(torch::kCPU);
+      if (flat.device() != group_->device()) {
+        UntrackedGuard staging;  // a staging copy (on the host for Gloo), not the model's memory
+        flat = flat.to(group_->device());
       }
       bytes_reduced_ += flat.numel() * flat.element_size();
       pending_[launched_] = group_->all_reduce_async_(flat);
@@ -541,7 +592,7 @@ struct DistributedDataParallel::Impl {
   std::shared_ptr<ProcessGroup> group;
   DistributedDataParallelOptions options;
   std::unique_ptr<BucketedAllReduce> reducer;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<compat::NodePtr> accumulators;
   std::vector<uintptr_t> hook_keys;
   std::unique_ptr<bool> sync = std::make_unique<bool>(true);
 

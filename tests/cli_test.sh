@@ -221,7 +221,12 @@ expect train-torchscript-missing 2 'torchscript' err -- train --torchscript "$tm
 # Data parallel: two ranks of batch 16 train like one process of batch 32.
 port=$((20000 + $$ % 20000))
 expect launch-help 0 'nproc' out -- launch --help
-if ! "$bin" --version | grep -q 'c10d Gloo)'; then
+expect dist-backend-nccl-needs-cuda 2 'dist-backend nccl reduces CUDA tensors.*--device cuda' err -- \
+  train --model mlp --steps 1 --dist-backend nccl
+expect dist-backend-nccl-not-in-pipelines 2 'pipelines run over Gloo' err -- \
+  train --model mlp --steps 1 --dist-backend nccl --device cuda --parallel pipeline
+expect dist-backend-unknown 2 'dist-backend' err -- train --model mlp --steps 1 --dist-backend mpi
+if ! "$bin" --version | grep -qE ', c10d Gloo[;a-z ]'; then
   echo "skip launch checks: this build has no c10d Gloo process group"
 else
 expect launch-two-ranks 0 'batch 16 per rank × 2 ranks' out -- launch --nproc 2 --master-port "$port" -- \

@@ -1,5 +1,7 @@
 #include "memfit/distributed.h"
 
+#include "memfit/compat.h"
+
 #include "memfit/models.h"
 #include "memfit/trainer.h"
 
@@ -745,6 +747,66 @@ TEST_F(Distributed, ARankThatHangsStopsTheOthersAfterTheTimeout) {
   EXPECT_NE(message.find("rank 0 of 2: all-reduce failed"), std::string::npos) << message;
   EXPECT_NE(message.find("2000 ms timeout"), std::string::npos) << message;
   ::unlink((out + ".rank0.txt").c_str());
+}
+
+TEST_F(Distributed, TheNcclBackendNeedsNcclAndAGpuAndSaysSo) {
+  // Where NCCL cannot run (no NCCL in this build, or no GPU), asking for it
+  // is a one-line error naming what is missing and the Gloo backend.
+  if (compat::kBuiltWithCuda && torch::cuda::is_available()) GTEST_SKIP() << "a GPU is here: CudaDistributed runs NCCL";
+  WorldInfo solo;
+  solo.master_port = 0;
+  expect_error([&] { ProcessGroup(solo, ProcessGroupOptions().backend(ProcessGroupBackend::kNccl)); },
+               "backend(ProcessGroupBackend::kGloo)");
+  EXPECT_EQ(ProcessGroup(solo).device(), torch::Device(torch::kCPU)) << "Gloo reduces on the host";
+}
+
+class CudaDistributed : public testing::OnCuda {};
+
+TEST_F(CudaDistributed, ASingleRankNcclGroupReducesBroadcastsAndAveragesOnTheDevice) {
+  WorldInfo solo;
+  solo.master_port = 0;
+  std::shared_ptr<ProcessGroup> group;
+  try {
+    group = std::make_shared<ProcessGroup>(solo, ProcessGroupOptions().backend(ProcessGroupBackend::kNccl));
+  } catch (const c10::Error& e) {
+    if (!compat::kBuiltWithCuda || std::string(e.what()).find("not NCCL") != std::string::npos) {
+      GTEST_SKIP() << "this CUDA build has no NCCL: " << e.what_without_backtrace();
+    }
+    throw;
+  }
+  const torch::Device cuda(torch::kCUDA, 0);
+  EXPECT_EQ(group->device(), cuda);
+  auto t = torch::arange(6, torch::TensorOptions().dtype(torch::kFloat).device(cuda));
+  group->all_reduce_(t);
+  EXPECT_TRUE(t.cpu().equal(torch::arange(6, torch::kFloat))) << "a group of one sums to itself";
+  group->all_reduce_max_(t);
+  group->broadcast_(t, 0);
+  auto host = torch::ones({4});
+  group->all_reduce_(host);  // staged through the device and back
+  EXPECT_TRUE(host.equal(torch::ones({4})));
+  auto pending = group->all_reduce_async_(t);
+  pending.wait();
+  expect_error([&] { group->all_reduce_async_(host); }, "needs a contiguous tensor on cuda:0");
+  group->barrier();
+
+  // DistributedDataParallel over NCCL: the buckets stay on the device and one
+  // rank leaves the gradients bitwise as they were.
+  torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  net->to(cuda);
+  torch::nn::Sequential twin(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  twin->to(cuda);
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < net->parameters().size(); ++i) twin->parameters()[i].copy_(net->parameters()[i]);
+  }
+  DistributedDataParallel ddp(net.ptr(), group, DistributedDataParallelOptions().bucket_cap_mb(0.0001));
+  const auto x = torch::randn({5, 8}, cuda);
+  net->forward(x).pow(2).sum().backward();
+  twin->forward(x).pow(2).sum().backward();
+  ddp.finalize();
+  for (size_t i = 0; i < net->parameters().size(); ++i) {
+    EXPECT_TRUE(net->parameters()[i].grad().equal(twin->parameters()[i].grad())) << i;
+  }
 }
 
 } // namespace

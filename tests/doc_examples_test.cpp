@@ -307,6 +307,12 @@ TEST_F(DocExamples, DistributedHeader) {
     if (!world.distributed()) assert(world.rank == 0 && world.world_size == 1);
     EXPECT_EQ(world.world_size, 1);
   }
+  {  // nccl_available
+    auto backend = memfit::nccl_available() && torch::cuda::is_available()
+                       ? memfit::ProcessGroupBackend::kNccl : memfit::ProcessGroupBackend::kGloo;
+    EXPECT_EQ(backend == memfit::ProcessGroupBackend::kNccl,
+              memfit::nccl_available() && torch::cuda::is_available());
+  }
   if (!memfit::distributed_available()) GTEST_SKIP() << "this build has no c10d Gloo process group";
   {  // ProcessGroup
     memfit::WorldInfo solo;  // one process: a group of one

@@ -17,6 +17,8 @@
 #include "progress.h"
 #include "report.h"
 
+#include <c10/core/DeviceGuard.h>
+
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -94,6 +96,7 @@ struct TrainArgs : ModelArgs {
   int64_t save_every = 0;
   std::string resume;
   int64_t dist_timeout = 60;
+  std::string dist_backend = "gloo";
   int64_t zero_stage = 0;
   std::string parallel = "data";
   int64_t chunks = 4;
@@ -252,6 +255,12 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                     "Under `memfit launch` (or torchrun, srun, mpirun): seconds a rank waits for "
                     "the others before it stops with an error naming them")
       ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  train->add_option("--dist-backend", a.dist_backend,
+                    "Under `memfit launch`: the process group's backend, as in PyTorch's "
+                    "init_process_group: gloo (host tensors; CUDA ones staged through the host) or "
+                    "nccl (with --device cuda, one GPU per rank: rank r uses cuda:LOCAL_RANK)")
+      ->check(CLI::IsMember({"gloo", "nccl"}))
       ->capture_default_str();
   train->add_option("--zero-stage", a.zero_stage,
                     "Under `memfit launch`: 1 shards the optimizer state over the ranks (ZeRO "
@@ -593,9 +602,22 @@ int run_train(const TrainArgs& a) {
   // Data parallel when started by `memfit launch`, torchrun, srun or mpirun.
   const auto world = memfit::world_from_env();
   std::shared_ptr<memfit::ProcessGroup> group;
+  std::optional<c10::DeviceGuard> device_guard;
   if (world.distributed()) {
+    if (a.dist_backend == "nccl") {
+      // One GPU per rank, as torch.cuda.set_device(local_rank) chooses it;
+      // NCCL reduces on the current device.
+      const auto gpus = static_cast<int64_t>(torch::cuda::device_count());
+      TORCH_CHECK(world.local_rank < gpus, "rank ", world.rank, " (local rank ", world.local_rank,
+                  ") needs a GPU of its own for NCCL, and this machine has ", gpus,
+                  "; start at most that many processes per machine, or use --dist-backend gloo");
+      device_guard.emplace(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(world.local_rank)));
+    }
     group = std::make_shared<memfit::ProcessGroup>(
-        world, memfit::ProcessGroupOptions().timeout(std::chrono::seconds(a.dist_timeout)));
+        world, memfit::ProcessGroupOptions()
+                   .timeout(std::chrono::seconds(a.dist_timeout))
+                   .backend(a.dist_backend == "nccl" ? memfit::ProcessGroupBackend::kNccl
+                                                     : memfit::ProcessGroupBackend::kGloo));
     // Rank 0 speaks for the job; the others print errors only.
     if (world.rank != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return kExitFailure;
   }
@@ -760,8 +782,8 @@ int run_train(const TrainArgs& a) {
                                fmt::join(trainer.options().pipeline().balance(), "+"), a.schedule,
                                a.pipeline_checkpoint == "never" ? ""
                                                                 : ", checkpoint " + a.pipeline_checkpoint)
-                 : fmt::format("{} per rank × {} ranks ({}, data parallel over Gloo{})", a.batch,
-                               world.world_size, world.source,
+                 : fmt::format("{} per rank × {} ranks ({}, data parallel over {}{})", a.batch,
+                               world.world_size, world.source, a.dist_backend == "nccl" ? "NCCL" : "Gloo",
                                a.zero_stage == 1 ? ", optimizer state sharded: ZeRO stage 1" : ""),
              a.micro_batch > 0 && a.micro_batch < a.batch
                  ? fmt::format(" in micro-batches of {}", a.micro_batch)
@@ -850,7 +872,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", [] {  // the BLAS is looked up only when asked for
     return fmt::format("memfit 0.1.0 (LibTorch {}, {}, {}; BLAS: {})", TORCH_VERSION,
                        memfit::compat::kBuiltWithCuda ? "CUDA" : "CPU only",
-                       memfit::distributed_available() ? "c10d Gloo" : "no c10d Gloo", memfit::blas_info().name());
+                       memfit::distributed_available() ? (memfit::nccl_available() ? "c10d Gloo and NCCL" : "c10d Gloo") : "no c10d", memfit::blas_info().name());
   });
   app.require_subcommand(1);
   TrainArgs train_args;
@@ -888,6 +910,15 @@ int main(int argc, char** argv) {
     fmt::print(stderr,
                "memfit train: error: --checkpoint optimal needs --checkpoint-budget SIZE, the memory "
                "for activations, e.g. --checkpoint-budget 24MiB (see 'memfit train --help')\n");
+    return kExitUsage;
+  }
+
+  if (app.got_subcommand("train") && train_args.dist_backend == "nccl" &&
+      (train_args.device.rfind("cuda", 0) != 0 || train_args.parallel == "pipeline")) {
+    fmt::print(stderr,
+               "memfit train: error: --dist-backend nccl reduces CUDA tensors in data parallel training: "
+               "add --device cuda{}, or use --dist-backend gloo (see 'memfit train --help')\n",
+               train_args.parallel == "pipeline" ? " and --parallel data (pipelines run over Gloo)" : "");
     return kExitUsage;
   }
 

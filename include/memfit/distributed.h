@@ -43,6 +43,16 @@ namespace memfit {
 /// \endcode
 bool distributed_available();
 
+/// Whether this build has c10d's NCCL process group (ProcessGroupBackend::kNccl):
+/// memfit built against a CUDA LibTorch with NCCL. It says nothing of GPUs.
+///
+/// Example:
+/// \code
+///   auto backend = memfit::nccl_available() && torch::cuda::is_available()
+///                      ? memfit::ProcessGroupBackend::kNccl : memfit::ProcessGroupBackend::kGloo;
+/// \endcode
+bool nccl_available();
+
 /// Where this process stands in a job of several.
 struct WorldInfo {
   int64_t rank = 0;        ///< This process's rank, 0..world_size-1.
@@ -71,8 +81,22 @@ struct WorldInfo {
 /// \endcode
 WorldInfo world_from_env();
 
+/// Which c10d backend carries a process group's collectives (PyTorch's
+/// `init_process_group(backend=...)`).
+enum class ProcessGroupBackend {
+  /// Gloo: reduces host tensors; CUDA tensors are staged through the host.
+  kGloo,
+  /// NCCL: reduces CUDA tensors on the current CUDA device (set it per rank
+  /// first, as torch.cuda.set_device(local_rank) does); host tensors are
+  /// staged through that device. Needs a CUDA build of LibTorch with NCCL
+  /// (memfit's MEMFIT_LIBTORCH=pip build) and one GPU per rank.
+  kNccl,
+};
+
 /// How to set up the process group.
 struct ProcessGroupOptions {
+  /// The backend: Gloo (CPU, the default) or NCCL (CUDA).
+  TORCH_ARG(ProcessGroupBackend, backend) = ProcessGroupBackend::kGloo;
   /// How long a rank waits for the others (rendezvous and each collective)
   /// before it stops with an error naming what it waited for.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(60);
@@ -82,8 +106,13 @@ namespace detail {
 struct ProcessGroupImpl;
 } // namespace detail
 
-/// A c10d process group over Gloo (CPU tensors; CUDA tensors are staged
-/// through the host), joined through rank 0's TCPStore. Move-only.
+/// A c10d process group over Gloo (host tensors; CUDA tensors are staged
+/// through the host) or NCCL (CUDA tensors; host tensors are staged through
+/// the device), joined through rank 0's TCPStore. Move-only.
+///
+/// Sync points: every collective but all_reduce_async_ and send waits for
+/// its result (with NCCL, for the device too). Extra memory: a staging copy
+/// of a tensor that is not on device(), outside memfit's accounting.
 class ProcessGroup {
  public:
   /// Joins the job `world` describes; blocks until every rank has joined or
@@ -111,6 +140,10 @@ class ProcessGroup {
   int64_t size() const;
   /// The options, as checked.
   const ProcessGroupOptions& options() const;
+  /// Where the backend reduces: the CPU for Gloo, the CUDA device current at
+  /// construction for NCCL. all_reduce_async_, send and recv_ take
+  /// contiguous tensors on it.
+  torch::Device device() const;
 
   /// Sums `tensor` over the ranks, in place, and waits.
   void all_reduce_(torch::Tensor& tensor);
@@ -129,15 +162,15 @@ class ProcessGroup {
   /// the wire depends on Gloo's algorithm).
   int64_t payload_bytes() const;
 
-  /// Starts summing `tensor` (a contiguous CPU tensor) over the ranks in place
+  /// Starts summing `tensor` (a contiguous tensor on device()) over the ranks in place
   /// and returns at once; the returned handle's wait() finishes it.
   class Pending;
   Pending all_reduce_async_(torch::Tensor& tensor);
-  /// Starts sending `tensor` (a contiguous CPU tensor, kept alive by the
+  /// Starts sending `tensor` (a contiguous tensor on device(), kept alive by the
   /// handle) to rank `dst`, matched by `tag` with its recv_; the handle's
   /// wait() finishes it (within the timeout).
   Pending send(const torch::Tensor& tensor, int64_t dst, int64_t tag = 0);
-  /// Receives into `tensor` (a contiguous CPU tensor of the sent size) from
+  /// Receives into `tensor` (a contiguous tensor on device(), of the sent size) from
   /// rank `src` what it sent with `tag`; waits at most the timeout.
   void recv_(torch::Tensor& tensor, int64_t src, int64_t tag = 0);
 
