@@ -9,6 +9,13 @@ optimizer (Adam) and thread count, trained for a few steps by
   PyTorch (Debian's python3-torch 1.13, the kernels memfit's LibTorch has):
     plain; torch.utils.checkpoint.checkpoint_sequential with each segment
     count; bf16 autocast; gradient accumulation in 2, 4 and 8 micro-batches;
+  PyTorch 2.x (with --torch2 PYTHON, e.g. the venv of scripts/install-torch.sh,
+    in a second process with its own meter from --torch2-build), also:
+    non-reentrant checkpoint_sequential; selective activation checkpointing
+    (create_selective_checkpoint_contexts saving matmuls and convolutions,
+    each layer); torch.compile (inductor on the CPU) with
+    torch._functorch.config.activation_memory_budget 1.0, 0.5 and 0.25;
+    torch.autograd.graph.save_on_cpu;
   memfit (`memfit train --torchscript ... --budget B`, the plan chosen by
     itself) at budgets equal to each checkpoint_sequential run's peak, and at
     1/2, 1/4 and 1/8 of the plain run's peak.
@@ -18,12 +25,14 @@ allocator, loaded into this Python process from build/bench/libmemfit_meter.so
 (it becomes LibTorch's CPU allocator here, as it is in memfit's process).
 Step time is the median over the steps after the first.
 
-Usage (after `make`):
+Usage (after `make`, and `make LIBTORCH=pip` for --torch2):
   /usr/bin/python3 bench/peers.py [--model cnn|gpt] [--build build] [--batch 128] [--steps 6] [--threads 2]
-                                  [--repeats 1]
+                                  [--repeats 1] [--torch2 ~/.cache/memfit/torch-2.15/bin/python --torch2-build build-pip]
 """
 import argparse
+import contextlib
 import ctypes
+import functools
 import gzip
 import json
 import os
@@ -39,12 +48,14 @@ try:
     import numpy as np
     import torch
     from torch import nn
-    from torch.utils.checkpoint import checkpoint_sequential
+    from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 except ImportError as e:  # exit 77: ctest's skip
     print(f"peers.py: skipped: {e} (install Debian's python3-torch and run it with /usr/bin/python3)")
     sys.exit(77)
 
 FASHION = "/usr/share/datasets/fashion-mnist"
+TORCH_VERSION = torch.__version__.split("+")[0]
+TORCH2 = int(TORCH_VERSION.split(".")[0]) >= 2
 
 
 class Block(nn.Module):
@@ -203,8 +214,8 @@ def run_pytorch_once(name, step_fn, make, initial, images, labels, batch, steps,
         del x, y
     peak = meter.peak()
     del model, opt
-    return {"side": "PyTorch", "config": name, "peak": peak, "seconds": statistics.median(times[1:]),
-            "loss": float(loss)}
+    return {"side": f"PyTorch {TORCH_VERSION}", "config": name, "peak": peak,
+            "seconds": statistics.median(times[1:]), "loss": float(loss)}
 
 
 def plain(model, x, y):
@@ -213,13 +224,16 @@ def plain(model, x, y):
     return loss.detach()
 
 
-def checkpointed(segments):
+def checkpointed(segments, reentrant=True):
+    extra = {} if not TORCH2 else {"use_reentrant": reentrant}
+
     def step(model, x, y):
         if x.is_floating_point():
-            x.requires_grad_(True)  # use_reentrant checkpointing needs an input that requires grad
-            out = checkpoint_sequential(model, segments, x)
+            if reentrant:
+                x.requires_grad_(True)  # use_reentrant checkpointing needs an input that requires grad
+            out = checkpoint_sequential(model, segments, x, **extra)
         else:  # token ids: the embedding runs first, as GPT code does, and the rest is checkpointed
-            out = checkpoint_sequential(model[1:], segments, model[0](x))
+            out = checkpoint_sequential(model[1:], segments, model[0](x), **extra)
         loss = loss_of(out, y)
         loss.backward()
         return loss.detach()
@@ -243,6 +257,75 @@ def accumulated(k):
             total += float(loss)
         return torch.tensor(total)
     return step
+
+
+def selective(model, x, y):
+    """Selective activation checkpointing (PyTorch 2.4+): each layer checkpointed,
+    keeping the outputs of matrix products and convolutions, recomputing the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    saved = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten.convolution.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    h = x
+    for i, layer in enumerate(model):
+        if i == 0 and not x.is_floating_point():
+            h = layer(h)  # the embedding, as checkpoint_sequential's GPT runs do
+        else:
+            h = checkpoint(layer, h, use_reentrant=False, context_fn=context)
+    loss = loss_of(h, y)
+    loss.backward()
+    return loss.detach()
+
+
+def on_cpu(model, x, y):
+    """torch.autograd.graph.save_on_cpu: what backward needs, copied to the host (here already the host)."""
+    with torch.autograd.graph.save_on_cpu(pin_memory=False):
+        out = model(x)
+    loss = loss_of(out, y)
+    loss.backward()
+    return loss.detach()
+
+
+def compiled(budget):
+    """torch.compile (inductor) with the min-cut partitioner's activation memory budget (PyTorch 2.4+)."""
+    cache = {}
+
+    def step(model, x, y):
+        if id(model) not in cache:  # a fresh model per run: compile it once, under this budget
+            torch._dynamo.reset()
+            torch._functorch.config.activation_memory_budget = budget
+            cache.clear()
+            cache[id(model)] = torch.compile(model)
+        loss = loss_of(cache[id(model)](x), y)
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+def torch2_rows(run, n_layers, segment_counts):
+    """The PyTorch 2.x tools, each run through `run(name, step)`."""
+    rows = [run("plain", plain)]
+    for segments in segment_counts:
+        rows.append(run(f"checkpoint_sequential, {segments} segments, non-reentrant", checkpointed(segments, False)))
+    rows.append(run("selective checkpointing (saves mm, bmm, addmm, convolution), each layer", selective))
+    for budget in (1.0, 0.5, 0.25):
+        rows.append(run(f"torch.compile, activation_memory_budget {budget}", compiled(budget)))
+    rows.append(run("save_on_cpu", on_cpu))
+    return rows
+
+
+def run_torch2(a, python, build):
+    """The PyTorch 2.x rows, from `python` running this script with --peer-rows."""
+    cmd = [python, os.path.abspath(__file__), "--peer-rows", "--build", build, "--model", a.model,
+           "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(a.threads), "--repeats", str(a.repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"peers.py: {' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run_memfit(exe, model_args, budget, batch, steps, threads):
@@ -270,10 +353,17 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration; the fastest is kept")
     p.add_argument("--model", choices=["cnn", "gpt"], default="cnn")
+    p.add_argument("--torch2", metavar="PYTHON", help="a Python with PyTorch 2.x: its tools too, in a second process")
+    p.add_argument("--torch2-build", default="build-pip", help="memfit built against that PyTorch (its meter)")
+    p.add_argument("--peer-rows", action="store_true", help=argparse.SUPPRESS)  # --torch2's second process
     a = p.parse_args()
+    if a.torch2 and not os.path.exists(a.torch2):
+        sys.exit(f"peers.py: --torch2 {a.torch2} does not exist: install it with scripts/install-torch.sh")
+    if a.peer_rows and not TORCH2:
+        sys.exit(f"peers.py: --peer-rows needs PyTorch 2.x, this is {TORCH_VERSION}")
     exe = os.path.join(a.build, "memfit")
     meter_lib = os.path.join(a.build, "bench", "libmemfit_meter.so")
-    for f in (exe, meter_lib):
+    for f in ([meter_lib] if a.peer_rows else [exe, meter_lib]):
         if not os.path.exists(f):
             sys.exit(f"peers.py: {f} is missing: build memfit first (make)")
     torch.set_num_threads(a.threads)
@@ -307,14 +397,20 @@ def main():
     def pytorch(name, fn):
         return run_pytorch(name, fn, make, initial, images, labels, a.batch, a.steps, meter, a.repeats)
 
-    rows = [pytorch("plain", plain)]
     n_layers = len(make()) - (1 if a.model == "gpt" else 0)
-    for segments in sorted({2, 3, 4, 5, 8, n_layers} & set(range(2, n_layers + 1))):
+    segment_counts = sorted({2, 3, 4, 5, 8, n_layers} & set(range(2, n_layers + 1)))
+    if a.peer_rows:
+        rows = torch2_rows(pytorch, n_layers, segment_counts)
+        print(json.dumps({"rows": rows, "blas": blas, "threads": torch.get_num_threads()}))
+        return
+    rows = [pytorch("plain", plain)]
+    for segments in segment_counts:
         rows.append(pytorch(f"checkpoint_sequential, {segments} segments", checkpointed(segments)))
     rows.append(pytorch("bf16 autocast", bf16))
     for k in (2, 4, 8):
         rows.append(pytorch(f"accumulation, {k} micro-batches", accumulated(k)))
     base = rows[0]
+    torch2 = run_torch2(a, a.torch2, a.torch2_build) if a.torch2 else None
     # One budget per distinct peak (to the KiB), and 1/2, 1/4, 1/8 of plain.
     peaks = {}
     for r in rows:
@@ -330,19 +426,28 @@ def main():
           f"byte-exact meter on "
           f"both sides; step time the median of steps 2..{a.steps}, the fastest of {a.repeats} run(s).")
     memfit_env = next((r["environment"] for r in rows if "environment" in r), "no memfit run succeeded")
-    print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads, BLAS: {blas}; memfit: {memfit_env}.\n")
+    print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads, BLAS: {blas}; memfit: {memfit_env}.")
+    if torch2:
+        t2 = torch2["rows"][0]["side"]
+        print(f"{t2} (--torch2 {a.torch2}): {torch2['threads']} threads, BLAS: {torch2['blas']}; its own meter "
+              f"({a.torch2_build}/bench/libmemfit_meter.so); 'vs plain' is against its own plain run.")
+    print()
     print("| side | configuration | peak | vs plain peak | step time | vs plain time |")
     print("|---|---|---:|---:|---:|---:|")
-    for r in rows:
+    for r in rows + (torch2["rows"] if torch2 else []):
         if "error" in r:
             print(f"| {r['side']} | {r['config']} | does not fit: {r['error'].splitlines()[-1][:120]} | | | |")
             continue
-        print(f"| {r['side']} | {r['config']} | {mib(r['peak'])} | {r['peak'] / base['peak']:.2f} | "
-              f"{1e3 * r['seconds']:.0f} ms | {r['seconds'] / base['seconds']:.2f}× |")
-    print("\nAt equal budgets: memfit's plan against the fastest checkpoint_sequential run whose peak fits.\n")
-    print("| budget | fastest checkpoint_sequential that fits | its time | memfit's time | memfit faster by |")
+        own = torch2["rows"][0] if torch2 and r["side"] == torch2["rows"][0]["side"] and r is not base else base
+        print(f"| {r['side']} | {r['config']} | {mib(r['peak'])} | {r['peak'] / own['peak']:.2f} | "
+              f"{1e3 * r['seconds']:.0f} ms | {r['seconds'] / own['seconds']:.2f}× |")
+    print("\nAt equal budgets: memfit's plan against the fastest PyTorch run whose peak fits (checkpointing, "
+          "accumulation, compile; not bf16, which changes the math).\n")
+    print("| budget | fastest PyTorch run that fits | its time | memfit's time | memfit faster by |")
     print("|---:|---|---:|---:|---:|")
-    ck = [r for r in rows if r["side"] == "PyTorch" and r["config"].startswith("checkpoint")]
+    peers = [r for r in rows + (torch2["rows"] if torch2 else [])
+             if r["side"] != "memfit" and "error" not in r and "bf16" not in r["config"]]
+    ck = peers
     for r in rows:
         if r["side"] != "memfit" or "error" in r:
             continue
@@ -351,7 +456,7 @@ def main():
             print(f"| {mib(r['budget'])} | none fits | | {1e3 * r['seconds']:.0f} ms | |")
             continue
         best = min(fits, key=lambda c: c["seconds"])
-        print(f"| {mib(r['budget'])} | {best['config']} | {1e3 * best['seconds']:.0f} ms | "
+        print(f"| {mib(r['budget'])} | {best['side']}: {best['config']} | {1e3 * best['seconds']:.0f} ms | "
               f"{1e3 * r['seconds']:.0f} ms | {best['seconds'] / r['seconds']:.2f}× |")
 
 

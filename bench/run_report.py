@@ -46,7 +46,11 @@ def python_blas():
             name = path.rsplit("/", 1)[-1]
             if (name.startswith("libblas.so") or name.startswith("libopenblas")) and path not in libraries:
                 libraries.append(path)
-    text = ", ".join(libraries) or "none mapped (built into torch)"
+    text = ", ".join(libraries)
+    if not text:  # PyPI's torch links its BLAS (MKL) in
+        import torch
+        info = [w.split("=", 1)[1] for w in torch.__config__.show().replace(",", " ").split() if w.startswith("BLAS_INFO=")]
+        text = f"{info[0] if info else 'unknown'}, built into torch"
     silenced = os.environ.get("MEMFIT_BLAS_CHECK", "").lower() in ("0", "off", "false")
     warning = None
     if any("/blas/libblas.so" in path for path in libraries):
