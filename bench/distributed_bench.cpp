@@ -139,7 +139,7 @@ int pipeline_worker() {
   int64_t param_bytes = 0;
   for (const auto& p : pipe.stage()->parameters()) param_bytes += p.numel() * p.element_size();
   std::string layers;
-  for (int64_t b : pipe.balance()) layers += (layers.empty() ? "" : "+") + std::to_string(b);
+  for (int64_t b : pipe.balance()) layers += fmt::format("{}{}", layers.empty() ? "" : "+", b);
   nlohmann::json j = {{"rank", world.rank},
                       {"median_step_s", seconds[seconds.size() / 2]},
                       {"payload_per_step", double(payload)},

@@ -7,10 +7,13 @@
 # Usage (after `make build`): bash bench/remeasure.sh [NAME...]
 #   NAMES: main memory checkpoint precision trainer plan accuracy distributed
 #          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
+#          peers_torch2 peers_gpt_torch2  (peers with PyTorch 2.15's tools too: after
+#          `make build LIBTORCH=pip`; not in the default list)
 #   BUILD=build OUT=docs bash bench/remeasure.sh ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD:-build}
+torch2=${MEMFIT_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/memfit/torch-2.15}/bin/python
 out=${OUT:-docs}
 day=$(date -u +%F)
 mkdir -p "$out"
@@ -47,6 +50,10 @@ measure() {
     gpt_budget) run gpt_budget python3 bench/gpt_budget.py --build "$build" ;;
     peers) run peers /usr/bin/python3 bench/peers.py --build "$build" --steps 8 --batch 128 --repeats 2 ;;
     peers_gpt) run peers_gpt /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 8 --batch 16 --repeats 3 ;;
+    peers_torch2) run peers_torch2 /usr/bin/python3 bench/peers.py --build "$build" --steps 8 --batch 128 --repeats 2 \
+      --torch2 "$torch2" --torch2-build "${BUILD_PIP:-build-pip}" ;;
+    peers_gpt_torch2) run peers_gpt_torch2 /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 8 \
+      --batch 16 --repeats 3 --torch2 "$torch2" --torch2-build "${BUILD_PIP:-build-pip}" ;;
   esac
 }
 

@@ -137,9 +137,16 @@ void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const char* what,
   }
 }
 
-} // namespace
-
-namespace {
+// Before any connection: whether the backend asked for can run here.
+void check_backend(ProcessGroupBackend backend) {
+  if (backend != ProcessGroupBackend::kNccl) return;
+  TORCH_CHECK(nccl_available(), "ProcessGroup: the NCCL backend needs memfit built against a CUDA LibTorch with "
+              "NCCL (MEMFIT_LIBTORCH=pip, with the CUDA toolkit's nccl.h); this build has ",
+              compat::kBuiltWithCuda ? "CUDA but not NCCL" : "no CUDA",
+              "; use ProcessGroupOptions().backend(ProcessGroupBackend::kGloo)");
+  TORCH_CHECK(torch::cuda::is_available(), "ProcessGroup: the NCCL backend needs a CUDA device and none is "
+              "visible; use ProcessGroupOptions().backend(ProcessGroupBackend::kGloo)");
+}
 
 void join_gloo(detail::ProcessGroupImpl& g) {
   auto o = c10d::ProcessGroupGloo::Options::create(g.options.timeout());
@@ -154,18 +161,13 @@ void join_gloo(detail::ProcessGroupImpl& g) {
 
 void join_nccl(detail::ProcessGroupImpl& g) {
 #if defined(MEMFIT_WITH_NCCL)
-  TORCH_CHECK(torch::cuda::is_available(), "ProcessGroup: the NCCL backend needs a CUDA device and none is "
-              "visible; use ProcessGroupOptions().backend(ProcessGroupBackend::kGloo)");
   g.device = torch::Device(torch::kCUDA, c10::cuda::current_device());
   auto o = c10d::ProcessGroupNCCL::Options::create();
   o->timeout = g.options.timeout();
   g.backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(g.store, static_cast<int>(g.world.rank),
                                                           static_cast<int>(g.world.world_size), o);
 #else
-  TORCH_CHECK(false, "ProcessGroup: the NCCL backend needs memfit built against a CUDA LibTorch with NCCL "
-              "(MEMFIT_LIBTORCH=pip, with the CUDA toolkit's nccl.h); this build has ",
-              compat::kBuiltWithCuda ? "CUDA but not NCCL" : "no CUDA",
-              "; use ProcessGroupOptions().backend(ProcessGroupBackend::kGloo)");
+  TORCH_INTERNAL_ASSERT(false, "check_backend lets kNccl through only in builds with NCCL");
 #endif
 }
 
@@ -205,6 +207,7 @@ ProcessGroup::ProcessGroup(const WorldInfo& world, ProcessGroupOptions options)
   TORCH_CHECK(world.world_size == 1 || world.master_port != 0,
               "ProcessGroup: a job of ", world.world_size,
               " processes needs a master_port (MASTER_PORT) other than 0");
+  check_backend(options.backend());
   impl_->world = world;
   impl_->options = options;
   c10d::TCPStoreOptions store_options;
@@ -227,8 +230,6 @@ ProcessGroup::ProcessGroup(const WorldInfo& world, ProcessGroupOptions options)
     } else {
       join_gloo(*impl_);
     }
-  } catch (const c10::Error&) {
-    throw;
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "rank ", world.rank, " of ", world.world_size, ": the ",
                 options.backend() == ProcessGroupBackend::kNccl ? "NCCL" : "Gloo",
