@@ -58,10 +58,11 @@ measure() {
 }
 
 all=(main memory checkpoint precision trainer plan accuracy distributed gpt_train gpt_budget peers peers_gpt)
+known=("${all[@]}" peers_torch2 peers_gpt_torch2)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${all[@]}")
 for name in "${names[@]}"; do  # every name checked before anything runs
-  [[ " ${all[*]} " == *" $name "* ]] || { echo "remeasure: unknown measurement '$name'; one of: ${all[*]}" >&2; exit 2; }
+  [[ " ${known[*]} " == *" $name "* ]] || { echo "remeasure: unknown measurement '$name'; one of: ${known[*]}" >&2; exit 2; }
 done
 [ -x "$build/memfit" ] || { echo "remeasure: $build/memfit is missing: run make build first" >&2; exit 2; }
 for name in "${names[@]}"; do measure "$name"; done
