@@ -25,10 +25,19 @@ PipelineCheckpoint parse_pipeline_checkpoint(const std::string& name) {
   TORCH_CHECK(false, "unknown pipeline checkpoint '", name, "': expected never, except_last or always");
 }
 
-std::vector<int64_t> balance_by_cost(const std::vector<double>& costs, int64_t stages) {
+std::vector<int64_t> balance_by_cost(const std::vector<double>& costs, int64_t stages,
+                                     const std::vector<bool>& trains) {
   const auto n = static_cast<int64_t>(costs.size());
   TORCH_CHECK(stages >= 1 && stages <= n, "balance_by_cost: cannot split ", n, " layers into ", stages,
               " non-empty stages; use between 1 and ", n, " stages");
+  TORCH_CHECK(trains.empty() || static_cast<int64_t>(trains.size()) == n, "balance_by_cost: ", trains.size(),
+              " trains flags for ", n, " layers; give one per layer, or none");
+  // trained[i]: layers among the first i that have parameters to train.
+  std::vector<int64_t> trained(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) trained[i + 1] = trained[i] + (trains.empty() || trains[i] ? 1 : 0);
+  TORCH_CHECK(trained[n] >= stages, "balance_by_cost: only ", trained[n], " of the ", n,
+              " layers have parameters to train, so ", stages, " stages would leave one with nothing to train; "
+              "use at most ", trained[n], " stages");
   for (double c : costs) TORCH_CHECK(c >= 0 && std::isfinite(c), "balance_by_cost: a cost is ", c, "; costs must be finite and >= 0");
   std::vector<double> prefix(n + 1, 0.0);
   for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
@@ -40,6 +49,7 @@ std::vector<int64_t> balance_by_cost(const std::vector<double>& costs, int64_t s
   for (int64_t k = 1; k <= stages; ++k) {
     for (int64_t i = k; i <= n; ++i) {
       for (int64_t j = k - 1; j < i; ++j) {  // the last stage holds layers j..i-1
+        if (trained[i] == trained[j]) continue;  // nothing to train in it
         const double v = std::max(best[k - 1][j], prefix[i] - prefix[j]);
         if (v < best[k][i]) {
           best[k][i] = v;
@@ -61,7 +71,12 @@ std::vector<int64_t> balance_by_time(const torch::nn::Sequential& model, const t
   const auto profile = profile_chain(model, sample_input);
   std::vector<double> costs;
   for (const auto& layer : profile.layers) costs.push_back(layer.forward_seconds + layer.backward_seconds);
-  return balance_by_cost(costs, stages);
+  std::vector<bool> trains;
+  for (const auto& layer : model->children()) {
+    const auto params = layer->parameters();
+    trains.push_back(std::any_of(params.begin(), params.end(), [](const torch::Tensor& p) { return p.requires_grad(); }));
+  }
+  return balance_by_cost(costs, stages, trains);
 }
 
 struct Pipeline::Impl {

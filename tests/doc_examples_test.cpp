@@ -373,6 +373,8 @@ TEST_F(DocExamples, DistributedHeader) {
 TEST_F(DocExamples, PipelineHeader) {
   EXPECT_EQ(memfit::parse_pipeline_checkpoint("except_last"), memfit::PipelineCheckpoint::kExceptLast);
   {  // balance_by_cost
+    auto t = memfit::balance_by_cost({5, 1, 1}, 2, {false, true, true});  // not {1, 2}
+    EXPECT_EQ(t, std::vector<int64_t>({2, 1}));
     auto b = memfit::balance_by_cost({1, 1, 1, 3}, 2);  // {3, 1}: costs 3 and 3
     assert(b == std::vector<int64_t>({3, 1}));
     EXPECT_EQ(b, std::vector<int64_t>({3, 1}));

@@ -62,6 +62,14 @@ TEST(PipelineBalance, IsTheBestSplitThatEnumerationFinds) {
   EXPECT_EQ(balance_by_cost({1, 1, 1, 3}, 2), std::vector<int64_t>({3, 1}));
   expect_error([] { balance_by_cost({1, 2}, 3); }, "cannot split 2 layers into 3 non-empty stages");
   expect_error([] { balance_by_cost({1, -2}, 1); }, "costs must be finite and >= 0");
+  // A costly layer without parameters (a Flatten that timing noise made
+  // slow) never forms a stage of its own: that stage would have nothing to train.
+  EXPECT_EQ(balance_by_cost({5, 1, 1}, 2), std::vector<int64_t>({1, 2}));
+  EXPECT_EQ(balance_by_cost({5, 1, 1}, 2, {false, true, true}), std::vector<int64_t>({2, 1}));
+  EXPECT_EQ(balance_by_cost({1, 9, 1, 1}, 3, {true, false, true, true}), std::vector<int64_t>({1, 2, 1}));
+  expect_error([] { balance_by_cost({1, 1, 1}, 2, {false, true, false}); },
+               "only 1 of the 3 layers have parameters to train, so 2 stages would leave one with nothing to train");
+  expect_error([] { balance_by_cost({1, 1}, 1, {true}); }, "1 trains flags for 2 layers");
 }
 
 TEST(PipelineBalance, ByTimeGivesTheSlowLayersAStageOfTheirOwn) {

@@ -84,18 +84,24 @@ struct PipelineOptions {
 /// The split of a chain of layers with these costs into `stages` consecutive
 /// non-empty parts whose largest total cost is the least possible (exact,
 /// by dynamic programming); ties go to the earliest split. Returns the number
-/// of layers per stage.
+/// of layers per stage. With `trains` (one flag per layer: whether it has
+/// parameters to train), every stage holds at least one flagged layer, since
+/// a stage with nothing to train cannot run as a Trainer's stage.
 ///
 /// Example:
 /// \code
 ///   auto b = memfit::balance_by_cost({1, 1, 1, 3}, 2);  // {3, 1}: costs 3 and 3
 ///   assert(b == std::vector<int64_t>({3, 1}));
+///   auto t = memfit::balance_by_cost({5, 1, 1}, 2, {false, true, true});  // not {1, 2}
+///   assert(t == std::vector<int64_t>({2, 1}));
 /// \endcode
-std::vector<int64_t> balance_by_cost(const std::vector<double>& costs, int64_t stages);
+std::vector<int64_t> balance_by_cost(const std::vector<double>& costs, int64_t stages,
+                                     const std::vector<bool>& trains = {});
 
 /// A balance for `model` over `stages` stages from each layer's forward and
 /// backward time on `sample_input` (memfit::profile_chain), as torchgpipe's
 /// balance_by_time. Timings vary from run to run; a Pipeline uses rank 0's.
+/// Every stage gets a layer with parameters that require grad.
 std::vector<int64_t> balance_by_time(const torch::nn::Sequential& model, const torch::Tensor& sample_input,
                                      int64_t stages);
 
