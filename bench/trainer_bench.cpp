@@ -15,6 +15,12 @@
 //     stream       and the parameters, streamed from the host layer by layer
 //     stream_tiled and Linear weights in tiles of at most 64 KiB
 //   and evaluation: the peak of a no-grad forward against the same forward with grad.
+// tax/{whole,micro64}: the library's cost on a user's own module
+//   (pytorch/examples' MNIST Net, its own forward, dropout, nll_loss; SGD;
+//   batch 256 of Fashion-MNIST): Trainer::train_step against a hand-written
+//   LibTorch loop doing the same work (set-to-none zero_grad, each
+//   micro-batch's loss weighted by its share and read once, backward, step),
+//   side by side, with each one's step peak.
 //
 //   build/bench/memfit_trainer_bench
 //
@@ -135,7 +141,77 @@ void BM_Techniques(benchmark::State& state, std::string model) {
   memfit::bench::side_by_side(state, variants);
 }
 
+// pytorch/examples' cpp/mnist Net.
+struct MnistNet : torch::nn::Module {
+  MnistNet()
+      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 10, 5)))),
+        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(10, 20, 5)))),
+        drop(register_module("conv2_drop", torch::nn::Dropout2d())),
+        fc1(register_module("fc1", torch::nn::Linear(320, 50))),
+        fc2(register_module("fc2", torch::nn::Linear(50, 10))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(torch::max_pool2d(conv1->forward(x), 2));
+    x = torch::relu(torch::max_pool2d(drop->forward(conv2->forward(x)), 2));
+    x = torch::relu(fc1->forward(x.view({-1, 320})));
+    x = torch::dropout(x, 0.5, is_training());
+    return torch::log_softmax(fc2->forward(x), 1);
+  }
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::Dropout2d drop;
+  torch::nn::Linear fc1, fc2;
+};
+
+torch::Tensor mnist_nll(MnistNet& net, const torch::data::Example<>& b) {
+  return torch::nll_loss(net.forward(b.data), b.target);
+}
+
+void BM_Tax(benchmark::State& state, int64_t micro) {
+  const int64_t batch = 256;
+  const auto data = memfit::bench::fashion_train_head(batch);
+  const torch::data::Example<> example(data.images.clone(), data.labels.clone());  // a loader's batch: tracked
+  const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.5);
+  torch::manual_seed(0);
+  auto trainer_net = std::make_shared<MnistNet>();
+  memfit::Trainer trainer(trainer_net, mnist_nll,
+                          memfit::TrainerOptions().micro_batch_size(micro).optimizer_factory(
+                              [sgd](std::vector<torch::Tensor> p) {
+                                return std::make_unique<torch::optim::SGD>(std::move(p), sgd);
+                              }));
+  torch::manual_seed(0);
+  auto loop_net = std::make_shared<MnistNet>();
+  torch::optim::SGD loop_sgd(loop_net->parameters(), sgd);
+  const int64_t m = micro > 0 ? micro : batch;
+  auto loop_step = [&] {
+    for (auto& p : loop_net->parameters()) p.mutable_grad() = torch::Tensor();  // zero_grad(set_to_none)
+    double total = 0;
+    for (int64_t start = 0; start < batch; start += m) {
+      const int64_t len = std::min(m, batch - start);
+      auto loss = mnist_nll(*loop_net, {example.data.narrow(0, start, len), example.target.narrow(0, start, len)});
+      if (len != batch) loss = loss * (double(len) / double(batch));
+      total += loss.item<double>();
+      loss.backward();
+    }
+    loop_sgd.step();
+    benchmark::DoNotOptimize(total);
+  };
+  auto peak_of = [&](const std::function<void()>& step) {
+    memfit::PeakMeter meter(torch::kCPU);
+    step();
+    return meter.peak_delta();
+  };
+  const std::vector<memfit::bench::Variant> variants = {
+      {"loop", loop_step},
+      {"trainer", [&] { trainer.train_step(example); }},
+  };
+  for (const auto& v : variants) v.run();  // momentum buffers exist from here on
+  state.counters["loop_peak_bytes"] = double(peak_of(variants[0].run));
+  state.counters["trainer_peak_bytes"] = double(peak_of(variants[1].run));
+  memfit::bench::side_by_side(state, variants);
+}
+
 void register_all() {
+  benchmark::RegisterBenchmark("tax/whole", BM_Tax, int64_t(0))->Unit(benchmark::kMillisecond)->Iterations(40);
+  benchmark::RegisterBenchmark("tax/micro64", BM_Tax, int64_t(64))->Unit(benchmark::kMillisecond)->Iterations(40);
   for (const std::string model : {"resnet", "mlp"}) {
     benchmark::RegisterBenchmark(("micro/" + model).c_str(), BM_MicroBatch, model)
         ->Unit(benchmark::kMillisecond)

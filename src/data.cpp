@@ -87,6 +87,10 @@ fs::path unzipped_folder(const FashionMnistOptions& options) {
 
 } // namespace
 
+std::string fashion_mnist_folder(const FashionMnistOptions& options) {
+  return unzipped_folder(options).string();
+}
+
 ImageDataset load_fashion_mnist(Split split, const FashionMnistOptions& options) {
   const fs::path folder = unzipped_folder(options);
   UntrackedGuard host;  // a data set in host memory does not count as device memory

@@ -51,6 +51,12 @@ class SideTable {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.records.emplace(data, r);
   }
+  bool counted(const void* data) {
+    auto& s = shard(data);
+    std::lock_guard<std::mutex> lock(s.mutex);
+    const auto it = s.records.find(const_cast<void*>(data));
+    return it != s.records.end() && it->second.counted;
+  }
   Record erase(void* data) {
     auto& s = shard(data);
     std::lock_guard<std::mutex> lock(s.mutex);
@@ -66,7 +72,7 @@ class SideTable {
     std::mutex mutex;
     std::unordered_map<void*, Record> records;
   };
-  Shard& shard(void* data) { return shards_[(reinterpret_cast<std::uintptr_t>(data) / kAlignment) % kShards]; }
+  Shard& shard(const void* data) { return shards_[(reinterpret_cast<std::uintptr_t>(data) / kAlignment) % kShards]; }
   Shard shards_[kShards];
 };
 
@@ -309,6 +315,17 @@ int64_t storage_bytes(const std::vector<torch::Tensor>& tensors) {
     if (seen.insert(key).second) total += static_cast<int64_t>(t.storage().nbytes());
   }
   return total;
+}
+
+torch::Tensor to_device(const torch::Tensor& tensor, const torch::Device& device) {
+  if (!tensor.defined()) return tensor;
+  if (kind_of(device) == Kind::kCuda) {
+    return tensor.to(device, /*non_blocking=*/tensor.is_pinned());
+  }
+  ensure_tracking();
+  if (!tensor.device().is_cpu()) return tensor.to(device);
+  const bool on_device = tensor.has_storage() && side_table().counted(tensor.storage().data());
+  return on_device ? tensor : tensor.clone();
 }
 
 UntrackedGuard::UntrackedGuard() {

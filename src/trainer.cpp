@@ -4,9 +4,9 @@
 #include "memfit/freeze.h"
 #include "memfit/state.h"
 #include "memory_internal.h"
+#include "step_components.h"
 
 #include <ATen/CPUGeneratorImpl.h>
-#include <torch/nn/functional/loss.h>
 #include <torch/optim.h>
 #include <torch/torch.h>
 
@@ -14,10 +14,10 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <mutex>
 #include <optional>
-#include <cmath>
 
 namespace memfit {
 namespace {
@@ -28,38 +28,100 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-
-void release_gradients(const std::vector<torch::Tensor>& params, bool set_to_none) {
-  for (const auto& p : params) {
-    if (!p.grad().defined()) continue;
-    if (set_to_none) {
-      const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
-    } else {
-      const_cast<torch::Tensor&>(p).mutable_grad().detach_().zero_();
-    }
-  }
-}
-
-// Cross-entropy of class logits [N, C] against [N] labels, or of per-token
-// logits [N, T, C] against [N, T] labels (a language model), in fp32:
-// the mean, or with `sum` the sum, over every label.
-torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& target, bool sum = false) {
-  auto l = logits.to(torch::kFloat);
-  auto t = target;
-  if (l.dim() > 2) {
-    TORCH_CHECK(t.dim() == l.dim() - 1, "the model's output is ", l.sizes(), " but the labels are ", t.sizes(),
-                ": per-token logits need a label per token");
-    l = l.reshape({-1, l.size(-1)});
-    t = t.reshape({-1});
-  }
-  namespace F = torch::nn::functional;
-  return sum ? F::cross_entropy(l, t, F::CrossEntropyFuncOptions().reduction(torch::kSum)) : F::cross_entropy(l, t);
+// What a loss function must return: the batch's mean loss, a floating
+// scalar with grad.
+void check_loss(const torch::Tensor& loss) {
+  TORCH_CHECK(loss.defined(), "the loss function returned an undefined tensor: return the batch's mean loss, "
+              "a scalar computed from the module's output");
+  TORCH_CHECK(loss.numel() == 1, "the loss function returned a tensor of shape ", loss.sizes(),
+              ": return a scalar, the batch's mean loss (reduction mean, or .mean())");
+  TORCH_CHECK(at::isFloatingType(loss.scalar_type()), "the loss function returned a ", loss.scalar_type(),
+              " scalar: return a floating-point loss");
+  TORCH_CHECK(loss.requires_grad(), "the loss function returned a ", loss.scalar_type(),
+              " scalar without grad (made under no-grad, detached, or from frozen parameters only): "
+              "return the loss computed from the module's output");
 }
 
 } // namespace
 
+namespace detail {
+
+EvalScope::EvalScope(torch::nn::Module& module, const torch::Device& device, Precision precision)
+    : module_(module), was_training_(module.is_training()), autocast_(device, precision) {
+  module_.eval();
+}
+
+EvalScope::~EvalScope() { module_.train(was_training_); }
+
+} // namespace detail
+
+// The step's memory at the end of each phase, and the model's gradient
+// bytes after backward (before they move to any masters).
+class Trainer::Timeline final : public StepComponent {
+ public:
+  Timeline(const Trainer& trainer) : trainer_(trainer) {}
+  void begin_step(StepState&) override {
+    timeline_.clear();
+    model_grad_bytes_ = 0;
+    meter_.emplace(trainer_.options_.device());
+  }
+  void after_forward(StepState& s) override { mark(s.phase); }
+  void after_backward(StepState& s) override {
+    model_grad_bytes_ = storage_bytes(grads(trainer_.module_->parameters()));
+    mark(s.phase);
+  }
+  void after_optimizer_step(StepState&) override { mark("optimizer step"); }
+  void end_step(StepState& s) override {
+    mark("released");
+    meter_.reset();
+    skipped_ = s.skip;
+  }
+  void abort_step(StepState&) override { meter_.reset(); }
+  const std::vector<PhaseMemory>& timeline() const { return timeline_; }
+  int64_t model_grad_bytes() const { return model_grad_bytes_; }
+  bool skipped() const { return skipped_; }
+
+ private:
+  static std::vector<torch::Tensor> grads(const std::vector<torch::Tensor>& params) {
+    std::vector<torch::Tensor> out;
+    out.reserve(params.size());
+    for (const auto& p : params) out.push_back(p.grad());
+    return out;
+  }
+  void mark(std::string phase) {
+    // On CUDA a new meter resets the device's peak statistic, so the step's
+    // peak is also the largest phase peak.
+    const auto device = trainer_.options_.device();
+    PhaseMemory m;
+    m.phase = std::move(phase);
+    m.peak_bytes = meter_->peak();
+    m.current_bytes = memory_allocated(device);
+    meter_.reset();
+    auto g = grads(trainer_.module_->parameters());
+    if (trainer_.master_ && !trainer_.state_on_host()) {
+      const auto masters = grads(trainer_.master_->master_parameters());
+      g.insert(g.end(), masters.begin(), masters.end());
+    }
+    m.gradients = storage_bytes(g);
+    m.optimizer_state = trainer_.device_state_bytes();
+    timeline_.push_back(std::move(m));
+    meter_.emplace(device);
+  }
+  const Trainer& trainer_;
+  std::vector<PhaseMemory> timeline_;
+  std::optional<PeakMeter> meter_;
+  int64_t model_grad_bytes_ = 0;
+  bool skipped_ = false;
+};
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainerOptions& o,
                                                         std::vector<torch::Tensor> params) {
+  if (o.optimizer_factory()) {
+    auto optimizer = o.optimizer_factory()(std::move(params));
+    TORCH_CHECK(optimizer != nullptr, "optimizer_factory returned nullptr: return the optimizer it builds, "
+                "for example std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1))");
+    return optimizer;
+  }
   switch (o.optimizer()) {
     case OptimizerKind::kSGD:
       return std::make_unique<torch::optim::SGD>(
@@ -89,9 +151,26 @@ OptimizerKind parse_optimizer_kind(const std::string& name) {
   TORCH_CHECK(false, "unknown optimizer '", name, "': expected sgd, adam or adamw");
 }
 
+namespace {
+
+// The Sequential form: the classifier's cross-entropy, with the forward
+// through the parameter stream when there is one. Autocast covers the
+// forward; the loss is taken in fp32.
+std::function<torch::Tensor(const torch::data::Example<>&)> classifier_loss(
+    torch::nn::Sequential model, std::shared_ptr<ParameterStream> stream, torch::Device device) {
+  return [model, stream, device](const torch::data::Example<>& b) mutable {
+    const auto logits = stream ? stream->forward(b.data) : model->forward(b.data);
+    AutocastGuard fp32(device, Precision::kFP32);
+    return detail::cross_entropy(logits, b.target);
+  };
+}
+
+} // namespace
+
 Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
-    : model_(std::move(model)), options_(std::move(options)) {
-  TORCH_CHECK(!model_.is_empty(), "Trainer needs a model, got an empty Sequential holder");
+    : Trainer(ErasedLoss{model.is_empty() ? nullptr : model.ptr(), model, std::any()}, std::move(options)) {}
+
+void Trainer::check_options() const {
   TORCH_CHECK(options_.batch_size() > 0, "batch_size must be positive, got ",
               options_.batch_size());
   TORCH_CHECK(options_.steps() >= 0, "steps must be >= 0 (0: run `epochs` epochs), got ",
@@ -119,18 +198,21 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
               "offload_optimizer none");
   TORCH_CHECK(options_.offload_gradients() == Offload::kNone || options_.offload_optimizer() == Offload::kHost,
               "offload_gradients host moves gradients to the host masters that offload_optimizer "
-              "host keeps: set offload_optimizer to Offload::kHost too (--offload optimizer,gradients)");
+              "host keeps: set offload_optimizer to Offload::kHost too");
   if (options_.offload_parameters() == Offload::kHost) {
     TORCH_CHECK(options_.offload_optimizer() == Offload::kHost && options_.offload_gradients() == Offload::kHost,
                 "offload_parameters host streams the parameters from the host masters that also take the "
                 "gradients and the optimizer state: set offload_optimizer and offload_gradients to "
-                "Offload::kHost too (--offload optimizer,gradients,parameters)");
+                "Offload::kHost too");
     TORCH_CHECK(options_.precision() == Precision::kFP32 && options_.master_weights() == MasterWeightsMode::kNone,
                 "offload_parameters host runs in fp32 (got precision ", to_string(options_.precision()),
                 "): set precision fp32 and master_weights none, or keep the parameters on the device");
     TORCH_CHECK(options_.process_group() == nullptr, "offload_parameters host runs in one process: data "
                 "and pipeline parallelism are not supported with streamed parameters; drop the process "
                 "group, or keep the parameters on the device (offload optimizer and gradients still apply)");
+    TORCH_CHECK(classifier_, "offload_parameters host streams the layers of a torch::nn::Sequential trained "
+                "with cross-entropy: construct the Trainer from the Sequential without a loss, or keep "
+                "the parameters on the device (offload_optimizer and offload_gradients still apply)");
   }
   TORCH_CHECK(options_.zero_stage() == 0 || options_.zero_stage() == 1, "zero_stage must be 0 (no "
               "sharding) or 1 (optimizer state sharded over the ranks), got ", options_.zero_stage(),
@@ -141,6 +223,9 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   if (options_.parallel() == ParallelMode::kPipeline) {
     TORCH_CHECK(options_.process_group() != nullptr, "a pipeline splits the model over the ranks of a "
                 "process group: set process_group (memfit launch), or parallel data");
+    TORCH_CHECK(classifier_, "a pipeline splits the layers of a torch::nn::Sequential trained with "
+                "cross-entropy: construct the Trainer from the Sequential without a loss, or use "
+                "ParallelMode::kData");
     TORCH_CHECK(options_.precision() != Precision::kFP16, "pipeline parallel training does not support fp16 "
                 "precision yet (its loss scaler would need the stages to agree on the steps to skip): use bf16, "
                 "which needs no scaler, or fp32");
@@ -152,16 +237,26 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
                 options_.micro_batch_size(), ")");
   }
   check_precision_supported(options_.precision(), options_.device());
+}
+
+Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
+    : module_(std::move(loss.module)),
+      classifier_(std::move(loss.classifier)),
+      loss_(std::move(loss.loss)),
+      options_(std::move(options)) {
+  TORCH_CHECK(module_ != nullptr, "Trainer needs a model, got an empty module holder");
+  check_options();
   memory_allocated(options_.device());  // starts tracking (and checks the device)
-  for (const auto& pattern : options_.freeze()) freeze(*model_, pattern);
+  for (const auto& pattern : options_.freeze()) freeze(*module_, pattern);
   if (options_.parallel() == ParallelMode::kPipeline) {
     // This rank keeps its stage; the other layers go when the caller drops the model.
-    pipeline_ = std::make_unique<Pipeline>(model_, options_.process_group(), options_.pipeline());
-    model_ = pipeline_->stage();
+    pipeline_ = std::make_unique<Pipeline>(classifier_, options_.process_group(), options_.pipeline());
+    classifier_ = pipeline_->stage();
+    module_ = classifier_.ptr();
     options_.pipeline(pipeline_->options());
   }
   if (options_.micro_batch_size() > 0 && options_.micro_batch_size() < options_.batch_size()) {
-    for (const auto& item : model_->named_modules()) {
+    for (const auto& item : module_->named_modules()) {
       if (item.value()->name().find("BatchNorm") == std::string::npos) continue;
       TORCH_WARN("micro-batching: BatchNorm layers (the first is '", item.key(),
                  "') normalise each micro-batch of ", options_.micro_batch_size(),
@@ -175,17 +270,17 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
     // Streamed parameters go from where the model was built to their host
     // masters (MasterWeights::stream_to); only the buffers move now.
     torch::NoGradGuard no_grad;
-    for (auto& b : model_->buffers()) b.set_data(b.to(options_.device()));
+    for (auto& b : module_->buffers()) b.set_data(b.to(options_.device()));
   } else {
-    model_->to(options_.device());
+    module_->to(options_.device());
   }
   if (options_.process_group() != nullptr && !pipeline_) {
     // Every rank starts from rank 0's parameters and buffers, before fp32
     // masters are copied from them (so DistributedDataParallel, made after
     // the masters, skips its own broadcast).
-    broadcast_module_state(*model_, *options_.process_group());
+    broadcast_module_state(*module_, *options_.process_group());
   }
-  const std::vector<torch::Tensor> model_params = model_->parameters();
+  const std::vector<torch::Tensor> model_params = module_->parameters();
   std::vector<torch::Tensor> params = model_params;
   if (options_.master_weights() != MasterWeightsMode::kNone ||
       options_.offload_optimizer() == Offload::kHost) {
@@ -193,15 +288,16 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
                            ? scalar_type(options_.precision())
                            : at::kFloat;
     master_ = std::make_unique<MasterWeights>(
-        *model_, MasterWeightsOptions()
-                     .dtype(dtype)
-                     .offload(state_on_host() ? Offload::kHost : Offload::kNone)
-                     .gradients(options_.offload_gradients())
-                     .parameters(options_.offload_parameters())
-                     .stream_to(options_.device()));
+        *module_, MasterWeightsOptions()
+                      .dtype(dtype)
+                      .offload(state_on_host() ? Offload::kHost : Offload::kNone)
+                      .gradients(options_.offload_gradients())
+                      .parameters(options_.offload_parameters())
+                      .stream_to(options_.device()));
     params = master_->master_parameters();
-    if (master_->streamed()) stream_ = std::make_unique<ParameterStream>(model_, *master_, options_.stream());
+    if (master_->streamed()) stream_ = std::make_shared<ParameterStream>(classifier_, *master_, options_.stream());
   }
+  if (classifier_) loss_ = classifier_loss(classifier_, stream_, options_.device());
   std::vector<torch::Tensor> trainable;
   for (size_t i = 0; i < params.size(); ++i) {
     if (model_params[i].requires_grad()) trainable.push_back(params[i]);
@@ -215,16 +311,19 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
   auto scaler_options = options_.grad_scaler();
   scaler_options.enabled(scaler_options.enabled() && options_.precision() == Precision::kFP16);
   scaler_ = std::make_unique<GradScaler>(scaler_options);
-  std::optional<UntrackedGuard> host;  // optimizer state lives with the masters
-  if (state_on_host()) host.emplace();
-  if (options_.zero_stage() == 1) {
-    auto zero = std::make_unique<ZeroRedundancyOptimizer>(
-        trainable, [this](std::vector<torch::Tensor> p) { return make_optimizer(options_, std::move(p)); },
-        options_.process_group());
-    zero_ = zero.get();
-    optimizer_ = std::move(zero);
-  } else {
-    optimizer_ = make_optimizer(options_, trainable);
+  {
+    std::optional<UntrackedGuard> host;  // optimizer state lives with the masters
+    if (state_on_host()) host.emplace();
+    if (options_.zero_stage() == 1) {
+      const auto o = options_;
+      auto zero = std::make_unique<ZeroRedundancyOptimizer>(
+          trainable, [o](std::vector<torch::Tensor> p) { return make_optimizer(o, std::move(p)); },
+          options_.process_group());
+      zero_ = zero.get();
+      optimizer_ = std::move(zero);
+    } else {
+      optimizer_ = make_optimizer(options_, trainable);
+    }
   }
   if (options_.process_group() != nullptr && !pipeline_) {
     // With gradient offload, the masters' hooks (registered first) have
@@ -237,11 +336,49 @@ Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
       }
     }
     ddp_ = std::make_unique<DistributedDataParallel>(
-        model_.ptr(), options_.process_group(),
+        module_, options_.process_group(),
         DistributedDataParallelOptions().bucket_cap_mb(options_.bucket_cap_mb()).init_sync(false),
         std::move(holders));
   }
   generator_ = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
+  build_components();
+}
+
+// The step's components, in the order the step calls them at each point.
+void Trainer::build_components() {
+  using namespace detail;
+  if (ddp_) components_.push_back(std::make_shared<DataParallelStep>(*ddp_, *options_.process_group()));
+  if (pipeline_) {
+    components_.push_back(std::make_shared<PipelineStep>(*pipeline_, options_.device(), options_.precision()));
+  }
+  components_.push_back(std::make_shared<PrecisionStep>(options_.device(), options_.precision(), *scaler_));
+  if (!scaler_->is_enabled()) {
+    components_.push_back(std::make_shared<NonfiniteCheck>(options_.nonfinite_loss(), world_size(),
+                                                           pipeline_ ? "" : " (summed over the ranks)"));
+  }
+  if (master_) components_.push_back(std::make_shared<MasterWeightsStep>(*master_, state_on_host()));
+  if (options_.max_grad_norm() > 0) {
+    components_.push_back(std::make_shared<ClipStep>(options_.max_grad_norm(), *scaler_,
+                                                     pipeline_ ? options_.process_group().get() : nullptr));
+  }
+  std::vector<torch::Tensor> release = module_->parameters();
+  if (master_) release.insert(release.end(), master_->master_parameters().begin(), master_->master_parameters().end());
+  components_.push_back(std::make_shared<ReleaseGradients>(std::move(release), options_.set_to_none()));
+  timeline_ = std::make_shared<Timeline>(*this);
+  components_.push_back(timeline_);
+}
+
+void Trainer::add_component(std::shared_ptr<StepComponent> component) {
+  TORCH_CHECK(component != nullptr, "add_component needs a component, got nullptr");
+  components_.insert(components_.end() - 1, std::move(component));  // the timeline stays last
+}
+
+const std::vector<PhaseMemory>& Trainer::last_timeline() const { return timeline_->timeline(); }
+
+void Trainer::wrong_batch_type(const char* name) const {
+  TORCH_CHECK(false, "train_step got a batch of type ", c10::demangle(name), ", but the Trainer's loss takes ",
+              loss_.has_value() ? c10::demangle(loss_.type().name()) : std::string("no batch"),
+              ": pass the batch type the loss function takes");
 }
 
 bool Trainer::state_on_host() const {
@@ -261,8 +398,8 @@ int64_t Trainer::device_state_bytes() const {
 StepMemory Trainer::breakdown(int64_t peak, int64_t model_grad_bytes) const {
   StepMemory m;
   m.peak = peak;
-  std::vector<torch::Tensor> persistent = model_->parameters();
-  const auto buffers = model_->buffers();
+  std::vector<torch::Tensor> persistent = module_->parameters();
+  const auto buffers = module_->buffers();
   persistent.insert(persistent.end(), buffers.begin(), buffers.end());
   m.gradients = model_grad_bytes;
   const bool state_on_device = !state_on_host();
@@ -307,9 +444,120 @@ int64_t Trainer::total_steps(const ImageDataset& data) const {
   return per_epoch * options_.epochs();
 }
 
+namespace {
+
+template <class Fn>
+void call_all(const std::vector<std::shared_ptr<StepComponent>>& components, Fn fn) {
+  for (const auto& c : components) fn(*c);
+}
+
+// Calls every component's abort_step, in reverse order, unless the step
+// got to its end.
+class AbortGuard {
+ public:
+  AbortGuard(const std::vector<std::shared_ptr<StepComponent>>& components, StepState& state)
+      : components_(components), state_(state) {}
+  ~AbortGuard() {
+    if (done_) return;
+    for (auto it = components_.rbegin(); it != components_.rend(); ++it) (*it)->abort_step(state_);
+  }
+  AbortGuard(const AbortGuard&) = delete;
+  AbortGuard& operator=(const AbortGuard&) = delete;
+  void done() { done_ = true; }
+
+ private:
+  const std::vector<std::shared_ptr<StepComponent>>& components_;
+  StepState& state_;
+  bool done_ = false;
+};
+
+} // namespace
+
+StepRecord Trainer::run_step(const detail::StepInput& in) {
+  TORCH_CHECK(in.examples > 0, "train_step needs a batch with examples, got an empty one");
+  const auto& cs = components_;
+  const auto start_time = Clock::now();
+  PeakMeter meter(options_.device());
+  StepState s;
+  s.step = step_ + 1;
+  s.epoch = std::max<int64_t>(epoch_, 0);
+  s.examples = in.examples;
+  s.global_examples = in.global_examples > 0 ? in.global_examples : in.examples * data_ranks();
+  const int64_t micro = options_.micro_batch_size() > 0 ? std::min(options_.micro_batch_size(), in.examples)
+                                                        : in.examples;
+  s.micro_batches = (in.examples + micro - 1) / micro;
+  s.optimizer = optimizer_.get();
+  s.example = in.example;
+  const int64_t world = data_ranks();
+  AbortGuard abort(cs, s);
+  call_all(cs, [&](StepComponent& c) { c.begin_step(s); });
+  bool taken = false;
+  for (const auto& c : cs) taken = taken || c->forward_backward(s);
+  if (taken) {
+    s.phase = "forward and backward";
+    call_all(cs, [&](StepComponent& c) { c.after_backward(s); });
+  }
+  for (s.micro = 0; !taken && s.micro < s.micro_batches && !s.skip; ++s.micro) {
+    const int64_t start = s.micro * micro;
+    s.micro_examples = std::min(micro, in.examples - start);
+    const std::string k = std::to_string(s.micro + 1);
+    call_all(cs, [&](StepComponent& c) { c.before_forward(s); });
+    std::shared_ptr<void> staged;  // the micro-batch, alive until its backward has run
+    torch::Tensor loss = in.loss(start, s.micro_examples, staged);
+    check_loss(loss);
+    // Each micro-batch's mean loss weighted by its share of the step's
+    // examples (times the ranks, whose gradients are averaged): the
+    // gradients add up to the mean-loss gradient over all of them.
+    if (s.micro_examples * world != s.global_examples) {
+      loss = loss * (double(s.micro_examples * world) / double(s.global_examples));
+    }
+    s.loss = loss;
+    s.micro_loss_value = loss.item<double>();
+    s.loss_value += s.micro_loss_value;
+    s.phase = "forward " + k;
+    call_all(cs, [&](StepComponent& c) { c.after_forward(s); });
+    if (s.skip) break;
+    call_all(cs, [&](StepComponent& c) { c.before_backward(s); });
+    torch::Tensor scaled = loss;
+    for (const auto& c : cs) scaled = c->scale_loss(scaled);
+    s.loss = torch::Tensor();
+    loss = torch::Tensor();
+    scaled.backward();
+    scaled = torch::Tensor();
+    s.phase = "backward " + k;
+    call_all(cs, [&](StepComponent& c) { c.after_backward(s); });
+  }
+  call_all(cs, [&](StepComponent& c) { c.finish_backward(s); });
+  if (!s.skip) {
+    call_all(cs, [&](StepComponent& c) { c.before_optimizer_step(s); });
+    bool stepped_by_component = false;
+    for (const auto& c : cs) stepped_by_component = stepped_by_component || c->optimizer_step(s);
+    if (!stepped_by_component) {
+      optimizer_->step();
+      s.stepped = true;
+    }
+    call_all(cs, [&](StepComponent& c) { c.after_optimizer_step(s); });
+  }
+  abort.done();
+  call_all(cs, [&](StepComponent& c) { c.end_step(s); });
+  StepRecord rec;
+  rec.step = s.step;
+  rec.epoch = s.epoch;
+  rec.loss = s.loss_value;
+  rec.skipped = !s.stepped;
+  rec.peak_bytes = meter.peak();
+  for (const auto& m : timeline_->timeline()) rec.peak_bytes = std::max(rec.peak_bytes, m.peak_bytes);
+  rec.current_bytes = memory_allocated(options_.device());
+  rec.seconds = seconds_since(start_time);
+  step_ = s.step;
+  return rec;
+}
+
 TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) {
   TORCH_CHECK(data.size() > 0, "Trainer::fit needs a non-empty data set");
-  const auto device = options_.device();
+  TORCH_CHECK(loss_.type() == typeid(std::function<torch::Tensor(const torch::data::Example<>&)>),
+              "Trainer::fit cuts torch::data::Example<> batches, but the Trainer's loss takes ",
+              c10::demangle(loss_.type().name()), ": call train_step in a loop of your own");
   const int64_t n = data.size();
   const int64_t total = total_steps(data);
   if (step_ >= total) {  // a finished run: start a new one (the generator goes on)
@@ -321,190 +569,54 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
   TORCH_CHECK(!order_.defined() || order_.size(0) == n, "the run's data position is for ",
               order_.defined() ? order_.size(0) : 0, " examples, but the data set has ", n,
               ": resume with the data the run was saved with");
-  const auto params = model_->parameters();
-  std::vector<torch::Tensor> optimizer_params;
-  for (const auto& group : optimizer_->param_groups()) {
-    optimizer_params.insert(optimizer_params.end(), group.params().begin(), group.params().end());
-  }
-
   TrainReport report;
   report.steps.reserve(static_cast<size_t>(total - step_));
-  PeakMeter run_meter(device);
-  model_->train();
+  PeakMeter run_meter(options_.device());
+  module_->train();
   const auto run_start = Clock::now();
   int64_t samples = 0;
   double save_seconds = 0;
   int64_t last_saved = -1;
   while (step_ < total) {
-    const int64_t step = step_ + 1;
-    if (!order_.defined() || cursor_ >= n) {
-      UntrackedGuard host;  // the sampler's indices live on the host
-      order_ = torch::randperm(n, generator_, torch::kInt64);
-      cursor_ = 0;
-      ++epoch_;
-    }
-    const auto step_start = Clock::now();
-    PeakMeter meter(device);
-    // The step's memory phase by phase. On CUDA a new meter resets the
-    // device's peak statistic, so the step's peak is also the largest phase peak.
-    std::vector<PhaseMemory> timeline;
-    std::optional<PeakMeter> phase_meter;
-    phase_meter.emplace(device);
-    auto mark = [&](std::string phase) {
-      PhaseMemory m;
-      m.phase = std::move(phase);
-      m.peak_bytes = phase_meter->peak();
-      m.current_bytes = memory_allocated(device);
-      phase_meter.reset();
-      std::vector<torch::Tensor> grads;
-      for (const auto& p : params) grads.push_back(p.grad());
-      if (master_ && !state_on_host()) {
-        for (const auto& p : master_->master_parameters()) grads.push_back(p.grad());
-      }
-      m.gradients = storage_bytes(grads);
-      m.optimizer_state = device_state_bytes();
-      timeline.push_back(std::move(m));
-      phase_meter.emplace(device);
-    };
-    // The step's examples: `global` from the permutation (the last batch of
-    // an epoch holds what is left, like drop_last=false); with data
-    // parallelism this rank takes every world-th of them.
-    const int64_t world = data_ranks();
-    const int64_t global = std::min(options_.batch_size() * world, n - cursor_);
-    torch::Tensor mine;
+    torch::data::Example<> batch;
+    int64_t global = 0;
     {
-      UntrackedGuard host;
-      mine = order_.narrow(0, cursor_, global);
+      UntrackedGuard host;  // the sampler's indices and the batch live on the host
+      if (!order_.defined() || cursor_ >= n) {
+        order_ = torch::randperm(n, generator_, torch::kInt64);
+        cursor_ = 0;
+        ++epoch_;
+      }
+      // The step's examples: `global` from the permutation (the last batch of
+      // an epoch holds what is left, like drop_last=false); with data
+      // parallelism this rank takes every world-th of them.
+      const int64_t world = data_ranks();
+      global = std::min(options_.batch_size() * world, n - cursor_);
+      auto mine = order_.narrow(0, cursor_, global);
       if (world > 1) mine = mine.slice(0, rank(), global, world);
+      batch = {data.images.index_select(0, mine), data.labels.index_select(0, mine)};
     }
-    const int64_t batch = mine.size(0);
-    const int64_t micro = options_.micro_batch_size() > 0
-                              ? std::min(options_.micro_batch_size(), batch)
-                              : batch;
-    auto check_loss = [&](double value, const char* where) {
-      TORCH_CHECK(std::isfinite(value) || options_.nonfinite_loss() == NonfiniteLoss::kSkip, "step ",
-                  step, " (epoch ", epoch_, "): the loss", where, " is ",
-                  std::isnan(value) ? "NaN" : (value > 0 ? "inf" : "-inf"),
-                  "; lower the learning rate, clip gradients (max_grad_norm, --clip-grad-norm), "
-                  "or skip such steps (NonfiniteLoss::kSkip, --skip-nonfinite)");
+    detail::StepInput in;
+    in.examples = batch.data.size(0);
+    in.global_examples = global;
+    const auto& loss = std::any_cast<const std::function<torch::Tensor(const torch::data::Example<>&)>&>(loss_);
+    const auto device = options_.device();
+    in.loss = [&](int64_t start, int64_t length, std::shared_ptr<void>& staged) {
+      auto micro = std::make_shared<torch::data::Example<>>(BatchTraits<torch::data::Example<>>::to(
+          BatchTraits<torch::data::Example<>>::slice(batch, start, length), device));
+      staged = micro;
+      return loss(*micro);
     };
-    if (ddp_) ddp_->sync_buffers();
-    double loss_value = 0;
-    bool skip = false;
-    if (pipeline_) {
-      // Every stage gets the whole batch; the pipeline cuts it into chunks,
-      // and the gradients of its mean loss land in each stage's parameters.
-      auto x = data.images.index_select(0, mine);
-      auto y = data.labels.index_select(0, mine);
-      PipelineStepResult r;
-      {
-        // Autocast is thread-local: the stage's forwards (and recomputations) run here.
-        AutocastGuard autocast(device, options_.precision());
-        r = pipeline_->train_step(x, y, [](const torch::Tensor& out, const torch::Tensor& target) {
-          return cross_entropy(out, target);  // in fp32, as without a pipeline
-        });
-      }
-      loss_value = r.loss;  // the same on every stage
-      skip = !std::isfinite(loss_value);
-      if (skip) check_loss(loss_value, "");
-      mark("forward and backward");
-    } else {
-      for (int64_t start = 0; start < batch && !skip; start += micro) {
-        const int64_t len = std::min(micro, batch - start);
-        torch::Tensor idx = mine.narrow(0, start, len);
-        auto x = data.images.index_select(0, idx).to(device);
-        auto y = data.labels.index_select(0, idx).to(device);
-        torch::Tensor logits;
-        {
-          AutocastGuard autocast(device, options_.precision());
-          logits = stream_ ? stream_->forward(x) : model_->forward(x);
-        }
-        auto loss = cross_entropy(logits, y);
-        // Each micro-batch's mean loss weighted by its share of the step's
-        // examples (times the ranks, whose gradients are averaged): the
-        // gradients add up to the mean-loss gradient over all of them.
-        if (len * world != global) loss = loss * (double(len * world) / double(global));
-        const double value = loss.item<double>();
-        loss_value += value;
-        // Without a GradScaler a non-finite loss stops the run or skips the
-        // step; with one, the scaler finds the non-finite gradients and skips
-        // it. With data parallelism every rank decides on the ranks' sum below.
-        if (world == 1) {
-          skip = !std::isfinite(value) && !scaler_->is_enabled();
-          if (skip) check_loss(value, "");
-        }
-        const std::string k = std::to_string(start / micro + 1);
-        mark("forward " + k);
-        if (!skip) {
-          // Gradients are all-reduced during the last micro-batch's backward only.
-          std::optional<DistributedDataParallel::NoSync> no_sync;
-          if (ddp_ && start + micro < batch) no_sync.emplace(*ddp_);
-          scaler_->scale(loss).backward();
-          mark("backward " + k);
-        }
-      }
-    }
-    if (ddp_) {
-      ddp_->finalize();
-      torch::Tensor sum;
-      {
-        UntrackedGuard host;
-        sum = torch::tensor(loss_value, torch::kDouble);
-        options_.process_group()->all_reduce_(sum);
-      }
-      loss_value = sum.item<double>() / double(world);
-      skip = !std::isfinite(loss_value) && !scaler_->is_enabled();
-      if (skip) check_loss(loss_value, " (summed over the ranks)");
-    }
-    bool stepped = false;
-    int64_t model_grad_bytes = 0;
-    if (!skip) {
-      std::vector<torch::Tensor> grads;
-      grads.reserve(params.size());
-      for (const auto& p : params) grads.push_back(p.grad());
-      model_grad_bytes = storage_bytes(grads);
-      grads.clear();
-      if (master_) master_->grads_to_master();
-      {
-        std::optional<UntrackedGuard> host;  // the optimizer steps on host copies
-        if (state_on_host()) host.emplace();
-        if (options_.max_grad_norm() > 0) {
-          scaler_->unscale_(*optimizer_);  // a no-op without fp16
-          if (pipeline_) {
-            // Each stage holds its own parameters: the norm is over all stages'.
-            clip_grad_norm_(optimizer_params, options_.max_grad_norm(), *options_.process_group());
-          } else {
-            torch::nn::utils::clip_grad_norm_(optimizer_params, options_.max_grad_norm());
-          }
-        }
-        stepped = scaler_->step(*optimizer_);
-      }
-      scaler_->update();
-      mark("optimizer step");
-    }
-
-    StepRecord rec;
-    rec.step = step;
-    rec.epoch = epoch_;
-    rec.loss = loss_value;
-    rec.skipped = !stepped;
-    report.skipped_steps += stepped ? 0 : 1;
-    if (master_ && !skip) master_->master_to_model();
-    release_gradients(params, options_.set_to_none());
-    if (master_) release_gradients(master_->master_parameters(), options_.set_to_none());
-    mark("released");
-    rec.peak_bytes = meter.peak();
-    for (const auto& m : timeline) rec.peak_bytes = std::max(rec.peak_bytes, m.peak_bytes);
-    if (!skip && rec.peak_bytes > report.step_memory.peak) {
-      report.step_memory = breakdown(rec.peak_bytes, model_grad_bytes);
-      report.step_timeline = timeline;
+    in.example = &batch;
+    StepRecord rec = run_step(in);
+    report.skipped_steps += rec.skipped ? 1 : 0;
+    if (!timeline_->skipped() && rec.peak_bytes > report.step_memory.peak) {
+      report.step_memory = breakdown(rec.peak_bytes, timeline_->model_grad_bytes());
+      report.step_timeline = timeline_->timeline();
       for (auto& m : report.step_timeline) m.parameters = report.step_memory.parameters;
     }
-    rec.current_bytes = memory_allocated(device);
-    rec.seconds = seconds_since(step_start);
     // The step is done: the position moves on.
     cursor_ += global;
-    step_ = step;
     samples += global;
     report.steps.push_back(rec);
     if (!options_.save_dir().empty() && options_.save_every() > 0 &&
@@ -535,10 +647,13 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
 
 EvalResult Trainer::evaluate(const ImageDataset& data) {
   TORCH_CHECK(data.size() > 0, "Trainer::evaluate needs a non-empty data set");
+  TORCH_CHECK(classifier_, "Trainer::evaluate measures the cross-entropy classifier that a Trainer built from "
+              "a torch::nn::Sequential without a loss trains: for your own module and loss, call eval_step "
+              "with your metric");
   const auto device = options_.device();
   torch::NoGradGuard no_grad;
   PeakMeter meter(device);
-  model_->eval();
+  module_->eval();
   const int64_t n = data.size();
   double loss_sum = 0;
   int64_t correct = 0;
@@ -549,13 +664,13 @@ EvalResult Trainer::evaluate(const ImageDataset& data) {
     torch::Tensor logits;
     {
       AutocastGuard autocast(device, options_.precision());
-      logits = pipeline_ ? pipeline_->forward(x) : stream_ ? stream_->forward(x) : model_->forward(x);
+      logits = pipeline_ ? pipeline_->forward(x) : stream_ ? stream_->forward(x) : classifier_->forward(x);
     }
     if (!logits.defined()) continue;  // a pipeline's output is on its last stage
-    loss_sum += cross_entropy(logits, y, /*sum=*/true).item<double>();
+    loss_sum += detail::cross_entropy(logits, y, /*sum=*/true).item<double>();
     correct += logits.argmax(-1).eq(y).sum().item<int64_t>();
   }
-  model_->train();
+  module_->train();
   if (pipeline_) {  // the last stage's sums, everywhere
     UntrackedGuard host;
     auto sums = torch::tensor({loss_sum, double(correct)}, torch::kDouble);
@@ -669,7 +784,7 @@ void Trainer::save(const std::string& dir) {
 
 void Trainer::write_state(torch::serialize::OutputArchive& a, const std::vector<std::string>& shards) const {
   torch::serialize::OutputArchive model;
-  detail::write_module(model, *model_, [this](const torch::Tensor& p) { return stand_in(p); });
+  detail::write_module(model, *module_, [this](const torch::Tensor& p) { return stand_in(p); });
   a.write("model", model);
   if (master_) {
     torch::serialize::OutputArchive masters;
@@ -724,7 +839,7 @@ void Trainer::resume(const std::string& path_or_dir) {
   torch::serialize::InputArchive model, optimizer, scaler, masters;
   TORCH_CHECK(src->try_read("model", model), path, " is damaged: 'model' is missing");
   const auto stand_in = [this](const torch::Tensor& p) { return this->stand_in(p); };
-  detail::check_module(model, *model_, path, stand_in);
+  detail::check_module(model, *module_, path, stand_in);
   TORCH_CHECK(src->try_read("masters", masters) == (master_ != nullptr), path,
               master_ ? " holds no fp32 master weights, but this run keeps them: resume with the "
                         "master-weights and optimizer-offload options of the saved run"
@@ -779,7 +894,7 @@ void Trainer::resume(const std::string& path_or_dir) {
   a.try_read("order", order);
 
   // Apply: tensor by tensor into the model's storage.
-  detail::copy_into_module(model, *model_, stand_in);
+  detail::copy_into_module(model, *module_, stand_in);
   {
     torch::NoGradGuard no_grad;
     const auto& m = master_ ? master_->master_parameters() : std::vector<torch::Tensor>();

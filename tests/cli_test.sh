@@ -115,7 +115,7 @@ expect freeze-no-match 1 "pattern 'layer9.\*' matches no parameter name; names l
   "${small[@]}" --steps 1 --freeze 'layer9.*'
 expect offload-optimizer-run 0 'optimizer state +0 bytes' out -- "${small[@]}" --steps 2 --offload optimizer
 expect offload-gradients-run 0 'gradients +0 bytes' out -- "${small[@]}" --steps 2 --offload optimizer,gradients
-expect offload-gradients-needs-optimizer 1 'set offload_optimizer to Offload::kHost too' err -- "${small[@]}" --steps 1 --offload gradients
+expect offload-gradients-needs-optimizer 1 'use --offload optimizer,gradients' err -- "${small[@]}" --steps 1 --offload gradients
 expect bad-offload 2 'offload' err -- train --offload gpu
 expect offload-parameters-run 0 'parameters +16 bytes' out -- "${small[@]}" --steps 2 --offload optimizer,gradients,parameters \
   --offload-tile 8KiB

@@ -22,6 +22,20 @@
 #include <filesystem>
 #include <sstream>
 
+namespace doc_batch {
+struct Pair { torch::Tensor tokens, mask; };
+} // namespace doc_batch
+using doc_batch::Pair;
+template <> struct memfit::BatchTraits<Pair> {
+  static int64_t size(const Pair& b) { return b.tokens.size(0); }
+  static Pair slice(const Pair& b, int64_t start, int64_t length) {
+    return {b.tokens.narrow(0, start, length), b.mask.narrow(0, start, length)};
+  }
+  static Pair to(const Pair& b, const torch::Device& device) {
+    return {memfit::to_device(b.tokens, device), memfit::to_device(b.mask, device)};
+  }
+};
+
 namespace memfit {
 namespace {
 
@@ -259,7 +273,7 @@ struct ReadmeNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(ReadmeNet);
 
-TEST_F(DocExamples, ReadmeOwnModel) {
+TEST_F(DocExamples, PiecesInYourOwnLoop) {
   ReadmeNet net;
   torch::optim::SGD optimizer(net->parameters(), 0.1);
   memfit::GradScaler scaler;
@@ -499,6 +513,90 @@ TEST_F(DocExamples, OffloadChoices) {
   auto choices = memfit::offload_choices(model, model.options());
   EXPECT_EQ(choices.size(), 7u);
   EXPECT_EQ(choices.back().tile_bytes(), 784 * 512 * 4 / 64);
+}
+
+TEST_F(DocExamples, BatchTraitsOfAUsersOwnBatch) {
+  const Pair b{torch::ones({6, 3}), torch::zeros({6, 3})};
+  EXPECT_EQ(memfit::BatchTraits<Pair>::size(b), 6);
+  EXPECT_EQ(memfit::BatchTraits<Pair>::slice(b, 2, 3).tokens.size(0), 3);
+}
+
+TEST_F(DocExamples, ToDevice) {
+  torch::Tensor host;
+  { memfit::UntrackedGuard untracked; host = torch::ones({256}); }
+  const auto before = memfit::memory_allocated(torch::kCPU);
+  auto staged = memfit::to_device(host, torch::kCPU);
+  EXPECT_EQ(memfit::memory_allocated(torch::kCPU) - before, 1024);
+  EXPECT_TRUE(memfit::to_device(staged, torch::kCPU).is_same(staged)) << "already on the device: no copy";
+}
+
+TEST_F(DocExamples, StepComponent) {
+  struct CountSteps : memfit::StepComponent {
+    int64_t steps = 0;
+    void end_step(memfit::StepState&) override { ++steps; }
+  };
+  auto count = std::make_shared<CountSteps>();
+  memfit::Trainer trainer(memfit::make_mlp(memfit::ModelOptions().width(8).depth(1)), memfit::TrainerOptions());
+  trainer.add_component(count);
+  trainer.train_step(torch::data::Example<>(torch::randn({4, 1, 28, 28}), torch::randint(10, {4})));
+  EXPECT_EQ(count->steps, 1);
+}
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() : fc(register_module("fc", torch::nn::Linear(784, 10))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc(x.flatten(1)); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Net);
+
+TEST_F(DocExamples, TrainerOfAnyModule) {
+  Net net;
+  memfit::Trainer trainer(
+      net, [](NetImpl& n, const torch::data::Example<>& b) {
+        return torch::nn::functional::cross_entropy(n.forward(b.data), b.target);
+      },
+      memfit::TrainerOptions().micro_batch_size(16).lr(0.01));
+  auto record = trainer.train_step(torch::data::Example<>(torch::randn({64, 784}),
+                                                          torch::randint(10, {64})));
+  EXPECT_EQ(record.step, 1);
+  const torch::data::Example<> batch(torch::randn({8, 784}), torch::randint(10, {8}));
+  auto correct = trainer.eval_step(batch, [&](const torch::data::Example<>& b) {
+    return net->forward(b.data).argmax(1).eq(b.target).sum().item<int64_t>();
+  });
+  EXPECT_GE(correct, 0);
+}
+
+TEST_F(DocExamples, ReadmeTrainerOnYourModel) {
+  std::vector<torch::data::Example<>> loader_batches;
+  for (int i = 0; i < 3; ++i) loader_batches.emplace_back(torch::randn({64, 784}), torch::randint(10, {64}));
+  const auto& loader = &loader_batches;
+  int64_t peak = 0;
+  {
+    auto net = std::make_shared<NetImpl>();
+    memfit::Trainer trainer(net,
+        [](NetImpl& n, const torch::data::Example<>& b) { return torch::nll_loss(n.forward(b.data).log_softmax(1), b.target); },
+        memfit::TrainerOptions()
+            .micro_batch_size(32)                       // gradient accumulation: the same gradient
+            .precision(memfit::Precision::kBF16)        // autocast (fp16 adds a GradScaler)
+            .max_grad_norm(1.0)                         // clipped after unscaling
+            .offload_optimizer(memfit::Offload::kHost)  // optimizer state in host memory
+            .optimizer_factory([](std::vector<torch::Tensor> p) {
+              return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.01).momentum(0.5));
+            }));
+    memfit::set_memory_budget(torch::kCPU, memfit::parse_memory_size("512MiB"));  // over it: c10::OutOfMemoryError
+    for (auto& batch : *loader) {                       // your torch::data loader, your loop
+      auto record = trainer.train_step(batch);          // record.loss, .peak_bytes, .seconds
+      peak = std::max(peak, record.peak_bytes);
+    }
+    memfit::set_memory_budget(torch::kCPU, 0);
+  }
+  EXPECT_GT(peak, 0);
+}
+
+TEST_F(DocExamples, FashionMnistFolder) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  torch::data::datasets::MNIST train(memfit::fashion_mnist_folder());
+  EXPECT_EQ(train.size().value(), 60000u);
 }
 
 } // namespace

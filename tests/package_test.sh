@@ -27,6 +27,10 @@ grep -q "mixed precision matches fp32" "$work/mixed-precision-run.log"
 grep -q "resume bit-identical" "$work/trainer-state-run.log"
 "$work/find/parameter_offload" | tee "$work/parameter-offload-run.log"
 grep -q "streamed parameters train like resident ones" "$work/parameter-offload-run.log"
+"$work/find/own_model_mnist" | tee "$work/own-model-mnist-run.log"
+grep -q "own model trained under the budget" "$work/own-model-mnist-run.log"
+"$work/find/custom_loop_gan" | tee "$work/custom-loop-gan-run.log"
+grep -q "gan trained with memfit's pieces" "$work/custom-loop-gan-run.log"
 echo "ok   find_package(memfit CONFIG REQUIRED)"
 
 # The same LibTorch as the build under test (MEMFIT_LIBTORCH=debian or pip).

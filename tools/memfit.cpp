@@ -654,6 +654,11 @@ int run_train(const TrainArgs& a) {
     TORCH_CHECK(a.pipeline_checkpoint == "never", "--pipeline-checkpoint needs --parallel pipeline; for one "
                 "process or data parallelism use --checkpoint (sqrt, optimal, ...)");
   }
+  TORCH_CHECK(!offloads("gradients") || offloads("optimizer"), "--offload gradients moves each gradient to "
+              "the host masters that the optimizer's offload keeps: use --offload optimizer,gradients");
+  TORCH_CHECK(!offloads("parameters") || (offloads("optimizer") && offloads("gradients")), "--offload "
+              "parameters streams the parameters from the host masters that also take the gradients and the "
+              "optimizer state: use --offload optimizer,gradients,parameters");
   TORCH_CHECK(a.offload_tile.empty() || offloads("parameters"), "--offload-tile cuts streamed Linear "
               "weights into tiles: add --offload optimizer,gradients,parameters, or drop --offload-tile");
   // With a budget, plan the knobs unless they were set by hand.

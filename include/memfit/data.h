@@ -48,6 +48,20 @@ struct ImageDataset {
   int64_t size() const { return images.defined() ? images.size(0) : 0; }
 };
 
+/// The folder holding Fashion-MNIST's four unzipped IDX files, for LibTorch's
+/// own torch::data::datasets::MNIST: options.root when it holds them, else
+/// the cache folder, unzipped there on first use.
+///
+/// Throws c10::Error naming the missing file and the Debian package
+/// `dataset-fashion-mnist` when the files are not there.
+///
+/// Example:
+/// \code
+///   torch::data::datasets::MNIST train(memfit::fashion_mnist_folder());
+///   assert(train.size().value() == 60000);
+/// \endcode
+std::string fashion_mnist_folder(const FashionMnistOptions& options = FashionMnistOptions());
+
 /// Reads one split of Fashion-MNIST.
 ///
 /// Throws c10::Error naming the missing file and the Debian package

@@ -234,6 +234,26 @@ StepMemory breakdown_step(int64_t peak,
                           const std::vector<torch::Tensor>& buffers,
                           const torch::optim::Optimizer& optimizer);
 
+/// Puts `tensor` in `device`'s memory: a copy when it is in host memory, the
+/// tensor itself when it is already there.
+///
+/// On CUDA this is `tensor.to(device)`, asynchronous from pinned host memory.
+/// On the CPU the device's memory is the tracked memory: a tensor allocated
+/// under UntrackedGuard, or before tracking began, or not by LibTorch's
+/// allocator (from_blob) is host memory and is copied into tracked memory, so
+/// memory_allocated counts what a GPU would hold. The Trainer stages each
+/// micro-batch this way. Sync points: none. Extra memory: the copy.
+///
+/// Example:
+/// \code
+///   torch::Tensor host;
+///   { memfit::UntrackedGuard untracked; host = torch::ones({256}); }
+///   const auto before = memfit::memory_allocated(torch::kCPU);
+///   auto staged = memfit::to_device(host, torch::kCPU);
+///   assert(memfit::memory_allocated(torch::kCPU) - before == 1024);
+/// \endcode
+torch::Tensor to_device(const torch::Tensor& tensor, const torch::Device& device);
+
 /// Parses a memory size: a number with an optional unit, B, KB, MB, GB, TB
 /// (powers of 1000) or K/KiB, M/MiB, G/GiB, T/TiB (powers of 1024), any case.
 ///

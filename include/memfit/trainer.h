@@ -1,31 +1,41 @@
 #pragma once
 /// \file trainer.h
-/// The training loop: mini-batch SGD/Adam on an image classification data set,
-/// with per-step timing and peak memory, and evaluation under no-grad.
+/// Training any LibTorch module with the user's loss: one optimizer step at a
+/// time (train_step, for a loop of one's own) or a whole run (fit), with
+/// every memory technique as a component of the step (step.h).
 ///
 /// Thread safety: a Trainer is used from one thread at a time. Sync points:
 /// one per micro-batch (the loss value is read for the report and the
-/// non-finite check). Extra memory: the micro-batch being trained on
-/// (index_select from the host data set, counted as device memory), and the
-/// optimizer's state (none on the device with offload_optimizer kHost).
+/// non-finite check). Extra memory: the micro-batch being trained on (copied
+/// to the device from host memory, memfit::to_device), and the optimizer's
+/// state (none on the device with offload_optimizer kHost).
 
+#include "memfit/batch.h"
 #include "memfit/data.h"
 #include "memfit/distributed.h"
 #include "memfit/memory.h"
 #include "memfit/pipeline.h"
 #include "memfit/precision.h"
+#include "memfit/step.h"
 #include "memfit/stream.h"
 
 #include <ATen/core/Generator.h>
 #include <torch/arg.h>
-#include <torch//nn/modules/container/sequential.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+#include <torch/utils.h>
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
+#include <any>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <typeindex>
+#include <typeinfo>
 #include <vector>
 
 namespace memfit {
@@ -43,8 +53,15 @@ OptimizerKind parse_optimizer_kind(const std::string& name);
 
 struct TrainerOptions;
 
-/// Builds the optimizer that `options` names (optimizer, lr, momentum,
-/// weight_decay) over `params`, as the Trainer does.
+/// Builds a user's optimizer over the parameters it is given (those left to
+/// train, or their fp32 masters). LR schedulers take the optimizer from
+/// Trainer::optimizer(), as in LibTorch.
+using OptimizerFactory =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor> params)>;
+
+/// Builds the optimizer that `options` names (optimizer_factory, else
+/// optimizer, lr, momentum, weight_decay) over `params`, as the Trainer does.
+/// Throws c10::Error when the factory returns nothing.
 ///
 /// Example:
 /// \code
@@ -94,8 +111,11 @@ struct TrainerOptions {
   TORCH_ARG(int64_t, epochs) = 1;
   /// Learning rate.
   TORCH_ARG(double, lr) = 1e-3;
-  /// The optimizer.
+  /// The optimizer (when optimizer_factory is empty).
   TORCH_ARG(OptimizerKind, optimizer) = OptimizerKind::kAdam;
+  /// The user's own optimizer, built over the parameters to train; empty:
+  /// `optimizer` with lr, momentum and weight_decay.
+  TORCH_ARG(OptimizerFactory, optimizer_factory) = nullptr;
   /// SGD momentum (SGD only).
   TORCH_ARG(double, momentum) = 0.9;
   /// L2 penalty (SGD, Adam) or decoupled decay (AdamW).
@@ -224,66 +244,175 @@ struct TrainReport {
   std::string to_json() const;
 };
 
-/// Trains a Sequential classifier with cross-entropy: class logits [N, C]
-/// against labels [N], or a language model's per-token logits [N, T, C]
-/// against next-token labels [N, T] (text_windows), the mean over every token.
+namespace detail {
+// The batch type a loss function takes: its second parameter, decayed.
+template <class F>
+struct LossTraits : LossTraits<decltype(&F::operator())> {};
+template <class R, class M, class B>
+struct LossTraits<R (*)(M, B)> { using Batch = std::decay_t<B>; };
+template <class C, class R, class M, class B>
+struct LossTraits<R (C::*)(M, B) const> { using Batch = std::decay_t<B>; };
+template <class C, class R, class M, class B>
+struct LossTraits<R (C::*)(M, B)> { using Batch = std::decay_t<B>; };
+
+// One step's batch, as the step sees it: its examples and the loss of any
+// run of them, staged on the device; `staged` keeps that micro-batch alive
+// until its backward has run, as a loop's batch variable would.
+struct StepInput {
+  int64_t examples = 0;
+  int64_t global_examples = 0;  // over the data-parallel ranks; 0: examples × ranks
+  std::function<torch::Tensor(int64_t start, int64_t length, std::shared_ptr<void>& staged)> loss;
+  const torch::data::Example<>* example = nullptr;  // the batch, when it is one (pipelines)
+};
+
+// Runs `fn` under no-grad, in eval mode and the Trainer's autocast; puts
+// back the training mode it found.
+class EvalScope {
+ public:
+  EvalScope(torch::nn::Module& module, const torch::Device& device, Precision precision);
+  ~EvalScope();
+  EvalScope(const EvalScope&) = delete;
+  EvalScope& operator=(const EvalScope&) = delete;
+
+ private:
+  torch::nn::Module& module_;
+  bool was_training_;
+  torch::NoGradGuard no_grad_;
+  AutocastGuard autocast_;
+};
+} // namespace detail
+
+/// Trains any LibTorch module with the user's loss: one optimizer step per
+/// train_step(batch), or a run of them with fit.
 ///
-/// Each step cuts a batch from a per-epoch shuffle of the data (seeded by
-/// options.seed), runs forward and backward, steps the optimizer and releases
-/// the gradients (set to none) before the next step.
+/// The module is any `std::shared_ptr<M>` (M derived from torch::nn::Module)
+/// or module holder. The loss is a function of the module and a batch that
+/// returns the batch's mean loss, a scalar with grad:
+/// `torch::Tensor loss(Net& net, const Batch& batch)`. Batch is deduced from
+/// the loss's second parameter; torch::data::Example<> is the common case, and
+/// any type with a BatchTraits specialization works (batch.h). A
+/// torch::nn::Sequential given without a loss is a classifier trained with
+/// cross-entropy: class logits [N, C] against labels [N], or per-token logits
+/// [N, T, C] against next-token labels [N, T] (a language model), the mean
+/// over every label, computed in fp32; that form also allows pipelines,
+/// parameter streaming and evaluate(ImageDataset).
 ///
-/// Micro-batching: with micro_batch_size m smaller than the batch B, each step
-/// runs forward and backward on micro-batches of m examples (the last one
-/// smaller when m does not divide B), weighting each micro-batch's mean loss by
-/// its share of B, so the accumulated gradient is the full batch's mean-loss
-/// gradient (to rounding); only one micro-batch's activations are live at a
-/// time. BatchNorm normalises each micro-batch with that micro-batch's
-/// statistics, so a model with BatchNorm no longer computes the full batch's
-/// gradient: the constructor warns once (TORCH_WARN) for such a model.
+/// A step cuts the batch into micro-batches of micro_batch_size examples (the
+/// last one smaller when it does not divide the batch), stages each on the
+/// device (to_device), runs the loss and backward on each, weighting each
+/// micro-batch's mean loss by its share of the batch, so the accumulated
+/// gradient is the whole batch's mean-loss gradient (to rounding); only one
+/// micro-batch's activations are live at a time. BatchNorm normalises each
+/// micro-batch with that micro-batch's statistics, so a model with BatchNorm
+/// no longer computes the full batch's gradient: the constructor warns once
+/// (TORCH_WARN) for such a model. The step then steps the optimizer and
+/// releases the gradients (set to none). Every technique the options enable
+/// is a component of that step (step.h): precision (autocast around the loss;
+/// with fp16 a GradScaler that scales the loss, skips steps with inf or NaN
+/// gradients and adapts the scale), master weights and optimizer, gradient
+/// and parameter offload, data parallelism and ZeRO, clipping after
+/// unscaling, the non-finite loss check, the memory timeline.
 ///
 /// Freezing and offload: parameters matching options.freeze are frozen before
 /// the optimizer is built over the others, which never get gradients or
 /// optimizer state. With offload_optimizer Offload::kHost the optimizer steps
 /// fp32 host masters (MasterWeights in float32 with Offload::kHost): gradients
 /// go to the host, the updated parameters come back; the device holds no
-/// optimizer state.
-///
-/// Precision: forward runs under an AutocastGuard in options.precision (also
-/// during evaluation); the loss is taken in fp32. With fp16 a GradScaler scales
-/// the loss, skips steps with inf or NaN gradients and adapts the scale. With
-/// master weights the parameters are held in the low dtype and the optimizer
-/// steps fp32 masters (on the host for MasterWeightsMode::kHost, where the step
-/// then runs). Sync points: one per step for the loss, one more with fp16 (the
-/// GradScaler's inf check). With max_grad_norm the gradients of the
-/// optimizer's parameters (the fp32 masters, if any) are clipped after the
-/// GradScaler unscales them. A NaN or infinite loss without a GradScaler
-/// stops the run with an error naming the step, or skips the step
-/// (NonfiniteLoss::kSkip, recorded as skipped); the loss is read before
-/// backward for this, which is the step's one sync.
+/// optimizer state. With master weights the parameters are held in the low
+/// dtype and the optimizer steps fp32 masters (on the host for
+/// MasterWeightsMode::kHost, where the step then runs). Sync points: one per
+/// micro-batch for the loss, one more with fp16 (the GradScaler's inf check).
+/// A NaN or infinite loss without a GradScaler stops the run with an error
+/// naming the step, or skips the step (NonfiniteLoss::kSkip, recorded as
+/// skipped).
 ///
 /// Example:
 /// \code
-///   auto data = memfit::load_fashion_mnist(memfit::Split::kTest);
-///   memfit::Trainer trainer(memfit::make_mlp(),
-///                           memfit::TrainerOptions().batch_size(32).steps(5));
-///   auto report = trainer.fit(data);
-///   auto result = trainer.evaluate(data);
+///   struct NetImpl : torch::nn::Module {
+///     NetImpl() : fc(register_module("fc", torch::nn::Linear(784, 10))) {}
+///     torch::Tensor forward(const torch::Tensor& x) { return fc(x.flatten(1)); }
+///     torch::nn::Linear fc;
+///   };
+///   TORCH_MODULE(Net);
+///   Net net;
+///   memfit::Trainer trainer(
+///       net, [](NetImpl& n, const torch::data::Example<>& b) {
+///         return torch::nn::functional::cross_entropy(n.forward(b.data), b.target);
+///       },
+///       memfit::TrainerOptions().micro_batch_size(16).lr(0.01));
+///   auto record = trainer.train_step(torch::data::Example<>(torch::randn({64, 784}),
+///                                                           torch::randint(10, {64})));
 /// \endcode
 class Trainer {
  public:
   /// Called after each step with its record.
   using StepCallback = std::function<void(const StepRecord&)>;
 
-  /// Builds the optimizer over `model`'s parameters; checks the options.
+  /// A classifier trained with cross-entropy (see above); builds the
+  /// optimizer over `model`'s parameters and checks the options.
   Trainer(torch::nn::Sequential model, TrainerOptions options);
+  /// `module` trained with `loss(*module, batch)`; builds the optimizer over
+  /// its parameters and checks the options.
+  template <class M, class Loss, std::enable_if_t<std::is_base_of<torch::nn::Module, M>::value, int> = 0>
+  Trainer(std::shared_ptr<M> module, Loss loss, TrainerOptions options)
+      : Trainer(erase_loss<M, typename detail::LossTraits<Loss>::Batch>(module, std::move(loss)),
+                std::move(options)) {}
+  /// A module holder's module trained with `loss(*module, batch)`.
+  template <class M, class Loss>
+  Trainer(const torch::nn::ModuleHolder<M>& module, Loss loss, TrainerOptions options)
+      : Trainer(module.ptr(), std::move(loss), std::move(options)) {}
   ~Trainer();
   Trainer(Trainer&&) noexcept;
   Trainer& operator=(Trainer&&) noexcept;
 
+  /// Runs one optimizer step on `batch` with every technique the options
+  /// enable (micro-batching, precision and scaler, clipping, offload, data
+  /// parallelism) and returns its record. The module stays in the mode it is
+  /// in (fit puts it in training mode). `batch` may live anywhere: each
+  /// micro-batch is staged on options.device(). With a process group, every
+  /// rank calls it with its own share of equal size. Throws c10::Error when
+  /// the loss returns something other than a scalar with grad.
+  template <class Batch>
+  StepRecord train_step(const Batch& batch) {
+    const auto* loss = std::any_cast<std::function<torch::Tensor(const Batch&)>>(&loss_);
+    if (loss == nullptr) wrong_batch_type(typeid(Batch).name());
+    detail::StepInput in;
+    in.examples = BatchTraits<Batch>::size(batch);
+    const torch::Device device = options_.device();
+    in.loss = [&batch, loss, device](int64_t start, int64_t length, std::shared_ptr<void>& staged) {
+      auto micro = std::make_shared<Batch>(
+          BatchTraits<Batch>::to(BatchTraits<Batch>::slice(batch, start, length), device));
+      staged = micro;
+      return (*loss)(*micro);
+    };
+    if constexpr (std::is_same<Batch, torch::data::Example<>>::value) in.example = &batch;
+    return run_step(in);
+  }
+  /// Runs `metric(batch)` on `batch` staged on the device, under no-grad,
+  /// in eval mode and the run's autocast, and returns what it returns; the
+  /// module's training mode is put back after.
+  ///
+  /// Example:
+  /// \code
+  ///   auto correct = trainer.eval_step(batch, [&](const torch::data::Example<>& b) {
+  ///     return net->forward(b.data).argmax(1).eq(b.target).sum().item<int64_t>();
+  ///   });
+  /// \endcode
+  template <class Batch, class Metric>
+  auto eval_step(const Batch& batch, Metric metric) {
+    detail::EvalScope scope(*module_, options_.device(), options_.precision());
+    return metric(BatchTraits<Batch>::to(batch, options_.device()));
+  }
+  /// Adds `component` to every later step, called after the built-in ones
+  /// at each point (step.h).
+  void add_component(std::shared_ptr<StepComponent> component);
+
   /// Steps a run will take over `data`.
   int64_t total_steps(const ImageDataset& data) const;
   /// Trains on `data` until step total_steps(data); calls `on_step` after
-  /// every step. A run continues from the Trainer's position (after resume(),
+  /// every step. Each step cuts a batch from a per-epoch shuffle of the data
+  /// (seeded by options.seed) as a torch::data::Example<>, so the loss must
+  /// take one. A run continues from the Trainer's position (after resume(),
   /// or after a step that threw); a finished run starts a new one, keeping the
   /// model and optimizer. Saves to options.save_dir every save_every steps and
   /// at the end.
@@ -313,11 +442,13 @@ class Trainer {
   void resume(const std::string& path);
   /// Steps taken in the current run (0 before the first).
   int64_t step() const { return step_; }
-  /// Loss and accuracy on `data` under torch::NoGradGuard, in eval mode.
+  /// Loss and accuracy of the cross-entropy classifier on `data` under
+  /// torch::NoGradGuard, in eval mode (the Sequential form only; for other
+  /// modules, eval_step with your metric).
   EvalResult evaluate(const ImageDataset& data);
 
-  /// The model being trained.
-  torch::nn::Sequential& model() { return model_; }
+  /// The module being trained (with a pipeline: this rank's stage).
+  const std::shared_ptr<torch::nn::Module>& model() const { return module_; }
   /// The optimizer.
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
   /// The options, as checked.
@@ -328,8 +459,30 @@ class Trainer {
   MasterWeights* master_weights() { return master_.get(); }
   /// The parameter stream, or nullptr unless offload_parameters is kHost.
   ParameterStream* parameter_stream() { return stream_.get(); }
+  /// The last step's memory, phase by phase.
+  const std::vector<PhaseMemory>& last_timeline() const;
 
  private:
+  // The module and its loss, with the batch type erased.
+  struct ErasedLoss {
+    std::shared_ptr<torch::nn::Module> module;
+    torch::nn::Sequential classifier{nullptr};  // the Sequential form (cross-entropy)
+    std::any loss;                              // std::function<torch::Tensor(const Batch&)>
+  };
+  template <class M, class Batch, class Loss>
+  static ErasedLoss erase_loss(const std::shared_ptr<M>& module, Loss loss) {
+    TORCH_CHECK(module != nullptr, "Trainer needs a module, got nullptr");
+    ErasedLoss e;
+    e.module = module;
+    e.loss = std::function<torch::Tensor(const Batch&)>(
+        [module, loss = std::move(loss)](const Batch& batch) -> torch::Tensor { return loss(*module, batch); });
+    return e;
+  }
+  Trainer(ErasedLoss loss, TrainerOptions options);
+  [[noreturn]] void wrong_batch_type(const char* name) const;
+  StepRecord run_step(const detail::StepInput& in);
+  void check_options() const;
+  void build_components();
   StepMemory breakdown(int64_t peak, int64_t model_grad_bytes) const;
   bool state_on_host() const;
   int64_t device_state_bytes() const;
@@ -348,15 +501,20 @@ class Trainer {
   torch::Tensor order_;
   at::Generator generator_;
 
-  torch::nn::Sequential model_;
+  std::shared_ptr<torch::nn::Module> module_;
+  torch::nn::Sequential classifier_{nullptr};  // the Sequential form, or the pipeline's stage
+  std::any loss_;
   TrainerOptions options_;
   std::unique_ptr<MasterWeights> master_;
-  std::unique_ptr<ParameterStream> stream_;  // after master_: goes first
+  std::shared_ptr<ParameterStream> stream_;  // after master_: goes first
   std::unique_ptr<DistributedDataParallel> ddp_;
-  std::unique_ptr<Pipeline> pipeline_;  // model_ is its stage
+  std::unique_ptr<Pipeline> pipeline_;  // classifier_ is its stage
   std::unique_ptr<GradScaler> scaler_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   ZeroRedundancyOptimizer* zero_ = nullptr;  // optimizer_, when it is sharded
+  std::vector<std::shared_ptr<StepComponent>> components_;
+  class Timeline;
+  std::shared_ptr<Timeline> timeline_;  // also in components_
 };
 
 /// Reads only the model's tensors from a checkpoint that Trainer::save wrote

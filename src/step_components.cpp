@@ -1,0 +1,123 @@
+#include "step_components.h"
+
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/utils/clip_grad.h>
+
+#include <cmath>
+
+namespace memfit {
+namespace detail {
+
+torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& target, bool sum) {
+  auto l = logits.to(torch::kFloat);
+  auto t = target;
+  if (l.dim() > 2) {
+    TORCH_CHECK(t.dim() == l.dim() - 1, "the model's output is ", l.sizes(), " but the labels are ", t.sizes(),
+                ": per-token logits need a label per token");
+    l = l.reshape({-1, l.size(-1)});
+    t = t.reshape({-1});
+  }
+  namespace F = torch::nn::functional;
+  return sum ? F::cross_entropy(l, t, F::CrossEntropyFuncOptions().reduction(torch::kSum)) : F::cross_entropy(l, t);
+}
+
+void DataParallelStep::begin_step(StepState&) { ddp_.sync_buffers(); }
+
+void DataParallelStep::before_backward(StepState& s) {
+  if (!s.last_micro()) no_sync_.emplace(ddp_);  // all-reduce during the last backward only
+}
+
+void DataParallelStep::after_backward(StepState&) { no_sync_.reset(); }
+
+void DataParallelStep::finish_backward(StepState& s) {
+  no_sync_.reset();
+  ddp_.finalize();
+  torch::Tensor sum;
+  {
+    UntrackedGuard host;
+    sum = torch::tensor(s.loss_value, torch::kDouble);
+    group_.all_reduce_(sum);
+  }
+  s.loss_value = sum.item<double>() / double(group_.size());
+}
+
+bool PipelineStep::forward_backward(StepState& s) {
+  TORCH_CHECK(s.example != nullptr, "a pipeline trains on torch::data::Example<> batches (data and target)");
+  // Every stage gets the whole batch; the pipeline cuts it into chunks, and
+  // the gradients of its mean loss land in each stage's parameters.
+  const auto x = to_device(s.example->data, device_);
+  const auto y = to_device(s.example->target, device_);
+  // Autocast is thread-local: the stage's forwards (and recomputations) run here.
+  AutocastGuard autocast(device_, precision_);
+  const auto r = pipeline_.train_step(x, y, [](const torch::Tensor& out, const torch::Tensor& target) {
+    return cross_entropy(out, target);  // in fp32, as without a pipeline
+  });
+  s.loss_value = r.loss;  // the same on every stage
+  return true;
+}
+
+void PrecisionStep::before_forward(StepState&) { autocast_.emplace(device_, precision_); }
+
+void PrecisionStep::after_forward(StepState&) { autocast_.reset(); }
+
+bool PrecisionStep::optimizer_step(StepState& s) {
+  s.stepped = scaler_.step(*s.optimizer);
+  return true;
+}
+
+void NonfiniteCheck::check(StepState& s, double value, const char* where) const {
+  if (std::isfinite(value)) return;
+  TORCH_CHECK(mode_ == NonfiniteLoss::kSkip, "step ", s.step, " (epoch ", s.epoch, "): the loss", where, " is ",
+              std::isnan(value) ? "NaN" : (value > 0 ? "inf" : "-inf"),
+              "; lower the learning rate, clip gradients (max_grad_norm, --clip-grad-norm), "
+              "or skip such steps (NonfiniteLoss::kSkip, --skip-nonfinite)");
+  s.skip = true;
+}
+
+void NonfiniteCheck::after_forward(StepState& s) {
+  if (ranks_ == 1) check(s, s.micro_loss_value, "");
+}
+
+void NonfiniteCheck::finish_backward(StepState& s) {
+  if (ranks_ > 1) check(s, s.loss_value, across_);
+}
+
+void MasterWeightsStep::finish_backward(StepState& s) {
+  if (!s.skip) master_.grads_to_master();
+}
+
+void MasterWeightsStep::before_optimizer_step(StepState&) {
+  if (on_host_) host_.emplace();  // the optimizer steps on host copies
+}
+
+void MasterWeightsStep::end_step(StepState& s) {
+  host_.reset();
+  if (!s.skip) master_.master_to_model();
+}
+
+void ClipStep::before_optimizer_step(StepState& s) {
+  scaler_.unscale_(*s.optimizer);  // a no-op without fp16
+  std::vector<torch::Tensor> params;
+  for (const auto& group : s.optimizer->param_groups()) {
+    params.insert(params.end(), group.params().begin(), group.params().end());
+  }
+  if (stages_ != nullptr) {
+    clip_grad_norm_(params, max_norm_, *stages_);  // each stage holds its own parameters
+  } else {
+    torch::nn::utils::clip_grad_norm_(params, max_norm_);
+  }
+}
+
+void ReleaseGradients::end_step(StepState&) {
+  for (const auto& p : params_) {
+    if (!p.grad().defined()) continue;
+    if (set_to_none_) {
+      const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
+    } else {
+      const_cast<torch::Tensor&>(p).mutable_grad().detach_().zero_();
+    }
+  }
+}
+
+} // namespace detail
+} // namespace memfit

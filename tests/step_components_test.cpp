@@ -1,0 +1,313 @@
+// The Trainer on a user's own module, loss and batch type: train_step
+// against a hand-written LibTorch loop, every allowed combination of the
+// step's components against the plain step, and the errors a user's code
+// can provoke.
+#include "memfit/trainer.h"
+
+#include "test_util.h"
+
+#include <torch/torch.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// A pytorch/examples-style network: its own forward, dropout, log-softmax.
+struct OwnNetImpl : torch::nn::Module {
+  explicit OwnNetImpl(double dropout = 0.25)
+      : fc1(register_module("fc1", torch::nn::Linear(20, 32))),
+        fc2(register_module("fc2", torch::nn::Linear(32, 5))),
+        p(dropout) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::relu(fc1->forward(x));
+    h = torch::dropout(h, p, is_training());
+    return torch::log_softmax(fc2->forward(h), 1);
+  }
+  torch::nn::Linear fc1, fc2;
+  double p;
+};
+TORCH_MODULE(OwnNet);
+
+torch::Tensor nll(OwnNetImpl& net, const torch::data::Example<>& b) {
+  return torch::nll_loss(net.forward(b.data), b.target);
+}
+
+// A batch type of the user's own, with its BatchTraits below.
+struct Pair {
+  torch::Tensor x, y;
+};
+
+} // namespace
+
+template <>
+struct memfit::BatchTraits<Pair> {
+  static int64_t size(const Pair& b) { return b.x.size(0); }
+  static Pair slice(const Pair& b, int64_t start, int64_t length) {
+    return {b.x.narrow(0, start, length), b.y.narrow(0, start, length)};
+  }
+  static Pair to(const Pair& b, const torch::Device& device) {
+    return {memfit::to_device(b.x, device), memfit::to_device(b.y, device)};
+  }
+};
+
+namespace memfit {
+namespace {
+
+class OwnModelTest : public testing::Seeded {};
+
+torch::data::Example<> batch_of(int64_t n, int64_t seed) {
+  torch::manual_seed(seed);
+  return {torch::randn({n, 20}), torch::randint(5, {n})};
+}
+
+std::vector<torch::Tensor> values(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().clone());
+  return out;
+}
+
+// Three steps of a fresh OwnNet (seeded) through train_step with `options`.
+std::vector<torch::Tensor> trained_with(const TrainerOptions& options, double dropout = 0.25) {
+  torch::manual_seed(7);
+  OwnNet net(dropout);
+  Trainer trainer(net, nll, options);
+  for (int64_t i = 0; i < 3; ++i) {
+    const auto b = batch_of(24, i);
+    torch::manual_seed(100 + i);  // the same dropout masks in every run
+    trainer.train_step(b);
+  }
+  return values(net->parameters());
+}
+
+TEST_F(OwnModelTest, TrainStepOnAUsersNetIsBitwiseAHandWrittenLoop) {
+  const auto options = TrainerOptions().optimizer(OptimizerKind::kSGD).lr(0.1).momentum(0.9);
+  const auto by_trainer = trained_with(options);
+
+  torch::manual_seed(7);
+  OwnNet net;
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int64_t i = 0; i < 3; ++i) {
+    const auto b = batch_of(24, i);
+    torch::manual_seed(100 + i);
+    sgd.zero_grad();
+    nll(*net, b).backward();
+    sgd.step();
+  }
+  const auto by_hand = values(net->parameters());
+  ASSERT_EQ(by_trainer.size(), by_hand.size());
+  for (size_t i = 0; i < by_hand.size(); ++i) EXPECT_TRUE(by_trainer[i].equal(by_hand[i])) << "parameter " << i;
+}
+
+// Every allowed combination of micro-batching, precision, master weights,
+// offload and clipping, each against the plain step: bitwise where the math
+// is unchanged (offload moves the same fp32 numbers), within rounding for
+// micro-batches (a sum in another order), within bf16's resolution for
+// bf16 (autocast changes the math). Without dropout: its masks are drawn
+// per micro-batch.
+TEST_F(OwnModelTest, EveryCombinationOfComponentsTrainsLikeThePlainStep) {
+  const auto base = TrainerOptions().optimizer(OptimizerKind::kAdam).lr(1e-2);
+  const auto plain = trained_with(base, 0.0);
+  const auto plain_clipped = trained_with(TrainerOptions(base).max_grad_norm(0.5), 0.0);
+  struct Offloads {
+    Offload optimizer, gradients;
+    const char* name;
+  };
+  const std::vector<Offloads> offloads = {{Offload::kNone, Offload::kNone, "none"},
+                                          {Offload::kHost, Offload::kNone, "optimizer"},
+                                          {Offload::kHost, Offload::kHost, "optimizer,gradients"}};
+  int combinations = 0;
+  for (int64_t micro : {0, 8, 10}) {
+    for (auto precision : {Precision::kFP32, Precision::kBF16}) {
+      for (auto master : {MasterWeightsMode::kNone, MasterWeightsMode::kDevice, MasterWeightsMode::kHost}) {
+        for (const auto& off : offloads) {
+          for (double clip : {0.0, 0.5}) {
+            if (master != MasterWeightsMode::kNone && precision == Precision::kFP32) continue;
+            if (master == MasterWeightsMode::kDevice && off.optimizer == Offload::kHost) continue;
+            const auto o = TrainerOptions(base)
+                               .micro_batch_size(micro)
+                               .precision(precision)
+                               .master_weights(master)
+                               .offload_optimizer(off.optimizer)
+                               .offload_gradients(off.gradients)
+                               .max_grad_norm(clip);
+            const auto got = trained_with(o, 0.0);
+            const auto& want = clip > 0 ? plain_clipped : plain;
+            const double diff = testing::max_relative_difference(got, want);
+            const std::string what = "micro " + std::to_string(micro) + " " + to_string(precision) +
+                                     " master " + std::to_string(static_cast<int>(master)) + " offload " +
+                                     off.name + " clip " + std::to_string(clip);
+            if (precision == Precision::kBF16) {
+              EXPECT_LT(diff, 3e-2) << what;
+            } else if (micro > 0) {
+              EXPECT_LT(diff, 1e-5) << what;
+            } else {
+              EXPECT_EQ(diff, 0.0) << what;
+            }
+            ++combinations;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(combinations, 3 * 2 * (3 + 3 + 1 + 3));  // micro × clip × (fp32 + bf16's three master modes)
+}
+
+TEST_F(OwnModelTest, MicroBatchesFitABudgetThePlainStepDoesNot) {
+  torch::data::Example<> batch;
+  {
+    UntrackedGuard host;  // host memory: each micro-batch is staged on the device
+    batch = batch_of(512, 1);
+  }
+  auto peak_of = [&](int64_t micro, int64_t budget) {
+    torch::manual_seed(7);
+    OwnNet net;
+    Trainer trainer(net, nll, TrainerOptions().optimizer(OptimizerKind::kSGD).lr(0.1).micro_batch_size(micro));
+    trainer.train_step(batch);  // the optimizer's state exists from here on
+    const int64_t base = memory_allocated();
+    set_memory_budget(torch::kCPU, budget > 0 ? base + budget : 0);
+    int64_t peak = -1;
+    try {
+      PeakMeter meter;
+      trainer.train_step(batch);
+      peak = meter.peak() - base;
+    } catch (const c10::OutOfMemoryError&) {
+    }
+    set_memory_budget(torch::kCPU, 0);
+    return peak;
+  };
+  const int64_t plain = peak_of(0, 0);
+  ASSERT_GT(plain, 0);
+  const int64_t budget = plain * 6 / 10;
+  EXPECT_EQ(peak_of(0, budget), -1) << "the plain step must not fit " << budget << " bytes";
+  const int64_t micro = peak_of(64, budget);
+  EXPECT_GT(micro, 0);
+  EXPECT_LE(micro, budget);
+}
+
+TEST_F(OwnModelTest, OwnBatchTypesAndUnstackedExamplesTrainLikeExamples) {
+  const auto want = trained_with(TrainerOptions().optimizer(OptimizerKind::kSGD).lr(0.1).micro_batch_size(10));
+  auto run = [](auto loss, auto make_batch) {
+    torch::manual_seed(7);
+    OwnNet net;
+    Trainer trainer(net, loss, TrainerOptions().optimizer(OptimizerKind::kSGD).lr(0.1).micro_batch_size(10));
+    for (int64_t i = 0; i < 3; ++i) {
+      const auto b = batch_of(24, i);
+      torch::manual_seed(100 + i);
+      trainer.train_step(make_batch(b));
+    }
+    return values(net->parameters());
+  };
+  const auto pairs = run([](OwnNetImpl& net, const Pair& b) { return torch::nll_loss(net.forward(b.x), b.y); },
+                         [](const torch::data::Example<>& b) { return Pair{b.data, b.target}; });
+  const auto unstacked = run(
+      [](OwnNetImpl& net, const std::vector<torch::data::Example<>>& examples) {
+        std::vector<torch::Tensor> xs, ys;
+        for (const auto& e : examples) {
+          xs.push_back(e.data);
+          ys.push_back(e.target);
+        }
+        return torch::nll_loss(net.forward(torch::stack(xs)), torch::stack(ys));
+      },
+      [](const torch::data::Example<>& b) {
+        std::vector<torch::data::Example<>> out;
+        for (int64_t i = 0; i < b.data.size(0); ++i) out.push_back({b.data[i], b.target[i]});
+        return out;
+      });
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_TRUE(pairs[i].equal(want[i])) << "parameter " << i;
+    EXPECT_TRUE(unstacked[i].equal(want[i])) << "parameter " << i;
+  }
+}
+
+TEST_F(OwnModelTest, AUsersOptimizerFactoryAndComponentTakePart) {
+  struct Calls : StepComponent {
+    std::vector<std::string> seen;
+    void begin_step(StepState&) override { seen.push_back("begin"); }
+    void after_forward(StepState& s) override { seen.push_back("forward " + std::to_string(s.micro)); }
+    void after_backward(StepState& s) override { seen.push_back("backward " + std::to_string(s.micro)); }
+    void after_optimizer_step(StepState& s) override { seen.push_back(s.stepped ? "stepped" : "not stepped"); }
+    void end_step(StepState&) override { seen.push_back("end"); }
+  };
+  OwnNet net;
+  int built = 0;
+  Trainer trainer(net, nll, TrainerOptions().micro_batch_size(12).optimizer_factory([&](std::vector<torch::Tensor> p) {
+    ++built;
+    return std::make_unique<torch::optim::RMSprop>(std::move(p), torch::optim::RMSpropOptions(1e-3));
+  }));
+  auto calls = std::make_shared<Calls>();
+  trainer.add_component(calls);
+  torch::optim::StepLR schedule(trainer.optimizer(), /*step_size=*/1, /*gamma=*/0.5);
+  trainer.train_step(batch_of(24, 0));
+  schedule.step();  // LibTorch's StepLR counts its first step as epoch 0
+  const auto first = calls->seen;
+  trainer.train_step(batch_of(24, 1));
+  schedule.step();
+  EXPECT_EQ(built, 1);
+  EXPECT_NE(dynamic_cast<torch::optim::RMSprop*>(&trainer.optimizer()), nullptr);
+  EXPECT_DOUBLE_EQ(trainer.optimizer().param_groups()[0].options().get_lr(), 5e-4);
+  EXPECT_EQ(first, (std::vector<std::string>{"begin", "forward 0", "backward 0", "forward 1", "backward 1",
+                                                   "stepped", "end"}));
+}
+
+TEST_F(OwnModelTest, EvalStepRunsTheMetricUnderNoGradAndKeepsTheMode) {
+  OwnNet net;
+  Trainer trainer(net, nll, TrainerOptions());
+  const auto b = batch_of(16, 0);
+  const auto [grad, training] = trainer.eval_step(b, [&](const torch::data::Example<>& e) {
+    return std::make_tuple(net->forward(e.data).requires_grad(), net->is_training());
+  });
+  EXPECT_FALSE(grad);
+  EXPECT_FALSE(training);
+  EXPECT_TRUE(net->is_training());
+}
+
+TEST_F(OwnModelTest, WhatAUsersCodeGetsWrongIsNamed) {
+  OwnNet net;
+  const auto b = batch_of(8, 0);
+  testing::expect_error(
+      [&] {
+        Trainer t(net, [](OwnNetImpl& n, const torch::data::Example<>& e) { return n.forward(e.data); },
+                  TrainerOptions());
+        t.train_step(b);
+      },
+      "the loss function returned a tensor of shape [8, 5]: return a scalar");
+  testing::expect_error(
+      [&] {
+        Trainer t(net, [](OwnNetImpl& n, const torch::data::Example<>& e) { return nll(n, e).detach(); },
+                  TrainerOptions());
+        t.train_step(b);
+      },
+      "scalar without grad");
+  testing::expect_error(
+      [&] {
+        Trainer t(net, nll, TrainerOptions().optimizer_factory([](std::vector<torch::Tensor>) {
+          return std::unique_ptr<torch::optim::Optimizer>();
+        }));
+      },
+      "optimizer_factory returned nullptr");
+  testing::expect_error(
+      [&] {
+        Trainer t(net, nll, TrainerOptions());
+        t.train_step(torch::randn({8, 20}));
+      },
+      "train_step got a batch of type at::Tensor");
+  testing::expect_error([&] { Trainer(net, nll, TrainerOptions().offload_optimizer(Offload::kHost)
+                                                    .offload_gradients(Offload::kHost)
+                                                    .offload_parameters(Offload::kHost)); },
+                        "construct the Trainer from the Sequential without a loss");
+  ImageDataset data;
+  data.images = torch::randn({16, 20});
+  data.labels = torch::randint(5, {16});
+  testing::expect_error(
+      [&] {
+        Trainer(net, [](OwnNetImpl& n, const Pair& p) { return torch::nll_loss(n.forward(p.x), p.y); },
+                TrainerOptions())
+            .fit(data);
+      },
+      "call train_step in a loop of your own");
+}
+
+} // namespace
+} // namespace memfit
