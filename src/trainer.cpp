@@ -437,10 +437,10 @@ ParallelMode parse_parallel_mode(const std::string& name) {
   TORCH_CHECK(false, "unknown parallel mode '", name, "': expected data or pipeline");
 }
 
-int64_t Trainer::total_steps(const ImageDataset& data) const {
+int64_t Trainer::total_steps_of(int64_t examples) const {
   if (options_.steps() > 0) return options_.steps();
   const int64_t global = options_.batch_size() * data_ranks();
-  const int64_t per_epoch = (data.size() + global - 1) / global;
+  const int64_t per_epoch = (examples + global - 1) / global;
   return per_epoch * options_.epochs();
 }
 
@@ -554,12 +554,27 @@ StepRecord Trainer::run_step(const detail::StepInput& in) {
 }
 
 TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) {
-  TORCH_CHECK(data.size() > 0, "Trainer::fit needs a non-empty data set");
   TORCH_CHECK(loss_.type() == typeid(std::function<torch::Tensor(const torch::data::Example<>&)>),
-              "Trainer::fit cuts torch::data::Example<> batches, but the Trainer's loss takes ",
+              "Trainer::fit cuts torch::data::Example<> batches from an ImageDataset, but the Trainer's loss takes ",
               c10::demangle(loss_.type().name()), ": call train_step in a loop of your own");
-  const int64_t n = data.size();
-  const int64_t total = total_steps(data);
+  const auto* loss = loss_for<torch::data::Example<>>();
+  return run_fit(data.size(),
+                 [this, &data, loss](const std::vector<size_t>& indices, std::shared_ptr<void>& holder) {
+                   auto batch = std::make_shared<torch::data::Example<>>();
+                   {
+                     UntrackedGuard host;  // the batch lives on the host until staged
+                     const auto idx = torch::tensor(std::vector<int64_t>(indices.begin(), indices.end()));
+                     *batch = {data.images.index_select(0, idx), data.labels.index_select(0, idx)};
+                   }
+                   holder = batch;
+                   return input_of(*batch, loss);
+                 },
+                 on_step);
+}
+
+TrainReport Trainer::run_fit(int64_t n, const BatchSource& source, const StepCallback& on_step) {
+  TORCH_CHECK(n > 0, "Trainer::fit needs a non-empty data set");
+  const int64_t total = total_steps_of(n);
   if (step_ >= total) {  // a finished run: start a new one (the generator goes on)
     step_ = 0;
     epoch_ = -1;
@@ -578,10 +593,10 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
   double save_seconds = 0;
   int64_t last_saved = -1;
   while (step_ < total) {
-    torch::data::Example<> batch;
+    std::vector<size_t> indices;
     int64_t global = 0;
     {
-      UntrackedGuard host;  // the sampler's indices and the batch live on the host
+      UntrackedGuard host;  // the sampler's indices live on the host
       if (!order_.defined() || cursor_ >= n) {
         order_ = torch::randperm(n, generator_, torch::kInt64);
         cursor_ = 0;
@@ -594,20 +609,13 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
       global = std::min(options_.batch_size() * world, n - cursor_);
       auto mine = order_.narrow(0, cursor_, global);
       if (world > 1) mine = mine.slice(0, rank(), global, world);
-      batch = {data.images.index_select(0, mine), data.labels.index_select(0, mine)};
+      mine = mine.contiguous();
+      const int64_t* p = mine.data_ptr<int64_t>();
+      indices.assign(p, p + mine.numel());
     }
-    detail::StepInput in;
-    in.examples = batch.data.size(0);
+    std::shared_ptr<void> holder;  // the step's batch
+    detail::StepInput in = source(indices, holder);
     in.global_examples = global;
-    const auto& loss = std::any_cast<const std::function<torch::Tensor(const torch::data::Example<>&)>&>(loss_);
-    const auto device = options_.device();
-    in.loss = [&](int64_t start, int64_t length, std::shared_ptr<void>& staged) {
-      auto micro = std::make_shared<torch::data::Example<>>(BatchTraits<torch::data::Example<>>::to(
-          BatchTraits<torch::data::Example<>>::slice(batch, start, length), device));
-      staged = micro;
-      return loss(*micro);
-    };
-    in.example = &batch;
     StepRecord rec = run_step(in);
     report.skipped_steps += rec.skipped ? 1 : 0;
     if (!timeline_->skipped() && rec.peak_bytes > report.step_memory.peak) {

@@ -593,6 +593,19 @@ TEST_F(DocExamples, ReadmeTrainerOnYourModel) {
   EXPECT_GT(peak, 0);
 }
 
+TEST_F(DocExamples, TrainerFitOverATorchDataDataSet) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Net net;
+  auto loss = [](NetImpl& n, const torch::data::Example<>& b) {
+    return torch::nn::functional::cross_entropy(n.forward(b.data), b.target);
+  };
+  auto data = torch::data::datasets::MNIST(memfit::fashion_mnist_folder())
+                  .map(torch::data::transforms::Stack<>());
+  memfit::Trainer trainer(net, loss, memfit::TrainerOptions().batch_size(64).steps(10));
+  auto report = trainer.fit(data);
+  EXPECT_EQ(report.steps.size(), 10u);
+}
+
 TEST_F(DocExamples, FashionMnistFolder) {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   torch::data::datasets::MNIST train(memfit::fashion_mnist_folder());

@@ -34,6 +34,18 @@ torch::Tensor nll(OwnNetImpl& net, const torch::data::Example<>& b) {
   return torch::nll_loss(net.forward(b.data), b.target);
 }
 
+// A map-style data set of the user's own; with `ragged`, example 3 is longer.
+struct Rows : torch::data::datasets::Dataset<Rows> {
+  Rows(torch::Tensor x, torch::Tensor y, bool ragged = false) : x(std::move(x)), y(std::move(y)), ragged(ragged) {}
+  torch::data::Example<> get(size_t i) override {
+    if (ragged && i == 3) return {torch::zeros({21}), y[i]};
+    return {x[i], y[i]};
+  }
+  torch::optional<size_t> size() const override { return static_cast<size_t>(x.size(0)); }
+  torch::Tensor x, y;
+  bool ragged;
+};
+
 // A batch type of the user's own, with its BatchTraits below.
 struct Pair {
   torch::Tensor x, y;
@@ -251,6 +263,28 @@ TEST_F(OwnModelTest, AUsersOptimizerFactoryAndComponentTakePart) {
                                                    "stepped", "end"}));
 }
 
+TEST_F(OwnModelTest, FitReadsAMapStyleDataSetBatchByBatchLikeAnImageDataset) {
+  ImageDataset whole;
+  whole.images = torch::randn({100, 20});
+  whole.labels = torch::randint(5, {100});
+  auto run = [&](const std::function<TrainReport(Trainer&)>& fit) {
+    torch::manual_seed(7);
+    OwnNet net;
+    Trainer trainer(net, nll, TrainerOptions().batch_size(16).epochs(2).micro_batch_size(5).seed(3));
+    const auto report = fit(trainer);
+    EXPECT_EQ(report.steps.size(), 14u);  // ceil(100 / 16) × 2
+    return values(net->parameters());
+  };
+  const auto from_tensors = run([&](Trainer& t) { return t.fit(whole); });
+  const auto from_data_set = run([&](Trainer& t) {
+    auto data = Rows(whole.images, whole.labels).map(torch::data::transforms::Stack<>());
+    return t.fit(data);
+  });
+  for (size_t i = 0; i < from_tensors.size(); ++i) {
+    EXPECT_TRUE(from_data_set[i].equal(from_tensors[i])) << "parameter " << i;
+  }
+}
+
 TEST_F(OwnModelTest, EvalStepRunsTheMetricUnderNoGradAndKeepsTheMode) {
   OwnNet net;
   Trainer trainer(net, nll, TrainerOptions());
@@ -297,6 +331,13 @@ TEST_F(OwnModelTest, WhatAUsersCodeGetsWrongIsNamed) {
                                                     .offload_gradients(Offload::kHost)
                                                     .offload_parameters(Offload::kHost)); },
                         "construct the Trainer from the Sequential without a loss");
+  testing::expect_error(
+      [&] {
+        auto ragged = Rows(torch::randn({8, 20}), torch::randint(5, {8}), /*ragged=*/true)
+                          .map(torch::data::transforms::Stack<>());
+        Trainer(net, nll, TrainerOptions().batch_size(8).steps(1).seed(0)).fit(ragged);
+      },
+      "the examples of a batch need one shape to be stacked");
   ImageDataset data;
   data.images = torch::randn({16, 20});
   data.labels = torch::randint(5, {16});

@@ -374,19 +374,7 @@ class Trainer {
   /// the loss returns something other than a scalar with grad.
   template <class Batch>
   StepRecord train_step(const Batch& batch) {
-    const auto* loss = std::any_cast<std::function<torch::Tensor(const Batch&)>>(&loss_);
-    if (loss == nullptr) wrong_batch_type(typeid(Batch).name());
-    detail::StepInput in;
-    in.examples = BatchTraits<Batch>::size(batch);
-    const torch::Device device = options_.device();
-    in.loss = [&batch, loss, device](int64_t start, int64_t length, std::shared_ptr<void>& staged) {
-      auto micro = std::make_shared<Batch>(
-          BatchTraits<Batch>::to(BatchTraits<Batch>::slice(batch, start, length), device));
-      staged = micro;
-      return (*loss)(*micro);
-    };
-    if constexpr (std::is_same<Batch, torch::data::Example<>>::value) in.example = &batch;
-    return run_step(in);
+    return run_step(input_of(batch, loss_for<Batch>()));
   }
   /// Runs `metric(batch)` on `batch` staged on the device, under no-grad,
   /// in eval mode and the run's autocast, and returns what it returns; the
@@ -408,7 +396,35 @@ class Trainer {
   void add_component(std::shared_ptr<StepComponent> component);
 
   /// Steps a run will take over `data`.
-  int64_t total_steps(const ImageDataset& data) const;
+  int64_t total_steps(const ImageDataset& data) const { return total_steps_of(data.size()); }
+  /// Trains on a map-style torch::data data set (`get_batch` and `size`, with
+  /// any `.map(...)` chain; its BatchType is what the loss takes) as fit on
+  /// an ImageDataset does: memfit's sampler shuffles per epoch from
+  /// options.seed, gives each data-parallel rank its own share and resumes
+  /// at the exact position; only each step's examples are read, into host
+  /// memory, and each micro-batch is staged on the device.
+  ///
+  /// Example:
+  /// \code
+  ///   auto data = torch::data::datasets::MNIST(memfit::fashion_mnist_folder())
+  ///                   .map(torch::data::transforms::Stack<>());
+  ///   memfit::Trainer trainer(net, loss, memfit::TrainerOptions().batch_size(64).steps(10));
+  ///   auto report = trainer.fit(data);
+  /// \endcode
+  template <class Dataset, class Batch = typename Dataset::BatchType>
+  TrainReport fit(Dataset& dataset, const StepCallback& on_step = nullptr) {
+    const auto* loss = loss_for<Batch>();
+    const auto size = dataset.size();
+    TORCH_CHECK(size.has_value(), "Trainer::fit reads a map-style data set with a size; this one has none: "
+                "call train_step in a loop over its batches");
+    return run_fit(static_cast<int64_t>(*size),
+                   [this, &dataset, loss](const std::vector<size_t>& indices, std::shared_ptr<void>& holder) {
+                     auto batch = std::make_shared<Batch>(read_batch(dataset, indices));
+                     holder = batch;
+                     return input_of(*batch, loss);
+                   },
+                   on_step);
+  }
   /// Trains on `data` until step total_steps(data); calls `on_step` after
   /// every step. Each step cuts a batch from a per-epoch shuffle of the data
   /// (seeded by options.seed) as a torch::data::Example<>, so the loss must
@@ -480,6 +496,46 @@ class Trainer {
   }
   Trainer(ErasedLoss loss, TrainerOptions options);
   [[noreturn]] void wrong_batch_type(const char* name) const;
+  template <class Batch>
+  const std::function<torch::Tensor(const Batch&)>* loss_for() const {
+    const auto* loss = std::any_cast<std::function<torch::Tensor(const Batch&)>>(&loss_);
+    if (loss == nullptr) wrong_batch_type(typeid(Batch).name());
+    return loss;
+  }
+  // The step's view of `batch`, which must outlive it.
+  template <class Batch>
+  detail::StepInput input_of(const Batch& batch, const std::function<torch::Tensor(const Batch&)>* loss) const {
+    detail::StepInput in;
+    in.examples = BatchTraits<Batch>::size(batch);
+    const torch::Device device = options_.device();
+    in.loss = [&batch, loss, device](int64_t start, int64_t length, std::shared_ptr<void>& staged) {
+      auto micro = std::make_shared<Batch>(
+          BatchTraits<Batch>::to(BatchTraits<Batch>::slice(batch, start, length), device));
+      staged = micro;
+      return (*loss)(*micro);
+    };
+    if constexpr (std::is_same<Batch, torch::data::Example<>>::value) in.example = &batch;
+    return in;
+  }
+  // A data set's examples `indices`, read into host memory.
+  template <class Dataset>
+  static typename Dataset::BatchType read_batch(Dataset& dataset, const std::vector<size_t>& indices) {
+    UntrackedGuard host;  // like the data set, the batch is host memory until staged
+    try {
+      return dataset.get_batch(indices);
+    } catch (const c10::Error& e) {
+      const std::vector<size_t> head(indices.begin(), indices.begin() + std::min<size_t>(indices.size(), 8));
+      TORCH_CHECK(false, "reading the batch of examples ", c10::Join(", ", head), indices.size() > 8 ? ", ..." : "",
+                  " from the data set failed (", e.what_without_backtrace(),
+                  "); the examples of a batch need one shape to be stacked");
+    }
+  }
+  // Reads the examples at the given indices of the data set (one rank's share
+  // of a step) and returns the step's view of them, kept alive by `holder`.
+  using BatchSource =
+      std::function<detail::StepInput(const std::vector<size_t>& indices, std::shared_ptr<void>& holder)>;
+  TrainReport run_fit(int64_t examples, const BatchSource& source, const StepCallback& on_step);
+  int64_t total_steps_of(int64_t examples) const;
   StepRecord run_step(const detail::StepInput& in);
   void check_options() const;
   void build_components();
