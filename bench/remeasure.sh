@@ -5,7 +5,7 @@
 # `memfit --version` (LibTorch, BLAS) and the load, and closed by its wall time.
 #
 # Usage (after `make build`): bash bench/remeasure.sh [NAME...]
-#   NAMES: main memory checkpoint precision trainer plan accuracy distributed
+#   NAMES: main memory checkpoint precision trainer tax plan accuracy distributed
 #          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
 #          peers_torch2 peers_gpt_torch2  (peers with PyTorch 2.15's tools too: after
 #          `make build LIBTORCH=pip`; not in the default list)
@@ -42,7 +42,8 @@ measure() {
     memory) bench memory memfit_bench ;;
     checkpoint) bench checkpoint memfit_checkpoint_bench ;;
     precision) bench precision memfit_precision_bench ;;
-    trainer) bench trainer memfit_trainer_bench ;;
+    trainer) bench trainer memfit_trainer_bench --benchmark_filter='micro|techniques' ;;
+    tax) bench trainer_tax memfit_trainer_bench --benchmark_filter=tax ;;
     plan) bench plan memfit_plan_bench --benchmark_filter=plan ;;
     accuracy) bench plan_accuracy memfit_plan_bench --benchmark_filter=accuracy ;;
     distributed) bench distributed memfit_distributed_bench --steps 40 ;;
@@ -57,7 +58,7 @@ measure() {
   esac
 }
 
-all=(main memory checkpoint precision trainer plan accuracy distributed gpt_train gpt_budget peers peers_gpt)
+all=(main memory checkpoint precision trainer tax plan accuracy distributed gpt_train gpt_budget peers peers_gpt)
 known=("${all[@]}" peers_torch2 peers_gpt_torch2)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${all[@]}")
