@@ -56,18 +56,21 @@ EvalScope::~EvalScope() { module_.train(was_training_); }
 } // namespace detail
 
 // The step's memory at the end of each phase, and the model's gradient
-// bytes after backward (before they move to any masters).
+// bytes after backward (before they move to any masters). It holds what it
+// reads, never the Trainer, which may move.
 class Trainer::Timeline final : public StepComponent {
  public:
-  Timeline(const Trainer& trainer) : trainer_(trainer) {}
+  Timeline(torch::Device device, std::shared_ptr<torch::nn::Module> module, MasterWeights* device_masters,
+           torch::optim::Optimizer* device_state)
+      : device_(device), module_(std::move(module)), masters_(device_masters), state_(device_state) {}
   void begin_step(StepState&) override {
     timeline_.clear();
     model_grad_bytes_ = 0;
-    meter_.emplace(trainer_.options_.device());
+    meter_.emplace(device_);
   }
   void after_forward(StepState& s) override { mark(s.phase); }
   void after_backward(StepState& s) override {
-    model_grad_bytes_ = storage_bytes(grads(trainer_.module_->parameters()));
+    model_grad_bytes_ = storage_bytes(grads(module_->parameters()));
     mark(s.phase);
   }
   void after_optimizer_step(StepState&) override { mark("optimizer step"); }
@@ -91,23 +94,25 @@ class Trainer::Timeline final : public StepComponent {
   void mark(std::string phase) {
     // On CUDA a new meter resets the device's peak statistic, so the step's
     // peak is also the largest phase peak.
-    const auto device = trainer_.options_.device();
     PhaseMemory m;
     m.phase = std::move(phase);
     m.peak_bytes = meter_->peak();
-    m.current_bytes = memory_allocated(device);
+    m.current_bytes = memory_allocated(device_);
     meter_.reset();
-    auto g = grads(trainer_.module_->parameters());
-    if (trainer_.master_ && !trainer_.state_on_host()) {
-      const auto masters = grads(trainer_.master_->master_parameters());
+    auto g = grads(module_->parameters());
+    if (masters_ != nullptr) {
+      const auto masters = grads(masters_->master_parameters());
       g.insert(g.end(), masters.begin(), masters.end());
     }
     m.gradients = storage_bytes(g);
-    m.optimizer_state = trainer_.device_state_bytes();
+    m.optimizer_state = state_ != nullptr ? optimizer_state_bytes(*state_) : 0;
     timeline_.push_back(std::move(m));
-    meter_.emplace(device);
+    meter_.emplace(device_);
   }
-  const Trainer& trainer_;
+  torch::Device device_;
+  std::shared_ptr<torch::nn::Module> module_;
+  MasterWeights* masters_;           // fp32 masters on the device, or nullptr
+  torch::optim::Optimizer* state_;  // the optimizer whose state is on the device, or nullptr
   std::vector<PhaseMemory> timeline_;
   std::optional<PeakMeter> meter_;
   int64_t model_grad_bytes_ = 0;
@@ -364,7 +369,8 @@ void Trainer::build_components() {
   std::vector<torch::Tensor> release = module_->parameters();
   if (master_) release.insert(release.end(), master_->master_parameters().begin(), master_->master_parameters().end());
   components_.push_back(std::make_shared<ReleaseGradients>(std::move(release), options_.set_to_none()));
-  timeline_ = std::make_shared<Timeline>(*this);
+  timeline_ = std::make_shared<Timeline>(options_.device(), module_, state_on_host() ? nullptr : master_.get(),
+                                         state_on_host() ? nullptr : state_optimizer());
   components_.push_back(timeline_);
 }
 

@@ -285,6 +285,27 @@ TEST_F(OwnModelTest, FitReadsAMapStyleDataSetBatchByBatchLikeAnImageDataset) {
   }
 }
 
+TEST_F(OwnModelTest, AMovedTrainerTrainsAndMeasuresLikeOneThatStayed) {
+  const auto options = TrainerOptions().optimizer(OptimizerKind::kAdam).lr(1e-2).micro_batch_size(10);
+  Trainer assigned(OwnNet(0.0), nll, options);
+  torch::manual_seed(7);
+  OwnNet net(0.0);
+  Trainer first(net, nll, options);
+  Trainer moved(std::move(first));
+  assigned = std::move(moved);
+  for (int64_t i = 0; i < 3; ++i) {
+    const auto b = batch_of(24, i);
+    torch::manual_seed(100 + i);
+    assigned.train_step(b);
+  }
+  ASSERT_FALSE(assigned.last_timeline().empty());
+  EXPECT_EQ(assigned.last_timeline().back().phase, "released");
+  EXPECT_GT(assigned.last_timeline().back().optimizer_state, 0) << "Adam's state, read through the moved Trainer";
+  const auto want = trained_with(options, 0.0);
+  const auto got = values(net->parameters());
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(got[i].equal(want[i])) << "parameter " << i;
+}
+
 TEST_F(OwnModelTest, EvalStepRunsTheMetricUnderNoGradAndKeepsTheMode) {
   OwnNet net;
   Trainer trainer(net, nll, TrainerOptions());
