@@ -57,12 +57,13 @@ EvalScope::~EvalScope() { module_.train(was_training_); }
 
 // The step's memory at the end of each phase, and the model's gradient
 // bytes after backward (before they move to any masters). It holds what it
-// reads, never the Trainer, which may move.
+// reads, never the Trainer, which may move; the parameters are listed once,
+// not walked from the module at every phase.
 class Trainer::Timeline final : public StepComponent {
  public:
-  Timeline(torch::Device device, std::shared_ptr<torch::nn::Module> module, MasterWeights* device_masters,
+  Timeline(torch::Device device, std::vector<torch::Tensor> params, MasterWeights* device_masters,
            torch::optim::Optimizer* device_state)
-      : device_(device), module_(std::move(module)), masters_(device_masters), state_(device_state) {}
+      : device_(device), params_(std::move(params)), masters_(device_masters), state_(device_state) {}
   void begin_step(StepState&) override {
     timeline_.clear();
     model_grad_bytes_ = 0;
@@ -70,7 +71,7 @@ class Trainer::Timeline final : public StepComponent {
   }
   void after_forward(StepState& s) override { mark(s.phase); }
   void after_backward(StepState& s) override {
-    model_grad_bytes_ = storage_bytes(grads(module_->parameters()));
+    model_grad_bytes_ = storage_bytes(grads(params_));
     mark(s.phase);
   }
   void after_optimizer_step(StepState&) override { mark("optimizer step"); }
@@ -99,7 +100,7 @@ class Trainer::Timeline final : public StepComponent {
     m.peak_bytes = meter_->peak();
     m.current_bytes = memory_allocated(device_);
     meter_.reset();
-    auto g = grads(module_->parameters());
+    auto g = grads(params_);
     if (masters_ != nullptr) {
       const auto masters = grads(masters_->master_parameters());
       g.insert(g.end(), masters.begin(), masters.end());
@@ -110,7 +111,7 @@ class Trainer::Timeline final : public StepComponent {
     meter_.emplace(device_);
   }
   torch::Device device_;
-  std::shared_ptr<torch::nn::Module> module_;
+  std::vector<torch::Tensor> params_;  // the module's
   MasterWeights* masters_;           // fp32 masters on the device, or nullptr
   torch::optim::Optimizer* state_;  // the optimizer whose state is on the device, or nullptr
   std::vector<PhaseMemory> timeline_;
@@ -366,10 +367,11 @@ void Trainer::build_components() {
     components_.push_back(std::make_shared<ClipStep>(options_.max_grad_norm(), *scaler_,
                                                      pipeline_ ? options_.process_group().get() : nullptr));
   }
-  std::vector<torch::Tensor> release = module_->parameters();
+  const std::vector<torch::Tensor> params = module_->parameters();
+  std::vector<torch::Tensor> release = params;
   if (master_) release.insert(release.end(), master_->master_parameters().begin(), master_->master_parameters().end());
   components_.push_back(std::make_shared<ReleaseGradients>(std::move(release), options_.set_to_none()));
-  timeline_ = std::make_shared<Timeline>(options_.device(), module_, state_on_host() ? nullptr : master_.get(),
+  timeline_ = std::make_shared<Timeline>(options_.device(), params, state_on_host() ? nullptr : master_.get(),
                                          state_on_host() ? nullptr : state_optimizer());
   components_.push_back(timeline_);
 }
