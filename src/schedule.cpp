@@ -432,11 +432,13 @@ ScheduleCost simulate(const Schedule& schedule, const ChainCosts& costs) {
   schedule.validate(costs.size());
   Simulation sim{costs};
   sim.forward(schedule.segments);
+  const int64_t forward_peak = sim.peak, held = sim.current;
+  sim.peak = sim.current;
   sim.allocate(costs.x.back());  // the gradient of the chain's output, once the loss is back
   // The caller holds the chain's output (the logits) until backward is done:
   // as much as keeping its gradient.
   sim.backward(schedule.segments, /*keep=*/true);
-  return {sim.time, sim.peak};
+  return {sim.time, std::max(forward_peak, sim.peak), forward_peak, held, sim.peak};
 }
 
 int64_t min_budget(const ChainCosts& costs, const SolverOptions& options) {
@@ -518,6 +520,10 @@ void CheckpointedSequentialImpl::plan(const torch::Tensor& sample_input) {
 }
 
 void CheckpointedSequentialImpl::set_schedule(Schedule schedule) {
+  if (schedule.segments.empty() && options_.kind() == ScheduleKind::kOptimal) {
+    schedule_ = Schedule{};  // not planned yet: the next forward with grad plans
+    return;
+  }
   schedule.validate(static_cast<int64_t>(modules_.size()));
   schedule_ = std::move(schedule);
 }

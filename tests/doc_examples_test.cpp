@@ -13,6 +13,7 @@
 #include "memfit/schedule.h"
 #include "memfit/stream.h"
 #include "memfit/models.h"
+#include "memfit/module_plan.h"
 #include "memfit/plan.h"
 #include "memfit/precision.h"
 #include "memfit/trainer.h"
@@ -610,6 +611,27 @@ TEST_F(DocExamples, FashionMnistFolder) {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   torch::data::datasets::MNIST train(memfit::fashion_mnist_folder());
   EXPECT_EQ(train.size().value(), 60000u);
+}
+
+TEST_F(DocExamples, FindChains) {
+  torch::nn::Sequential blocks(torch::nn::Linear(8, 8), torch::nn::ReLU());
+  auto net = std::make_shared<torch::nn::Module>();
+  net->register_module("blocks", memfit::CheckpointedSequential(blocks));
+  auto chains = memfit::find_chains(*net);
+  EXPECT_TRUE(chains.size() == 1 && chains[0].name == "blocks");
+}
+
+TEST_F(DocExamples, PlanAnyModule) {
+  auto net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                                   torch::nn::Linear(64, 4));
+  auto loss = [](torch::nn::SequentialImpl& m, const torch::data::Example<>& b) {
+    return torch::nn::functional::cross_entropy(m.forward(b.data), b.target);
+  };
+  torch::data::Example<> sample(torch::randn({64, 32}), torch::zeros({64}, torch::kLong));
+  auto p = memfit::plan(net.ptr(), loss, sample, 1 << 20);
+  memfit::Trainer trainer(net, loss, p.apply(*net));
+  trainer.train_step(sample);
+  EXPECT_TRUE(p.fits);
 }
 
 } // namespace

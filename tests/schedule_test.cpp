@@ -48,6 +48,22 @@ TEST(Simulate, MatchesAHandCountedPlainRun) {
   const auto cost = simulate(schedule_none(2), c);
   EXPECT_EQ(cost.peak_bytes, 20);
   EXPECT_DOUBLE_EQ(cost.time, 6.0);
+  // By phase: forward holds 16 at its end and peaks there; backward starts
+  // from those 16 plus the output's gradient.
+  EXPECT_EQ(cost.forward_peak_bytes, 16);
+  EXPECT_EQ(cost.held_bytes, 16);
+  EXPECT_EQ(cost.backward_peak_bytes, 20);
+}
+
+TEST(Simulate, ByPhaseACheckpointHoldsOnlyItsOutputUntilBackward) {
+  ChainCosts c{{1, 10, 10, 10, 10}, {10, 10, 10, 10}, {1, 1, 1, 1}, {1, 1, 1, 1},
+               {false, false, false, false}};
+  const auto plain = simulate(schedule_none(4), c);
+  const auto ck = simulate(schedule_uniform(4, 2), c);  // [0,2)* [2,4)
+  EXPECT_EQ(plain.held_bytes, 40);
+  EXPECT_EQ(ck.held_bytes, 10 + 20) << "the checkpoint's output, then two plain layers";
+  EXPECT_EQ(ck.peak_bytes, std::max(ck.forward_peak_bytes, ck.backward_peak_bytes));
+  EXPECT_LT(ck.backward_peak_bytes, plain.backward_peak_bytes);
 }
 
 TEST(Simulate, CheckpointingTradesRecomputationForMemory) {

@@ -175,6 +175,9 @@ ChainCosts costs_from_profile(const ChainProfile& profile);
 struct ScheduleCost {
   double time = 0;         ///< Forward, recomputation and backward time.
   int64_t peak_bytes = 0;  ///< Peak bytes, the chain's input excluded.
+  int64_t forward_peak_bytes = 0;   ///< The peak during forward (at most peak_bytes).
+  int64_t held_bytes = 0;           ///< Bytes held from the end of forward until backward.
+  int64_t backward_peak_bytes = 0;  ///< The peak during backward, the output's gradient included.
 };
 
 /// Simulates `schedule` on `costs` event by event.
@@ -275,7 +278,8 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   torch::Tensor forward(const torch::Tensor& input);
   /// kOptimal: profiles the chain on `sample_input` and solves; other kinds: no-op.
   void plan(const torch::Tensor& sample_input);
-  /// Replaces the schedule (validated against the number of layers).
+  /// Replaces the schedule (validated against the number of layers; with
+  /// kOptimal, an empty one means not planned yet).
   void set_schedule(Schedule schedule);
   /// The schedule in use (empty before kOptimal has been planned).
   const Schedule& schedule() const { return schedule_; }
@@ -287,6 +291,8 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   /// recomputations; nullptr: through the layers' own forward. Not thread-safe
   /// against a running forward or backward.
   void set_layer_runner(LayerRunner runner) { runner_ = std::move(runner); }
+  /// The runner set by set_layer_runner (nullptr: none).
+  const LayerRunner& layer_runner() const { return runner_; }
 
  private:
   torch::Tensor run(const std::vector<Segment>& segments, torch::Tensor x);

@@ -1,0 +1,190 @@
+#pragma once
+/// \file module_plan.h
+/// Planning any module: the user's own torch::nn::Module, loss and batch
+/// type, with memfit's chains (CheckpointedSequential) anywhere inside it
+/// marking where the plan may trade memory for time.
+///
+/// ModuleStepModel measures the user's real training step (Trainer::train_step
+/// over the module and loss, on slices of a sample batch) in each precision
+/// and offload setting the plan may use, at two micro-batch sizes, and fits
+/// every byte figure as a linear function of the micro-batch. The step is cut
+/// into windows at fixed points: each micro-batch's start and end, the
+/// optimizer step, and each chain's forward entry and exit and backward
+/// entry and exit (hooks on the chain's output and input). The rest of the
+/// model is measured as a whole inside those windows; each chain's layers are
+/// profiled one by one (profile_chain, on the input the chain received).
+///
+/// A step with checkpoint schedules is predicted from the plain step's
+/// windows: schedule.h's simulator gives, for each chain, how much the
+/// schedule changes its forward peak, the bytes it holds until backward, and
+/// its backward peak, and each window's measured peak moves by the changes of
+/// the chains that are in that state during it. Times: each micro-batch's
+/// measured forward and backward, plus the simulated recomputation of the
+/// chains' checkpointed segments, plus the measured optimizer step.
+///
+/// plan() searches precision × offload (none; the optimizer state; the state
+/// and the gradients) × micro-batch (the batch, halved down to 1), and for
+/// each solves every chain's optimal schedule for the memory its windows
+/// leave; it keeps the fastest plan whose predicted peak fits (times within
+/// 3% are a tie, won by the plan without recomputation, then with less
+/// offload). Parameter streaming is for Sequential classifiers only
+/// (plan.h's StepModel).
+///
+/// Thread safety: one model or plan at a time per module. Sync points: every
+/// measured step (it reads the loss) and each window mark (on CUDA, timing).
+/// Extra memory: steps of two micro-batches of at most
+/// PlanOptions::profile_batch examples, and one chain layer at a time while
+/// profiling. The module's parameters, buffers, gradients, its chains'
+/// schedules and the CPU RNG are put back afterwards.
+
+#include "memfit/batch.h"
+#include "memfit/plan.h"
+#include "memfit/schedule.h"
+#include "memfit/trainer.h"
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace memfit {
+
+/// A chain found inside a module.
+struct FoundChain {
+  std::string name;              ///< Its path inside the module, as named_modules() gives it.
+  CheckpointedSequential chain;  ///< The chain (shared with the module).
+};
+
+/// Every outermost CheckpointedSequential inside `module` (the module itself
+/// included), in registration order; chains inside a chain's layers belong
+/// to those layers.
+///
+/// Example:
+/// \code
+///   torch::nn::Sequential blocks(torch::nn::Linear(8, 8), torch::nn::ReLU());
+///   auto net = std::make_shared<torch::nn::Module>();
+///   net->register_module("blocks", memfit::CheckpointedSequential(blocks));
+///   auto chains = memfit::find_chains(*net);
+///   assert(chains.size() == 1 && chains[0].name == "blocks");
+/// \endcode
+std::vector<FoundChain> find_chains(const torch::nn::Module& module);
+
+namespace detail {
+/// The planner's handle on a user's step (built by make_probe): a Trainer
+/// over the user's module and loss, and a train_step on the first examples
+/// of the sample batch.
+struct StepProbe {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<Trainer(const TrainerOptions&)> make_trainer;
+  std::function<StepRecord(Trainer&, int64_t examples)> step;
+  int64_t examples = 0;  ///< Examples in the sample batch.
+};
+
+template <class M, class Loss>
+StepProbe make_probe(std::shared_ptr<M> module, Loss loss,
+                     const typename LossTraits<Loss>::Batch& sample) {
+  using Batch = typename LossTraits<Loss>::Batch;
+  StepProbe probe;
+  probe.module = module;
+  probe.examples = BatchTraits<Batch>::size(sample);
+  probe.make_trainer = [module, loss](const TrainerOptions& options) {
+    return Trainer(module, loss, options);
+  };
+  probe.step = [sample](Trainer& trainer, int64_t examples) {
+    return trainer.train_step(BatchTraits<Batch>::slice(sample, 0, examples));
+  };
+  return probe;
+}
+} // namespace detail
+
+struct ModulePlan;
+
+/// The cost model of a user's training step (see the file comment).
+class ModuleStepModel {
+ public:
+  /// Measures the step `probe` runs, for `options`' precisions and offloads;
+  /// `base` describes the step (optimizer, learning rate, device, clipping).
+  ModuleStepModel(detail::StepProbe probe, PlanOptions options = PlanOptions(),
+                  TrainerOptions base = TrainerOptions());
+  ~ModuleStepModel();
+  ModuleStepModel(ModuleStepModel&&) noexcept;
+  ModuleStepModel& operator=(ModuleStepModel&&) noexcept;
+
+  /// Predicts a step over `batch` examples with `settings` (its micro-batch,
+  /// precision and offloads) and one schedule per chain (in chains()' order;
+  /// an empty schedule runs the chain plainly).
+  StepPrediction predict(int64_t batch, const StepSettings& settings,
+                         const std::vector<Schedule>& schedules) const;
+  /// The chains found in the module.
+  const std::vector<FoundChain>& chains() const;
+  /// Chain `index`'s costs at `micro_batch` examples in `precision`.
+  ChainCosts costs(size_t index, Precision precision, int64_t micro_batch) const;
+  /// The settings measured: the precisions × offloads the plan may use.
+  std::vector<StepSettings> measured_settings() const;
+  /// Examples in the sample batch: the logical batch plan() plans for.
+  int64_t sample_examples() const;
+  /// The options, as checked.
+  const PlanOptions& options() const;
+  /// The base TrainerOptions the step was measured with.
+  const TrainerOptions& base() const;
+
+  struct Impl;  ///< The measurements (module_plan.cpp).
+
+ private:
+  friend ModulePlan plan(const ModuleStepModel& model, int64_t budget);
+  std::unique_ptr<Impl> impl_;
+};
+
+/// A plan for a user's module: Plan's fields (its settings' schedule unused)
+/// and one schedule per chain.
+struct ModulePlan : Plan {
+  std::vector<std::string> chains;  ///< The chains' names, in the module's order.
+  std::vector<Schedule> schedules;  ///< One per chain (empty: plain).
+
+  /// Sets every chain's schedule in `module` (found by name) and returns
+  /// `base` with the plan's micro-batch, precision and offloads.
+  TrainerOptions apply(torch::nn::Module& module, TrainerOptions base = TrainerOptions()) const;
+  /// Plan::to_json() with "chains": [{"name", "checkpoint"}].
+  std::string to_json() const;
+  /// The plan and its reasons as text.
+  std::string explain() const;
+};
+
+/// The fastest plan for a step of `model`'s sample batch that fits
+/// options.margin() × `budget` (see the file comment).
+///
+/// Throws c10::Error when nothing fits: the message names what was tried and
+/// the closest predicted peak, and, for a module with no chain, that holding
+/// its repeated blocks in a CheckpointedSequential lets the plan checkpoint them.
+ModulePlan plan(const ModuleStepModel& model, int64_t budget);
+
+/// Measures `module`'s step with `loss` on `sample` (the batch the plan is
+/// for) and plans it under `budget` bytes; `base` describes the step as the
+/// Trainer will run it. Leaves the module as it was (apply the plan to it).
+///
+/// Example:
+/// \code
+///   auto net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+///                                    torch::nn::Linear(64, 4));
+///   auto loss = [](torch::nn::SequentialImpl& m, const torch::data::Example<>& b) {
+///     return torch::nn::functional::cross_entropy(m.forward(b.data), b.target);
+///   };
+///   torch::data::Example<> sample(torch::randn({64, 32}), torch::zeros({64}, torch::kLong));
+///   auto p = memfit::plan(net.ptr(), loss, sample, 1 << 20);
+///   memfit::Trainer trainer(net, loss, p.apply(*net));
+///   trainer.train_step(sample);
+/// \endcode
+template <class M, class Loss>
+ModulePlan plan(std::shared_ptr<M> module, Loss loss, const typename detail::LossTraits<Loss>::Batch& sample,
+                int64_t budget, PlanOptions options = PlanOptions(), TrainerOptions base = TrainerOptions()) {
+  ModuleStepModel model(detail::make_probe(std::move(module), std::move(loss), sample), std::move(options),
+                        std::move(base));
+  return plan(model, budget);
+}
+
+} // namespace memfit

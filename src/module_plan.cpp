@@ -1,0 +1,741 @@
+#include "memfit/module_plan.h"
+
+#include "memfit/compat.h"
+#include "memfit/memory.h"
+#include "memfit/profile.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <optional>
+
+namespace memfit {
+
+std::vector<FoundChain> find_chains(const torch::nn::Module& module) {
+  std::vector<FoundChain> out;
+  if (auto* self = dynamic_cast<const CheckpointedSequentialImpl*>(&module)) {
+    auto ptr = std::const_pointer_cast<CheckpointedSequentialImpl>(
+        std::dynamic_pointer_cast<const CheckpointedSequentialImpl>(self->shared_from_this()));
+    out.push_back({"", CheckpointedSequential(ptr)});
+    return out;  // every other chain is inside its layers
+  }
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+    auto chain = std::dynamic_pointer_cast<CheckpointedSequentialImpl>(item.value());
+    if (!chain) continue;
+    const bool nested = std::any_of(out.begin(), out.end(), [&](const FoundChain& c) {
+      return item.key().rfind(c.name + ".", 0) == 0;
+    });
+    if (!nested) out.push_back({item.key(), CheckpointedSequential(chain)});
+  }
+  return out;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The fixed points at which a measured step is cut into windows.
+enum class Mark { kBegin, kMicroStart, kChainIn, kChainOut, kGradIn, kGradOut, kMicroEnd,
+                  kOptimizerStart, kOptimizerEnd, kEnd };
+
+// One mark: the window that it closes (since the previous mark) had this peak and took this long.
+struct Event {
+  Mark mark = Mark::kBegin;
+  int chain = -1;
+  int64_t micro = 0;
+  int64_t window_peak = 0;
+  double seconds = 0;
+};
+
+// Marks windows while active; records each chain's first input while asked to.
+struct Recorder {
+  explicit Recorder(torch::Device d, size_t chains) : device(d), inputs(chains), layer_bytes(chains) {}
+  torch::Device device;
+  bool active = false;
+  bool record_inputs = false;
+  int64_t micro = 0;
+  std::vector<Event> events;
+  std::vector<torch::Tensor> inputs;
+  // Per chain: memory_allocated at each layer's start in the first measured
+  // micro-batch (what the chain holds so far, in the module's own run).
+  std::vector<std::vector<int64_t>> layer_bytes;
+  std::optional<PeakMeter> meter;
+  Clock::time_point last;
+
+  void mark(Mark m, int chain = -1) {
+    if (!active) return;
+    if (device.is_cuda()) torch::cuda::synchronize();
+    const auto now = Clock::now();
+    Event e;
+    e.mark = m;
+    e.chain = chain;
+    e.micro = micro;
+    e.window_peak = meter ? meter->peak() : memory_allocated(device);
+    e.seconds = m == Mark::kBegin ? 0.0 : std::chrono::duration<double>(now - last).count();
+    events.push_back(e);
+    meter.reset();
+    meter.emplace(device);
+    last = Clock::now();
+  }
+};
+
+class RecordStep : public StepComponent {
+ public:
+  explicit RecordStep(std::shared_ptr<Recorder> r) : r_(std::move(r)) {}
+  void begin_step(StepState&) override {
+    r_->micro = 0;
+    r_->mark(Mark::kBegin);
+  }
+  void before_forward(StepState& s) override {
+    r_->micro = s.micro;
+    r_->mark(Mark::kMicroStart);
+  }
+  void after_backward(StepState&) override { r_->mark(Mark::kMicroEnd); }
+  void before_optimizer_step(StepState&) override { r_->mark(Mark::kOptimizerStart); }
+  void after_optimizer_step(StepState&) override { r_->mark(Mark::kOptimizerEnd); }
+  void end_step(StepState&) override { r_->mark(Mark::kEnd); }
+
+ private:
+  std::shared_ptr<Recorder> r_;
+};
+
+// Runs every chain plainly with marks at its forward's entry and exit and
+// hooks for its backward's; puts schedules and runners back on destruction.
+class ChainTaps {
+ public:
+  ChainTaps(std::vector<FoundChain> chains, const std::shared_ptr<Recorder>& rec) : chains_(std::move(chains)) {
+    for (size_t c = 0; c < chains_.size(); ++c) {
+      auto& chain = *chains_[c].chain;
+      TORCH_CHECK(!chain.layer_runner(), "plan: chain '", chains_[c].name,
+                  "' already runs its layers through a layer runner (a ParameterStream?); plan the "
+                  "module before attaching one");
+      schedules_.push_back(chain.schedule());
+      const auto n = static_cast<int64_t>(chain.sequential()->size());
+      chain.set_schedule(schedule_none(n));
+      const int index = static_cast<int>(c);
+      chain.set_layer_runner([rec, index, n](int64_t i, torch::nn::AnyModule& m, const torch::Tensor& x) {
+        const bool grad = torch::autograd::GradMode::is_enabled();
+        if (grad && rec->active && rec->micro == 0) {
+          auto& bytes = rec->layer_bytes[static_cast<size_t>(index)];
+          bytes.resize(static_cast<size_t>(n));
+          bytes[static_cast<size_t>(i)] = memory_allocated(rec->device);
+        }
+        if (i == 0 && grad) {
+          if (rec->record_inputs && !rec->inputs[index].defined()) {
+            UntrackedGuard host;
+            rec->inputs[index] = x.detach().clone();
+          }
+          rec->mark(Mark::kChainIn, index);
+          if (rec->active && x.requires_grad()) {
+            x.register_hook([rec, index](const torch::Tensor&) { rec->mark(Mark::kGradOut, index); });
+          }
+        }
+        auto y = m.forward(x);
+        if (i + 1 == n && grad) {
+          rec->mark(Mark::kChainOut, index);
+          if (rec->active && y.requires_grad()) {
+            y.register_hook([rec, index](const torch::Tensor&) { rec->mark(Mark::kGradIn, index); });
+          }
+        }
+        return y;
+      });
+    }
+  }
+  ~ChainTaps() {
+    for (size_t c = 0; c < schedules_.size(); ++c) {
+      chains_[c].chain->set_layer_runner(nullptr);
+      chains_[c].chain->set_schedule(schedules_[c]);
+    }
+  }
+  ChainTaps(const ChainTaps&) = delete;
+  ChainTaps& operator=(const ChainTaps&) = delete;
+
+ private:
+  std::vector<FoundChain> chains_;
+  std::vector<Schedule> schedules_;
+};
+
+// The module's parameters, buffers, gradients and the CPU RNG, put back on destruction.
+class ModuleRestore {
+ public:
+  explicit ModuleRestore(torch::nn::Module& module) {
+    tensors_ = module.parameters();
+    const auto buffers = module.buffers();
+    tensors_.insert(tensors_.end(), buffers.begin(), buffers.end());
+    UntrackedGuard host;
+    for (const auto& t : tensors_) {
+      saved_.push_back(t.detach().clone());
+      grads_.push_back(t.grad());
+    }
+    rng_ = compat::get_rng_state({});
+  }
+  ~ModuleRestore() {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      tensors_[i].copy_(saved_[i]);
+      tensors_[i].mutable_grad() = grads_[i];
+    }
+    compat::set_rng_state(rng_);
+  }
+  ModuleRestore(const ModuleRestore&) = delete;
+  ModuleRestore& operator=(const ModuleRestore&) = delete;
+
+ private:
+  std::vector<torch::Tensor> tensors_, saved_, grads_;
+  compat::RngState rng_;
+};
+
+bool same_marks(const std::vector<Event>& a, const std::vector<Event>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].mark != b[i].mark || a[i].chain != b[i].chain || a[i].micro != b[i].micro) return false;
+  }
+  return true;
+}
+
+// v(m) on the line through (b_small, small) and (b_large, large); a falling
+// line (timing noise) or one crossing zero above 0 goes through 0 and the larger point instead.
+double line(double small, double large, int64_t b_small, int64_t b_large, int64_t m) {
+  const double slope = (large - small) / double(b_large - b_small);
+  const double intercept = small - slope * double(b_small);
+  if (intercept < 0 || slope < 0) return std::max(0.0, large) * double(m) / double(b_large);
+  return intercept + slope * double(m);
+}
+int64_t line_bytes(int64_t small, int64_t large, int64_t b_small, int64_t b_large, int64_t m) {
+  // Bytes: the exact line (a step's bytes are affine in the batch).
+  const double slope = double(large - small) / double(b_large - b_small);
+  return std::max<int64_t>(0, std::llround(double(small) + slope * double(m - b_small)));
+}
+
+ChainProfile scale_profile(const ChainProfile& a, const ChainProfile& b, int64_t ma, int64_t mb, int64_t m) {
+  ChainProfile out = b;
+  for (size_t i = 0; i < out.layers.size(); ++i) {
+    auto& l = out.layers[i];
+    const auto& x = a.layers[i];
+    const auto& y = b.layers[i];
+    l.input_bytes = line_bytes(x.input_bytes, y.input_bytes, ma, mb, m);
+    l.output_bytes = line_bytes(x.output_bytes, y.output_bytes, ma, mb, m);
+    l.kept_bytes = line_bytes(x.kept_bytes, y.kept_bytes, ma, mb, m);
+    l.forward_peak_bytes = line_bytes(x.forward_peak_bytes, y.forward_peak_bytes, ma, mb, m);
+    l.backward_overhead_bytes = line_bytes(x.backward_overhead_bytes, y.backward_overhead_bytes, ma, mb, m);
+    l.forward_seconds = line(x.forward_seconds, y.forward_seconds, ma, mb, m);
+    l.backward_seconds = line(x.backward_seconds, y.backward_seconds, ma, mb, m);
+  }
+  return out;
+}
+
+bool recomputes(const Schedule& s) {
+  return std::any_of(s.segments.begin(), s.segments.end(), [](const Segment& g) { return g.checkpointed; });
+}
+
+int offload_rank(const StepSettings& s) {
+  return s.offload_gradients() == Offload::kHost ? 2 : s.offload_optimizer() == Offload::kHost ? 1 : 0;
+}
+
+} // namespace
+
+// What a warm-up and a measured step saw of the chains: each one's input,
+// and the bytes at each layer's start.
+struct Capture {
+  std::vector<torch::Tensor> inputs;
+  std::vector<std::vector<int64_t>> layer_bytes;
+};
+
+// The profile with each layer's kept bytes as the module's own run kept them:
+// the growth from its start to the next layer's. Profiled alone, a layer
+// counts its output as kept; in the chain, a layer that saves its result
+// (Tanh, Sigmoid) frees the output of the layer before it (a Linear), so
+// each pair keeps one tensor, not two. The last layer keeps its profiled bytes.
+ChainProfile in_context(ChainProfile p, const std::vector<int64_t>& bytes) {
+  if (bytes.size() != p.layers.size()) return p;
+  for (size_t i = 0; i + 1 < p.layers.size(); ++i) {
+    p.layers[i].kept_bytes = std::max<int64_t>(0, bytes[i + 1] - bytes[i]);
+  }
+  return p;
+}
+
+// One measured setting: the step's windows at the two micro-batch sizes.
+struct Measurement {
+  StepSettings settings;
+  std::vector<Event> small, large;
+  int64_t state_bytes = 0;  // optimizer state resident on the device
+};
+
+struct ModuleStepModel::Impl {
+  detail::StepProbe probe;
+  PlanOptions options;
+  TrainerOptions base;
+  std::vector<FoundChain> chains;
+  int64_t m_small = 0, m_large = 0;
+  int64_t parameter_bytes = 0, gradient_bytes = 0;
+  std::vector<Measurement> measured;
+  // By precision: each chain's profile at the two sizes.
+  std::map<Precision, std::vector<std::pair<ChainProfile, ChainProfile>>> profiles;
+
+  Measurement measure(const StepSettings& s);
+  std::vector<Event> measure_at(const StepSettings& s, int64_t m, Capture* capture, int64_t* state_bytes);
+  const Measurement& find(const StepSettings& s) const;
+};
+
+std::vector<Event> ModuleStepModel::Impl::measure_at(const StepSettings& s, int64_t m,
+                                                     Capture* capture, int64_t* state_bytes) {
+  ModuleRestore restore(*probe.module);
+  auto rec = std::make_shared<Recorder>(base.device(), chains.size());
+  ChainTaps taps(chains, rec);
+  auto trainer = probe.make_trainer(
+      trainer_options(StepSettings(s).micro_batch(m), base).batch_size(2 * m).save_dir(""));
+  trainer.add_component(std::make_shared<RecordStep>(rec));
+  rec->record_inputs = capture != nullptr;
+  probe.step(trainer, 2 * m);  // warm-up: optimizer state, the chains' inputs
+  rec->record_inputs = false;
+  std::vector<Event> out;
+  for (int k = 0; k < 2; ++k) {  // two measured steps: bytes from either, the faster time
+    rec->events.clear();
+    rec->active = true;
+    probe.step(trainer, 2 * m);
+    rec->active = false;
+    rec->meter.reset();
+    if (k == 0) {
+      out = rec->events;
+      continue;
+    }
+    TORCH_CHECK(same_marks(out, rec->events), "plan: two steps of the same micro-batches passed different "
+                "points (data-dependent control flow?); the planner needs a step that runs the same way each time");
+    for (size_t i = 0; i < out.size(); ++i) {
+      out[i].window_peak = std::max(out[i].window_peak, rec->events[i].window_peak);
+      out[i].seconds = std::min(out[i].seconds, rec->events[i].seconds);
+    }
+  }
+  if (capture) {
+    capture->inputs = rec->inputs;
+    capture->layer_bytes = rec->layer_bytes;
+  }
+  if (state_bytes) {
+    *state_bytes = s.offload_optimizer() == Offload::kHost ? 0 : optimizer_state_bytes(trainer.optimizer());
+  }
+  for (size_t c = 0; c < chains.size(); ++c) {
+    const auto entries = std::count_if(out.begin(), out.end(), [&](const Event& e) {
+      return e.mark == Mark::kChainIn && e.chain == int(c) && e.micro == 0;
+    });
+    TORCH_CHECK(entries <= 1, "plan: chain '", chains[c].name, "' runs ", entries,
+                " times in one forward; the planner needs each chain to run once per forward (hold a "
+                "shared block in one chain, or plan a module whose chains run once)");
+  }
+  return out;
+}
+
+Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
+  Measurement out;
+  out.settings = s;
+  const bool profile_chains = !chains.empty() && profiles.count(s.precision()) == 0;
+  Capture small, large;
+  out.small = measure_at(s, m_small, profile_chains ? &small : nullptr, nullptr);
+  out.large = measure_at(s, m_large, profile_chains ? &large : nullptr, &out.state_bytes);
+  TORCH_CHECK(same_marks(out.small, out.large), "plan: steps of micro-batches of ", m_small, " and ",
+              m_large, " passed different points; the planner needs a step whose control flow does "
+              "not depend on the batch size");
+  if (profile_chains) {
+    auto& p = profiles[s.precision()];
+    for (size_t c = 0; c < chains.size(); ++c) {
+      TORCH_CHECK(small.inputs[c].defined() && large.inputs[c].defined(), "plan: chain '", chains[c].name,
+                  "' did not run in a training step of the module; the planner needs every chain "
+                  "it finds to run in forward");
+      AutocastGuard autocast(base.device(), s.precision());
+      const auto& seq = chains[c].chain->sequential();
+      auto a = in_context(profile_chain(seq, small.inputs[c]), small.layer_bytes[c]);
+      auto b = in_context(profile_chain(seq, large.inputs[c]), large.layer_bytes[c]);
+      p.emplace_back(std::move(a), std::move(b));
+    }
+  }
+  return out;
+}
+
+const Measurement& ModuleStepModel::Impl::find(const StepSettings& s) const {
+  for (const auto& m : measured) {
+    if (m.settings.precision() == s.precision() && m.settings.offload_optimizer() == s.offload_optimizer() &&
+        m.settings.offload_gradients() == s.offload_gradients()) {
+      return m;
+    }
+  }
+  TORCH_CHECK(false, "ModuleStepModel: precision ", to_string(s.precision()), " with offload '",
+              offload_text(s), "' was not measured; PlanOptions::precisions and offload say what is");
+}
+
+ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, TrainerOptions base)
+    : impl_(std::make_unique<Impl>()) {
+  auto& im = *impl_;
+  TORCH_CHECK(probe.module, "plan needs a module, got nullptr");
+  TORCH_CHECK(probe.examples >= 4, "plan needs a sample batch of at least 4 examples (it measures steps "
+              "of two micro-batches at two sizes), got ", probe.examples);
+  TORCH_CHECK(options.profile_batch() >= 2, "PlanOptions::profile_batch must be at least 2, got ",
+              options.profile_batch());
+  TORCH_CHECK(!options.precisions().empty(), "PlanOptions::precisions must name at least one precision");
+  TORCH_CHECK(options.margin() > 0 && options.margin() <= 1, "PlanOptions::margin must be in (0, 1], got ",
+              options.margin());
+  TORCH_CHECK(base.process_group() == nullptr, "plan measures one process's step; plan without "
+              "TrainerOptions::process_group and give each rank the plan");
+  TORCH_CHECK(base.offload_parameters() == Offload::kNone, "plan for a module chooses the optimizer and "
+              "gradient offload itself and does not stream parameters; leave TrainerOptions::offload_parameters kNone");
+  im.probe = std::move(probe);
+  im.options = std::move(options);
+  im.base = std::move(base);
+  im.chains = find_chains(*im.probe.module);
+  im.m_large = std::min(im.options.profile_batch(), im.probe.examples / 2);
+  im.m_small = im.m_large / 2;
+  for (const auto& p : im.probe.module->parameters()) {
+    if (p.requires_grad()) im.gradient_bytes += p.numel() * static_cast<int64_t>(p.element_size());
+  }
+  im.parameter_bytes = storage_bytes(im.probe.module->parameters()) + storage_bytes(im.probe.module->buffers());
+  std::vector<StepSettings> offloads = {StepSettings()};
+  if (im.options.offload()) {
+    offloads.push_back(StepSettings().offload_optimizer(Offload::kHost));
+    offloads.push_back(StepSettings().offload_optimizer(Offload::kHost).offload_gradients(Offload::kHost));
+  }
+  for (auto precision : im.options.precisions()) {
+    for (const auto& o : offloads) im.measured.push_back(im.measure(StepSettings(o).precision(precision)));
+  }
+}
+
+ModuleStepModel::~ModuleStepModel() = default;
+ModuleStepModel::ModuleStepModel(ModuleStepModel&&) noexcept = default;
+ModuleStepModel& ModuleStepModel::operator=(ModuleStepModel&&) noexcept = default;
+
+const std::vector<FoundChain>& ModuleStepModel::chains() const { return impl_->chains; }
+int64_t ModuleStepModel::sample_examples() const { return impl_->probe.examples; }
+const PlanOptions& ModuleStepModel::options() const { return impl_->options; }
+const TrainerOptions& ModuleStepModel::base() const { return impl_->base; }
+
+std::vector<StepSettings> ModuleStepModel::measured_settings() const {
+  std::vector<StepSettings> out;
+  for (const auto& m : impl_->measured) out.push_back(m.settings);
+  return out;
+}
+
+ChainCosts ModuleStepModel::costs(size_t index, Precision precision, int64_t micro_batch) const {
+  const auto& im = *impl_;
+  TORCH_CHECK(index < im.chains.size(), "ModuleStepModel::costs: chain ", index, " of ", im.chains.size());
+  auto it = im.profiles.find(precision);
+  TORCH_CHECK(it != im.profiles.end(), "ModuleStepModel::costs: precision ", to_string(precision),
+              " was not measured");
+  const auto& p = it->second[index];
+  auto c = costs_from_profile(scale_profile(p.first, p.second, im.m_small, im.m_large, micro_batch));
+  const auto& in_place = im.chains[index].chain->in_place();
+  for (size_t i = 0; i < in_place.size(); ++i) c.in_place[i] = c.in_place[i] || in_place[i];
+  return c;
+}
+
+namespace {
+// How a schedule moves a chain's forward peak, held bytes, backward peak and time against plain.
+struct ChainDelta {
+  int64_t forward = 0, held = 0, backward = 0;
+  double seconds = 0;
+};
+ChainDelta delta_of(const ChainCosts& costs, const Schedule& s) {
+  if (s.segments.empty()) return {};
+  const auto plain = simulate(schedule_none(costs.size()), costs);
+  const auto with = simulate(s, costs);
+  return {with.forward_peak_bytes - plain.forward_peak_bytes, with.held_bytes - plain.held_bytes,
+          with.backward_peak_bytes - plain.backward_peak_bytes, with.time - plain.time};
+}
+
+enum class ChainState { kIdle, kForward, kHeld, kBackward };
+
+// Whether a window closing at `e` belongs to a step of one micro-batch.
+bool in_single_micro_step(const Event& e) {
+  switch (e.mark) {
+    case Mark::kOptimizerStart:
+    case Mark::kOptimizerEnd:
+    case Mark::kEnd:
+      return true;
+    default:
+      return e.micro == 0;
+  }
+}
+
+// The step's windows at micro-batch m with each chain's deltas applied:
+// (the window's closing event, its predicted peak).
+std::vector<std::pair<const Event*, int64_t>> predicted_windows(const std::vector<Event>& small,
+                                                                const std::vector<Event>& large, int64_t ms,
+                                                                int64_t ml, int64_t m,
+                                                                const std::vector<ChainDelta>& deltas,
+                                                                int exclude = -1) {
+  std::vector<ChainState> state(deltas.size(), ChainState::kIdle);
+  std::vector<std::pair<const Event*, int64_t>> out;
+  for (size_t i = 1; i < large.size(); ++i) {
+    int64_t peak = line_bytes(small[i].window_peak, large[i].window_peak, ms, ml, m);
+    for (size_t c = 0; c < deltas.size(); ++c) {
+      if (int(c) == exclude) continue;
+      if (state[c] == ChainState::kForward) peak += deltas[c].forward;
+      if (state[c] == ChainState::kHeld) peak += deltas[c].held;
+      if (state[c] == ChainState::kBackward) peak += deltas[c].backward;
+    }
+    out.emplace_back(&large[i], peak);
+    const auto& e = large[i];
+    if (e.chain >= 0) {
+      auto& s = state[static_cast<size_t>(e.chain)];
+      if (e.mark == Mark::kChainIn) s = ChainState::kForward;
+      if (e.mark == Mark::kChainOut) s = ChainState::kHeld;
+      if (e.mark == Mark::kGradIn) s = ChainState::kBackward;
+      if (e.mark == Mark::kGradOut) s = ChainState::kIdle;
+    }
+    if (e.mark == Mark::kMicroEnd) std::fill(state.begin(), state.end(), ChainState::kIdle);
+  }
+  return out;
+}
+} // namespace
+
+StepPrediction ModuleStepModel::predict(int64_t batch, const StepSettings& settings,
+                                        const std::vector<Schedule>& schedules) const {
+  const auto& im = *impl_;
+  TORCH_CHECK(batch > 0, "ModuleStepModel::predict: batch must be positive, got ", batch);
+  TORCH_CHECK(schedules.empty() || schedules.size() == im.chains.size(), "ModuleStepModel::predict: ",
+              im.chains.size(), " chains need as many schedules (or none), got ", schedules.size());
+  const auto& meas = im.find(settings);
+  const int64_t m = settings.micro_batch() > 0 ? std::min(settings.micro_batch(), batch) : batch;
+  const int64_t steps = (batch + m - 1) / m;
+  std::vector<ChainDelta> deltas(im.chains.size());
+  for (size_t c = 0; c < schedules.size(); ++c) {
+    deltas[c] = delta_of(costs(c, settings.precision(), m), schedules[c]);
+  }
+  StepPrediction out;
+  out.accumulation_steps = steps;
+  for (const auto& [e, peak] : predicted_windows(meas.small, meas.large, im.m_small, im.m_large, m, deltas)) {
+    if (steps == 1 && !in_single_micro_step(*e)) continue;
+    // Resident optimizer state: the measured steps created it in their warm-up, so it is in every window.
+    const bool optimizer = e->mark == Mark::kOptimizerEnd || e->mark == Mark::kEnd;
+    auto& phase = optimizer ? out.optimizer_step_bytes : out.forward_backward_bytes;
+    phase = std::max(phase, peak);
+  }
+  out.peak_bytes = std::max(out.forward_backward_bytes, out.optimizer_step_bytes);
+  out.phase = out.forward_backward_bytes >= out.optimizer_step_bytes ? "forward/backward" : "optimizer step";
+  // Time: per micro-batch, everything up to the second micro-batch's end, halved; then the optimizer step.
+  double micro_seconds_s = 0, micro_seconds_l = 0, rest_s = 0, rest_l = 0;
+  bool in_micro = true;
+  for (size_t i = 1; i < meas.large.size(); ++i) {
+    (in_micro ? micro_seconds_s : rest_s) += meas.small[i].seconds;
+    (in_micro ? micro_seconds_l : rest_l) += meas.large[i].seconds;
+    if (meas.large[i].mark == Mark::kMicroEnd && meas.large[i].micro == 1) in_micro = false;
+  }
+  double recompute = 0;
+  for (const auto& d : deltas) recompute += d.seconds;
+  const double per_micro = line(micro_seconds_s / 2, micro_seconds_l / 2, im.m_small, im.m_large, m);
+  out.seconds = double(steps) * (per_micro + recompute) + std::min(rest_s, rest_l);
+  out.memory.peak = out.peak_bytes;
+  out.memory.parameters = im.parameter_bytes;
+  out.memory.gradients = settings.offload_gradients() == Offload::kHost ? 0 : im.gradient_bytes;
+  out.memory.optimizer_state = meas.state_bytes;
+  out.memory.activations = std::max<int64_t>(
+      0, out.peak_bytes - out.memory.parameters - out.memory.gradients - out.memory.optimizer_state);
+  out.activation_bytes = out.memory.activations;
+  return out;
+}
+
+namespace {
+
+constexpr double kTimeTie = 0.03;  // as plan.h's: predicted times this close are a tie
+
+struct Candidate {
+  StepSettings settings;
+  std::vector<Schedule> schedules;
+  StepPrediction predicted;
+};
+
+bool any_recompute(const std::vector<Schedule>& s) { return std::any_of(s.begin(), s.end(), recomputes); }
+
+bool better(const Candidate& a, const Candidate& b) {
+  const double ta = a.predicted.seconds, tb = b.predicted.seconds;
+  if (std::abs(ta - tb) > kTimeTie * std::min(ta, tb)) return ta < tb;
+  const std::pair<int, int> ra{any_recompute(a.schedules), offload_rank(a.settings)};
+  const std::pair<int, int> rb{any_recompute(b.schedules), offload_rank(b.settings)};
+  if (ra != rb) return ra < rb;
+  if (ta != tb) return ta < tb;
+  return a.predicted.peak_bytes < b.predicted.peak_bytes;
+}
+
+// Each chain's schedule for the memory its windows leave under `limit`, the
+// others' schedules fixed, for a few rounds; the bounds tighten until the
+// prediction fits or a chain cannot go lower. `frugal`: each chain's least-memory schedule instead.
+std::optional<std::vector<Schedule>> solve_chains(const ModuleStepModel& model, const Measurement& meas,
+                                                  int64_t batch, const StepSettings& settings, int64_t limit,
+                                                  int64_t ms, int64_t ml, bool frugal) {
+  const auto& chains = model.chains();
+  const int64_t m = settings.micro_batch() > 0 ? std::min(settings.micro_batch(), batch) : batch;
+  const bool single = (batch + m - 1) / m == 1;
+  std::vector<ChainCosts> costs;
+  for (size_t c = 0; c < chains.size(); ++c) costs.push_back(model.costs(c, settings.precision(), m));
+  std::vector<Schedule> schedules(chains.size());
+  std::vector<ChainDelta> deltas(chains.size());
+  if (frugal) {
+    for (size_t c = 0; c < chains.size(); ++c) {
+      schedules[c] = solve_optimal(costs[c], min_budget(costs[c]));
+    }
+    return schedules;
+  }
+  double tighten = 1.0;
+  for (int round = 0; round < 12; ++round) {
+    for (size_t c = 0; c < chains.size(); ++c) {
+      const auto plain = simulate(schedule_none(costs[c].size()), costs[c]);
+      int64_t bound = std::numeric_limits<int64_t>::max();
+      ChainState st = ChainState::kIdle;
+      for (const auto& [e, peak] : predicted_windows(meas.small, meas.large, ms, ml, m, deltas, int(c))) {
+        if (!single || in_single_micro_step(*e)) {
+          const int64_t room = limit - peak;
+          if (st == ChainState::kForward) bound = std::min(bound, room + plain.forward_peak_bytes);
+          if (st == ChainState::kHeld) bound = std::min(bound, room + plain.held_bytes);
+          if (st == ChainState::kBackward) bound = std::min(bound, room + plain.backward_peak_bytes);
+        }
+        if (e->chain == int(c)) {
+          if (e->mark == Mark::kChainIn) st = ChainState::kForward;
+          if (e->mark == Mark::kChainOut) st = ChainState::kHeld;
+          if (e->mark == Mark::kGradIn) st = ChainState::kBackward;
+          if (e->mark == Mark::kGradOut) st = ChainState::kIdle;
+        }
+        if (e->mark == Mark::kMicroEnd) st = ChainState::kIdle;
+      }
+      if (bound == std::numeric_limits<int64_t>::max()) continue;
+      bound = static_cast<int64_t>(double(bound) * tighten);
+      if (plain.peak_bytes <= bound) {
+        schedules[c] = Schedule();
+      } else {
+        if (bound < min_budget(costs[c])) return std::nullopt;
+        schedules[c] = solve_optimal(costs[c], bound);
+      }
+      deltas[c] = delta_of(costs[c], schedules[c]);
+    }
+    if (model.predict(batch, settings, schedules).peak_bytes <= limit) return schedules;
+    if (round >= 1) tighten *= 0.95;
+  }
+  return std::nullopt;
+}
+
+std::string settings_text(const StepSettings& s, int64_t batch) {
+  const int64_t m = s.micro_batch() > 0 ? s.micro_batch() : batch;
+  return fmt::format("micro-batch {}, {}, offload {}", m, to_string(s.precision()), offload_text(s));
+}
+
+std::string schedules_text(const std::vector<FoundChain>& chains, const std::vector<Schedule>& s) {
+  std::string out;
+  for (size_t c = 0; c < chains.size(); ++c) {
+    if (!out.empty()) out += "; ";
+    const auto name = chains[c].name.empty() ? std::string("(the module)") : chains[c].name;
+    out += name + ": " + (c < s.size() && recomputes(s[c]) ? s[c].to_string() : std::string("none"));
+  }
+  return out;
+}
+
+} // namespace
+
+ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
+  TORCH_CHECK(budget > 0, "plan: budget must be positive, got ", budget);
+  const auto& o = model.options();
+  const auto& im_chains = model.chains();
+  const int64_t batch = model.sample_examples();
+  const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
+  std::vector<int64_t> micro = {batch};
+  while (o.micro_batching() && micro.back() > 1) micro.push_back((micro.back() + 1) / 2);
+  ModulePlan out;
+  out.budget = budget;
+  out.batch = batch;
+  for (const auto& f : im_chains) out.chains.push_back(f.name);
+  const auto plain_settings = StepSettings().precision(o.precisions().front());
+  const auto plain = model.predict(batch, plain_settings, {});
+  out.plain_peak_bytes = plain.peak_bytes;
+  out.plain_seconds = plain.seconds;
+  std::optional<Candidate> best, closest;
+  for (const auto& measured : model.measured_settings()) {
+    for (int64_t m : micro) {
+      auto s = StepSettings(measured).micro_batch(m == batch ? 0 : m);
+      Candidate c{s, std::vector<Schedule>(im_chains.size()), model.predict(batch, s, {})};
+      ++out.candidates;
+      bool fits = c.predicted.peak_bytes <= limit;
+      if (!fits && o.checkpointing() && !im_chains.empty()) {
+        const auto& meas = model.impl_->find(s);
+        if (auto solved = solve_chains(model, meas, batch, s, limit, model.impl_->m_small,
+                                       model.impl_->m_large, false)) {
+          c.schedules = *solved;
+          c.predicted = model.predict(batch, s, c.schedules);
+          fits = c.predicted.peak_bytes <= limit;
+        } else {
+          auto frugal = *solve_chains(model, meas, batch, s, limit, model.impl_->m_small,
+                                      model.impl_->m_large, true);
+          c.schedules = frugal;
+          c.predicted = model.predict(batch, s, frugal);
+        }
+      }
+      if (!closest || c.predicted.peak_bytes < closest->predicted.peak_bytes) closest = c;
+      if (fits && (!best || better(c, *best))) best = c;
+    }
+  }
+  const auto precisions = [&] {
+    std::string t;
+    for (auto p : o.precisions()) t += (t.empty() ? "" : ", ") + to_string(p);
+    return t;
+  }();
+  out.why.push_back(fmt::format("measured the module's step at micro-batches of {} and {} ({}; offload {}), "
+                                "{} chain(s): {}",
+                                model.impl_->m_small, model.impl_->m_large, precisions,
+                                o.offload() ? "none, optimizer, optimizer and gradients" : "none",
+                                im_chains.size(), im_chains.empty() ? "none" : schedules_text(im_chains, {})));
+  out.why.push_back(fmt::format("plain step of {}: predicted peak {}, {:.4f} s", batch,
+                                format_bytes(plain.peak_bytes), plain.seconds));
+  if (!best) {
+    TORCH_CHECK(false, "plan: nothing fits ", format_bytes(budget), " (", format_bytes(limit),
+                " after PlanOptions::margin) for a batch of ", batch, ": tried micro-batches of ", batch,
+                " down to ", micro.back(), ", precision ", precisions, ", offload ",
+                o.offload() ? "none, optimizer, optimizer and gradients" : "none",
+                o.checkpointing() && !im_chains.empty() ? ", checkpoint schedules for every chain" : "",
+                "; the closest predicted peak is ", format_bytes(closest->predicted.peak_bytes), " (",
+                settings_text(closest->settings, batch), ")",
+                im_chains.empty() ? ". The module has no chain: hold its repeated blocks in a "
+                                    "memfit::CheckpointedSequential and the plan can checkpoint them"
+                                  : "");
+  }
+  out.fits = true;
+  out.settings = best->settings;
+  out.schedules = best->schedules;
+  out.predicted = best->predicted;
+  out.why.push_back(fmt::format("chosen: {} ({} step(s)); checkpoint {}", settings_text(best->settings, batch),
+                                best->predicted.accumulation_steps, schedules_text(im_chains, best->schedules)));
+  out.why.push_back(fmt::format("predicted peak {} of {} ({} phase), {:.4f} s per batch ({:.2f}x plain)",
+                                format_bytes(best->predicted.peak_bytes), format_bytes(budget),
+                                best->predicted.phase, best->predicted.seconds,
+                                plain.seconds > 0 ? best->predicted.seconds / plain.seconds : 0.0));
+  return out;
+}
+
+TrainerOptions ModulePlan::apply(torch::nn::Module& module, TrainerOptions base) const {
+  auto found = find_chains(module);
+  TORCH_CHECK(found.size() == chains.size(), "ModulePlan::apply: the plan has ", chains.size(),
+              " chain(s) but the module has ", found.size(), "; apply a plan to the module it was made for");
+  for (size_t c = 0; c < found.size(); ++c) {
+    TORCH_CHECK(found[c].name == chains[c], "ModulePlan::apply: the plan's chain '", chains[c],
+                "' is not in the module (found '", found[c].name, "')");
+    const auto n = static_cast<int64_t>(found[c].chain->sequential()->size());
+    found[c].chain->set_schedule(c < schedules.size() && !schedules[c].segments.empty() ? schedules[c]
+                                                                                         : schedule_none(n));
+  }
+  return trainer_options(settings, std::move(base));
+}
+
+std::string ModulePlan::to_json() const {
+  auto j = nlohmann::json::parse(Plan::to_json());
+  j.erase("checkpoint");
+  j["chains"] = nlohmann::json::array();
+  for (size_t c = 0; c < chains.size(); ++c) {
+    j["chains"].push_back({{"name", chains[c]},
+                           {"checkpoint", c < schedules.size() && recomputes(schedules[c])
+                                              ? schedules[c].to_string()
+                                              : std::string("none")}});
+  }
+  return j.dump(2);
+}
+
+std::string ModulePlan::explain() const { return Plan::explain(); }
+
+} // namespace memfit

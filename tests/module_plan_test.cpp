@@ -1,0 +1,161 @@
+// Planning a user's own module: chains found anywhere inside it, the step
+// measured with the user's loss, predictions against real Trainer steps,
+// plans that fit budgets below the plain peak without changing the math,
+// and the errors a module without chains gets.
+#include "memfit/module_plan.h"
+
+#include "test_util.h"
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace {
+
+// A user's own module: an input layer, a chain of residual-free blocks, a head.
+struct ChainNetImpl : torch::nn::Module {
+  ChainNetImpl(int64_t width, int64_t depth) {
+    in = register_module("in", torch::nn::Linear(16, width));
+    torch::nn::Sequential blocks;
+    for (int64_t i = 0; i < depth; ++i) {
+      blocks->push_back(torch::nn::Linear(width, width));
+      blocks->push_back(torch::nn::Tanh());
+    }
+    body = register_module("body", memfit::CheckpointedSequential(blocks));
+    head = register_module("head", torch::nn::Linear(width, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head->forward(body->forward(torch::relu(in->forward(x)))); }
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  memfit::CheckpointedSequential body{nullptr};
+};
+TORCH_MODULE(ChainNet);
+
+// The same without a chain: the blocks in a plain Sequential.
+struct FlatNetImpl : torch::nn::Module {
+  explicit FlatNetImpl(int64_t width) {
+    in = register_module("in", torch::nn::Linear(16, width));
+    body = register_module("body", torch::nn::Sequential(torch::nn::Linear(width, width), torch::nn::Tanh()));
+    head = register_module("head", torch::nn::Linear(width, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head->forward(body->forward(in->forward(x))); }
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  torch::nn::Sequential body{nullptr};
+};
+TORCH_MODULE(FlatNet);
+
+template <class M>
+torch::Tensor cross_entropy_of(M& net, const torch::data::Example<>& b) {
+  return torch::nn::functional::cross_entropy(net.forward(b.data), b.target);
+}
+torch::Tensor chain_loss(ChainNetImpl& net, const torch::data::Example<>& b) { return cross_entropy_of(net, b); }
+torch::Tensor flat_loss(FlatNetImpl& net, const torch::data::Example<>& b) { return cross_entropy_of(net, b); }
+
+torch::data::Example<> sample(int64_t n) {
+  memfit::UntrackedGuard host;  // host data, as a data set's
+  return {torch::randn({n, 16}), torch::randint(0, 5, {n}, torch::kLong)};
+}
+
+// Steady-state peak of the Trainer's step: the third of three steps.
+int64_t measured_peak(memfit::Trainer& trainer, const torch::data::Example<>& batch, double* loss = nullptr) {
+  memfit::StepRecord rec;
+  for (int i = 0; i < 3; ++i) {
+    rec = trainer.train_step(batch);
+    if (i == 0 && loss) *loss = rec.loss;
+  }
+  return rec.peak_bytes;
+}
+
+using memfit::testing::expect_error;
+
+class ModulePlanTest : public memfit::testing::Seeded {};
+
+TEST_F(ModulePlanTest, FindsTheOutermostChainsAnywhereInTheModuleByTheirPaths) {
+  ChainNet net(8, 2);
+  auto outer = std::make_shared<torch::nn::Module>();
+  outer->register_module("net", net.ptr());
+  torch::nn::Sequential inner;
+  inner->push_back(memfit::CheckpointedSequential(torch::nn::Sequential(torch::nn::ReLU())));
+  outer->register_module("second", memfit::CheckpointedSequential(inner));
+  const auto chains = memfit::find_chains(*outer);
+  ASSERT_EQ(chains.size(), 2u);
+  EXPECT_EQ(chains[0].name, "net.body");
+  EXPECT_EQ(chains[1].name, "second");  // the chain inside its layers is part of them
+  EXPECT_EQ(chains[0].chain.ptr(), net->body.ptr());
+  EXPECT_TRUE(memfit::find_chains(*FlatNet(8)).empty());
+  EXPECT_EQ(memfit::find_chains(*net->body).size(), 1u);  // a chain itself
+}
+
+TEST_F(ModulePlanTest, PredictsThePlainStepAndEveryPlannedStepWithinFivePercentOfTheTrainersPeak) {
+  // Activations dominate: 32 layers of 512 x 64 floats against 0.8 MiB of weights and Adam state.
+  ChainNet net(64, 16);
+  const auto batch = sample(512);
+  memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch));
+  ASSERT_EQ(model.chains().size(), 1u);
+  const auto plain = model.predict(512, memfit::StepSettings(), {});
+  double plain_loss = 0;
+  // Plans and the plain run start from the same weights.
+  std::vector<torch::Tensor> start;
+  {
+    memfit::UntrackedGuard host;  // the test's copies are not the step's memory
+    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+  }
+  auto reset = [&] {
+    torch::NoGradGuard g;
+    for (size_t i = 0; i < start.size(); ++i) {
+      net->parameters()[i].copy_(start[i]);
+      net->parameters()[i].mutable_grad() = torch::Tensor();
+    }
+  };
+  const int64_t plain_peak = [&] {
+    memfit::Trainer plain_trainer(net, chain_loss, memfit::TrainerOptions());
+    return measured_peak(plain_trainer, batch, &plain_loss);
+  }();
+  EXPECT_NEAR(double(plain.peak_bytes), double(plain_peak), 0.05 * double(plain_peak));
+  for (double fraction : {0.5, 0.25, 0.125}) {
+    reset();
+    const auto budget = static_cast<int64_t>(fraction * double(plain_peak));
+    const auto p = memfit::plan(model, budget);
+    ASSERT_TRUE(p.fits) << p.explain();
+    memfit::Trainer trainer(net, chain_loss, p.apply(*net));
+    double loss = 0;
+    const int64_t peak = measured_peak(trainer, batch, &loss);
+    RecordProperty("peak_" + std::to_string(int(fraction * 1000)), std::to_string(peak) + " predicted " + std::to_string(p.predicted.peak_bytes));
+    EXPECT_LE(peak, budget) << fraction << "\n" << p.explain();
+    EXPECT_NEAR(double(p.predicted.peak_bytes), double(peak), 0.05 * double(peak)) << fraction << "\n"
+                                                                                    << p.explain();
+    EXPECT_NEAR(loss, plain_loss, 1e-5) << p.explain();
+  }
+}
+
+TEST_F(ModulePlanTest, LeavesTheModuleItsWeightsAndItsChainsScheduleAsItFoundThem) {
+  ChainNet net(32, 4);
+  net->body->set_schedule(memfit::schedule_every(8, 2));
+  std::vector<torch::Tensor> before;
+  for (const auto& p : net->parameters()) before.push_back(p.detach().clone());
+  memfit::plan(net.ptr(), chain_loss, sample(32), 1 << 30);
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], net->parameters()[i]));
+  for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+  EXPECT_EQ(net->body->schedule().to_string(), memfit::schedule_every(8, 2).to_string());
+  EXPECT_FALSE(net->body->layer_runner());
+}
+
+TEST_F(ModulePlanTest, AModuleWithoutAChainIsToldWhatWasTriedAndThatAChainAllowsCheckpointing) {
+  FlatNet net(64);
+  expect_error([&] { memfit::plan(net.ptr(), flat_loss, sample(64), 4096); },
+               "The module has no chain: hold its repeated blocks in a memfit::CheckpointedSequential");
+  expect_error([&] { memfit::plan(net.ptr(), flat_loss, sample(64), 4096); }, "the closest predicted peak is");
+  expect_error([&] { memfit::plan(net.ptr(), flat_loss, sample(2), 1 << 20); },
+               "plan needs a sample batch of at least 4 examples");
+}
+
+TEST_F(ModulePlanTest, APlanAppliesOnlyToTheModuleItWasMadeFor) {
+  ChainNet net(32, 2);
+  const auto p = memfit::plan(net.ptr(), chain_loss, sample(32), 1 << 30);
+  EXPECT_EQ(p.chains, std::vector<std::string>{"body"});
+  EXPECT_NE(p.to_json().find("\"chains\""), std::string::npos);
+  FlatNet other(32);
+  expect_error([&] { p.apply(*other); }, "the plan has 1 chain(s) but the module has 0");
+}
+
+} // namespace
