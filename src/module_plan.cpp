@@ -264,6 +264,7 @@ ChainProfile in_context(ChainProfile p, const std::vector<int64_t>& bytes) {
 struct Measurement {
   StepSettings settings;
   std::vector<Event> small, large;
+  std::vector<Event> one;   // micro-batches of 1 (times only), where m_small > 1
   int64_t state_bytes = 0;  // optimizer state resident on the device
 };
 
@@ -337,6 +338,7 @@ Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
   Capture small, large;
   out.small = measure_at(s, m_small, profile_chains ? &small : nullptr, nullptr);
   out.large = measure_at(s, m_large, profile_chains ? &large : nullptr, &out.state_bytes);
+  if (m_small > 1) out.one = measure_at(s, 1, nullptr, nullptr);
   TORCH_CHECK(same_marks(out.small, out.large), "plan: steps of micro-batches of ", m_small, " and ",
               m_large, " passed different points; the planner needs a step whose control flow does "
               "not depend on the batch size");
@@ -514,18 +516,27 @@ StepPrediction ModuleStepModel::predict(int64_t batch, const StepSettings& setti
   }
   out.peak_bytes = std::max(out.forward_backward_bytes, out.optimizer_step_bytes);
   out.phase = out.forward_backward_bytes >= out.optimizer_step_bytes ? "forward/backward" : "optimizer step";
-  // Time: per micro-batch, everything up to the second micro-batch's end, halved; then the optimizer step.
-  double micro_seconds_s = 0, micro_seconds_l = 0, rest_s = 0, rest_l = 0;
-  bool in_micro = true;
-  for (size_t i = 1; i < meas.large.size(); ++i) {
-    (in_micro ? micro_seconds_s : rest_s) += meas.small[i].seconds;
-    (in_micro ? micro_seconds_l : rest_l) += meas.large[i].seconds;
-    if (meas.large[i].mark == Mark::kMicroEnd && meas.large[i].micro == 1) in_micro = false;
+  // Time: per micro-batch, everything up to the second micro-batch's end,
+  // halved; then the optimizer step (the faster measurement of it).
+  const auto split = [](const std::vector<Event>& events) {
+    std::pair<double, double> t{0, 0};
+    bool in_micro = true;
+    for (size_t i = 1; i < events.size(); ++i) {
+      (in_micro ? t.first : t.second) += events[i].seconds;
+      if (events[i].mark == Mark::kMicroEnd && events[i].micro == 1) in_micro = false;
+    }
+    t.first /= 2;
+    return t;
+  };
+  const auto ts = split(meas.small), tl = split(meas.large);
+  double per_micro = line(ts.first, tl.first, im.m_small, im.m_large, m);
+  if (m < im.m_small && !meas.one.empty()) {  // between the measured micro-batches of 1 and m_small
+    const auto t1 = split(meas.one);
+    per_micro = t1.first + (ts.first - t1.first) * double(m - 1) / double(im.m_small - 1);
   }
   double recompute = 0;
   for (const auto& d : deltas) recompute += d.seconds;
-  const double per_micro = line(micro_seconds_s / 2, micro_seconds_l / 2, im.m_small, im.m_large, m);
-  out.seconds = double(steps) * (per_micro + recompute) + std::min(rest_s, rest_l);
+  out.seconds = double(steps) * (per_micro + recompute) + std::min(ts.second, tl.second);
   out.memory.peak = out.peak_bytes;
   out.memory.parameters = im.parameter_bytes;
   out.memory.gradients = settings.offload_gradients() == Offload::kHost ? 0 : im.gradient_bytes;
@@ -554,8 +565,27 @@ bool better(const Candidate& a, const Candidate& b) {
   const std::pair<int, int> ra{any_recompute(a.schedules), offload_rank(a.settings)};
   const std::pair<int, int> rb{any_recompute(b.schedules), offload_rank(b.settings)};
   if (ra != rb) return ra < rb;
+  if (a.predicted.accumulation_steps != b.predicted.accumulation_steps) {
+    return a.predicted.accumulation_steps < b.predicted.accumulation_steps;
+  }
   if (ta != tb) return ta < tb;
   return a.predicted.peak_bytes < b.predicted.peak_bytes;
+}
+
+// The optimal schedule within `bound` bytes, at the solver's default
+// resolution or, where its units are too coarse to find one, a finer one.
+std::optional<Schedule> solve_within(const ChainCosts& costs, int64_t bound) {
+  for (int64_t slots : {200, 1000}) {
+    if (bound < min_budget(costs, SolverOptions().slots(slots))) continue;
+    try {
+      return solve_optimal(costs, bound, SolverOptions().slots(slots));
+    } catch (const c10::Error&) {
+      // too coarse: try finer units
+    }
+  }
+  auto least = schedule_least_memory(costs, SolverOptions().slots(1000));
+  if (simulate(least, costs).peak_bytes <= bound) return least;
+  return std::nullopt;
 }
 
 // Each chain's schedule for the memory its windows leave under `limit`, the
@@ -573,7 +603,7 @@ std::optional<std::vector<Schedule>> solve_chains(const ModuleStepModel& model, 
   std::vector<ChainDelta> deltas(chains.size());
   if (frugal) {
     for (size_t c = 0; c < chains.size(); ++c) {
-      schedules[c] = solve_optimal(costs[c], min_budget(costs[c]));
+      schedules[c] = schedule_least_memory(costs[c], SolverOptions().slots(1000));
     }
     return schedules;
   }
@@ -603,8 +633,9 @@ std::optional<std::vector<Schedule>> solve_chains(const ModuleStepModel& model, 
       if (plain.peak_bytes <= bound) {
         schedules[c] = Schedule();
       } else {
-        if (bound < min_budget(costs[c])) return std::nullopt;
-        schedules[c] = solve_optimal(costs[c], bound);
+        auto solved = solve_within(costs[c], bound);
+        if (!solved) return std::nullopt;
+        schedules[c] = std::move(*solved);
       }
       deltas[c] = delta_of(costs[c], schedules[c]);
     }

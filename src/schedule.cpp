@@ -441,7 +441,7 @@ ScheduleCost simulate(const Schedule& schedule, const ChainCosts& costs) {
   return {sim.time, std::max(forward_peak, sim.peak), forward_peak, held, sim.peak};
 }
 
-int64_t min_budget(const ChainCosts& costs, const SolverOptions& options) {
+Schedule schedule_least_memory(const ChainCosts& costs, const SolverOptions& options) {
   costs.validate();
   TORCH_CHECK(options.slots() >= 1, "solver slots must be at least 1, got ", options.slots());
   // A budget that fits the plain run: its units are fine enough for the least one.
@@ -450,8 +450,11 @@ int64_t min_budget(const ChainCosts& costs, const SolverOptions& options) {
   Solver solver(costs, units);
   const int64_t m = solver.least_units();
   TORCH_INTERNAL_ASSERT(m >= 0, "the plain schedule must be feasible at its own peak");
-  Schedule frugal{solver.build(0, costs.size(), m, /*keep=*/true)};
-  return simulate(frugal, costs).peak_bytes;
+  return Schedule{solver.build(0, costs.size(), m, /*keep=*/true)};
+}
+
+int64_t min_budget(const ChainCosts& costs, const SolverOptions& options) {
+  return simulate(schedule_least_memory(costs, options), costs).peak_bytes;
 }
 
 Schedule solve_optimal(const ChainCosts& costs, int64_t budget, const SolverOptions& options) {

@@ -613,6 +613,14 @@ TEST_F(DocExamples, FashionMnistFolder) {
   EXPECT_EQ(train.size().value(), 60000u);
 }
 
+TEST_F(DocExamples, ScheduleLeastMemory) {
+  memfit::ChainCosts c{{1, 10, 10, 10, 10}, {10, 10, 10, 10}, {1, 1, 1, 1}, {1, 1, 1, 1},
+                       {false, false, false, false}};
+  auto least = memfit::schedule_least_memory(c);
+  EXPECT_EQ(memfit::simulate(least, c).peak_bytes, memfit::min_budget(c));
+  EXPECT_LT(memfit::min_budget(c), memfit::simulate(memfit::schedule_none(4), c).peak_bytes);
+}
+
 TEST_F(DocExamples, FindChains) {
   torch::nn::Sequential blocks(torch::nn::Linear(8, 8), torch::nn::ReLU());
   auto net = std::make_shared<torch::nn::Module>();

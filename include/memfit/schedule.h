@@ -216,6 +216,18 @@ struct SolverOptions {
 Schedule solve_optimal(const ChainCosts& costs, int64_t budget,
                        const SolverOptions& options = SolverOptions());
 
+/// The schedule that needs the least memory under the model (at the
+/// solver's resolution): what min_budget() measures.
+///
+/// Example:
+/// \code
+///   memfit::ChainCosts c{{1, 10, 10, 10, 10}, {10, 10, 10, 10}, {1, 1, 1, 1}, {1, 1, 1, 1},
+///                        {false, false, false, false}};
+///   auto least = memfit::schedule_least_memory(c);
+///   assert(memfit::simulate(least, c).peak_bytes == memfit::min_budget(c));
+/// \endcode
+Schedule schedule_least_memory(const ChainCosts& costs, const SolverOptions& options = SolverOptions());
+
 /// The smallest budget any schedule of the model needs (the peak of the most
 /// frugal schedule the solver finds at `options.slots` resolution).
 ///
