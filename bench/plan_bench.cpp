@@ -25,21 +25,36 @@
 // goes to stderr, the error distribution to the counters.
 //
 //   build/bench/memfit_plan_bench --benchmark_filter=accuracy
+//
+// own/{transformer,mnist}/N: a user's own module planned by
+// memfit::plan(module, loss, sample, budget) at 1/N of its plain step's
+// measured peak: examples/consumer's decoder-only LM (own_lm.h, batch 64 of
+// 64-token Jargon File windows, Adam) and pytorch/examples' MNIST Net
+// (mnist_net.h, batch 256 of Fashion-MNIST, SGD with momentum). Reported:
+// the plan, its predicted and measured steady-step peak (error_pct), and its
+// step time against the plain step's (planned_vs_plain, side by side, the
+// same batch: time per sample), each module a copy with the same weights.
+//
+//   build/bench/memfit_plan_bench --benchmark_filter=own
 
 #include "memfit/data.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
+#include "memfit/module_plan.h"
 #include "memfit/plan.h"
 #include "memfit/schedule.h"
 #include "memfit/trainer.h"
 
 #include "bench_util.h"
+#include "mnist_net.h"  // examples/consumer: the user's own models
+#include "own_lm.h"
 
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -275,6 +290,56 @@ void BM_Accuracy(benchmark::State& state, std::string kind) {
   }
 }
 
+// own/NAME/N for a module made by `make` (the same weights each time).
+template <class M, class Loss>
+void run_own(benchmark::State& state, const std::function<std::shared_ptr<M>()>& make, Loss loss,
+             const torch::data::Example<>& batch, const memfit::TrainerOptions& options, int64_t divisor) {
+  auto plain_trainer = [&] {
+    torch::manual_seed(0);
+    memfit::Trainer t(make(), loss, options);
+    t.train_step(batch);  // the optimizer's state exists from here on
+    return t;
+  };
+  // Peaks are measured with one model alive at a time.
+  const int64_t plain_peak = plain_trainer().train_step(batch).peak_bytes;
+  const int64_t budget = plain_peak / divisor;
+  torch::manual_seed(0);
+  auto module = make();
+  const auto p = memfit::plan(module, loss, batch, budget, memfit::PlanOptions(), options);
+  memfit::Trainer planned(module, loss, p.apply(*module, options));
+  planned.train_step(batch);
+  const int64_t peak = planned.train_step(batch).peak_bytes;
+  state.SetLabel(p.why[2]);
+  state.counters["plain_peak_MiB"] = double(plain_peak) / (1 << 20);
+  state.counters["budget_MiB"] = double(budget) / (1 << 20);
+  state.counters["peak_MiB"] = double(peak) / (1 << 20);
+  state.counters["predicted_MiB"] = double(p.predicted.peak_bytes) / (1 << 20);
+  state.counters["error_pct"] = 100.0 * double(p.predicted.peak_bytes - peak) / double(peak);
+  state.counters["fits"] = peak <= budget ? 1 : 0;
+  auto plain = plain_trainer();
+  memfit::bench::side_by_side(state, {{"plain", [&] { plain.train_step(batch); }},
+                                      {"planned", [&] { planned.train_step(batch); }}});
+}
+
+void BM_Own(benchmark::State& state, const std::string& name, int64_t divisor) {
+  if (name == "mnist") {
+    const auto d = memfit::bench::fashion_train_head(256);
+    const auto sgd = memfit::TrainerOptions().optimizer(memfit::OptimizerKind::kSGD).lr(0.03).momentum(0.5);
+    run_own<Net>(state, [] { return std::make_shared<Net>(); }, nll, {d.images, d.labels}, sgd, divisor);
+    return;
+  }
+  const auto corpus = memfit::load_jargon_file();
+  torch::data::Example<> batch;
+  {
+    memfit::UntrackedGuard host;
+    const auto w = memfit::text_windows(corpus, 64, memfit::Split::kTrain);
+    batch = {w.images.narrow(0, 0, 64).clone(), w.labels.narrow(0, 0, 64).clone()};
+  }
+  const int64_t vocab = corpus.vocab_size();
+  run_own<LanguageModel>(state, [vocab] { return std::make_shared<LanguageModel>(vocab, 64, 128, 6, 4); },
+                         next_token_loss, batch, memfit::TrainerOptions(), divisor);
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -288,6 +353,12 @@ int main(int argc, char** argv) {
   for (const std::string kind : {"mlp", "resnet"}) {
     benchmark::RegisterBenchmark(("accuracy/" + kind).c_str(), BM_Accuracy, kind)
         ->Unit(benchmark::kSecond)->Iterations(1);
+  }
+  for (const std::string name : {"transformer", "mnist"}) {
+    for (int64_t divisor : {2, 4, 8}) {
+      benchmark::RegisterBenchmark(("own/" + name + "/" + std::to_string(divisor)).c_str(), BM_Own, name, divisor)
+          ->Unit(benchmark::kMillisecond)->Iterations(name == "mnist" ? 20 : 6);
+    }
   }
   return memfit::bench::run_benchmarks(argc, argv);
 }

@@ -33,6 +33,7 @@
 #include "memfit/trainer.h"
 
 #include "bench_util.h"
+#include "mnist_net.h"  // examples/consumer: pytorch/examples' cpp/mnist Net
 
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
@@ -141,51 +142,27 @@ void BM_Techniques(benchmark::State& state, std::string model) {
   memfit::bench::side_by_side(state, variants);
 }
 
-// pytorch/examples' cpp/mnist Net.
-struct MnistNet : torch::nn::Module {
-  MnistNet()
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 10, 5)))),
-        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(10, 20, 5)))),
-        drop(register_module("conv2_drop", torch::nn::Dropout2d())),
-        fc1(register_module("fc1", torch::nn::Linear(320, 50))),
-        fc2(register_module("fc2", torch::nn::Linear(50, 10))) {}
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::relu(torch::max_pool2d(conv1->forward(x), 2));
-    x = torch::relu(torch::max_pool2d(drop->forward(conv2->forward(x)), 2));
-    x = torch::relu(fc1->forward(x.view({-1, 320})));
-    x = torch::dropout(x, 0.5, is_training());
-    return torch::log_softmax(fc2->forward(x), 1);
-  }
-  torch::nn::Conv2d conv1, conv2;
-  torch::nn::Dropout2d drop;
-  torch::nn::Linear fc1, fc2;
-};
-
-torch::Tensor mnist_nll(MnistNet& net, const torch::data::Example<>& b) {
-  return torch::nll_loss(net.forward(b.data), b.target);
-}
-
 void BM_Tax(benchmark::State& state, int64_t micro) {
   const int64_t batch = 256;
   const auto data = memfit::bench::fashion_train_head(batch);
   const torch::data::Example<> example(data.images.clone(), data.labels.clone());  // a loader's batch: tracked
   const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.5);
   torch::manual_seed(0);
-  auto trainer_net = std::make_shared<MnistNet>();
-  memfit::Trainer trainer(trainer_net, mnist_nll,
+  auto trainer_net = std::make_shared<Net>();
+  memfit::Trainer trainer(trainer_net, nll,
                           memfit::TrainerOptions().micro_batch_size(micro).optimizer_factory(
                               [sgd](std::vector<torch::Tensor> p) {
                                 return std::make_unique<torch::optim::SGD>(std::move(p), sgd);
                               }));
   torch::manual_seed(0);
-  auto loop_net = std::make_shared<MnistNet>();
+  auto loop_net = std::make_shared<Net>();
   torch::optim::SGD loop_sgd(loop_net->parameters(), sgd);
   const int64_t m = micro > 0 ? micro : batch;
   auto loop_step = [&] {
     double total = 0;
     for (int64_t start = 0; start < batch; start += m) {
       const int64_t len = std::min(m, batch - start);
-      auto loss = mnist_nll(*loop_net, {example.data.narrow(0, start, len), example.target.narrow(0, start, len)});
+      auto loss = nll(*loop_net, {example.data.narrow(0, start, len), example.target.narrow(0, start, len)});
       if (len != batch) loss = loss * (double(len) / double(batch));
       total += loss.item<double>();
       loss.backward();

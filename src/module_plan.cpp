@@ -41,8 +41,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // The fixed points at which a measured step is cut into windows.
-enum class Mark { kBegin, kMicroStart, kChainIn, kChainOut, kGradIn, kGradOut, kMicroEnd,
-                  kOptimizerStart, kOptimizerEnd, kEnd };
+enum class Mark { kBegin, kMicroStart, kChainIn, kChainOut, kForwardEnd, kGradIn, kGradOut, kParameterGrad,
+                  kMicroEnd, kOptimizerStart, kOptimizerEnd, kEnd };
 
 // One mark: the window that it closes (since the previous mark) had this peak and took this long.
 struct Event {
@@ -96,6 +96,7 @@ class RecordStep : public StepComponent {
     r_->micro = s.micro;
     r_->mark(Mark::kMicroStart);
   }
+  void after_forward(StepState&) override { r_->mark(Mark::kForwardEnd); }
   void after_backward(StepState&) override { r_->mark(Mark::kMicroEnd); }
   void before_optimizer_step(StepState&) override { r_->mark(Mark::kOptimizerStart); }
   void after_optimizer_step(StepState&) override { r_->mark(Mark::kOptimizerEnd); }
@@ -161,6 +162,28 @@ class ChainTaps {
   std::vector<Schedule> schedules_;
 };
 
+// A mark each time backward hands a parameter its gradient: windows inside
+// backward as fine as the module's parameters, so that a window's peak is
+// one moment's bytes (affine in the micro-batch), not a maximum over moments
+// whose largest changes with it. Removed on destruction.
+class ParameterMarks {
+ public:
+  ParameterMarks(const std::vector<torch::Tensor>& parameters, const std::shared_ptr<Recorder>& rec) {
+    for (const auto& p : parameters) {
+      if (!p.requires_grad()) continue;
+      hooks_.emplace_back(p, p.register_hook([rec](const torch::Tensor&) { rec->mark(Mark::kParameterGrad); }));
+    }
+  }
+  ~ParameterMarks() {
+    for (auto& [p, h] : hooks_) p.remove_hook(h);
+  }
+  ParameterMarks(const ParameterMarks&) = delete;
+  ParameterMarks& operator=(const ParameterMarks&) = delete;
+
+ private:
+  std::vector<std::pair<torch::Tensor, unsigned>> hooks_;
+};
+
 // The module's parameters, buffers, gradients and the CPU RNG, put back on destruction.
 class ModuleRestore {
  public:
@@ -190,6 +213,47 @@ class ModuleRestore {
   std::vector<torch::Tensor> tensors_, saved_, grads_;
   compat::RngState rng_;
 };
+
+// Sets each chain's schedule (empty: plain) and puts the old ones back on destruction.
+class ChainSchedules {
+ public:
+  ChainSchedules(std::vector<FoundChain> chains, const std::vector<Schedule>& schedules)
+      : chains_(std::move(chains)) {
+    for (size_t c = 0; c < chains_.size(); ++c) {
+      auto chain = chains_[c].chain.ptr();
+      saved_.push_back(chain->schedule());
+      const auto n = static_cast<int64_t>(chain->sequential()->size());
+      chain->set_schedule(c < schedules.size() && !schedules[c].segments.empty() ? schedules[c] : schedule_none(n));
+    }
+  }
+  ~ChainSchedules() {
+    for (size_t c = 0; c < saved_.size(); ++c) chains_[c].chain.ptr()->set_schedule(saved_[c]);
+  }
+  ChainSchedules(const ChainSchedules&) = delete;
+  ChainSchedules& operator=(const ChainSchedules&) = delete;
+
+ private:
+  std::vector<FoundChain> chains_;
+  std::vector<Schedule> saved_;
+};
+
+// A memory budget of at most `bytes` for the scope (a caller's lower one stays).
+class BudgetScope {
+ public:
+  BudgetScope(torch::Device device, int64_t bytes) : device_(device), saved_(memory_budget(device)) {
+    set_memory_budget(device_, saved_ > 0 ? std::min(saved_, bytes) : bytes);
+  }
+  ~BudgetScope() { set_memory_budget(device_, saved_); }
+  BudgetScope(const BudgetScope&) = delete;
+  BudgetScope& operator=(const BudgetScope&) = delete;
+
+ private:
+  torch::Device device_;
+  int64_t saved_;
+};
+
+// Candidates run for real before one is chosen, at most.
+constexpr int kVerifyAttempts = 4;
 
 bool same_marks(const std::vector<Event>& a, const std::vector<Event>& b) {
   if (a.size() != b.size()) return false;
@@ -292,6 +356,7 @@ std::vector<Event> ModuleStepModel::Impl::measure_at(const StepSettings& s, int6
   auto trainer = probe.make_trainer(
       trainer_options(StepSettings(s).micro_batch(m), base).batch_size(2 * m).save_dir(""));
   trainer.add_component(std::make_shared<RecordStep>(rec));
+  ParameterMarks parameter_marks(probe.module->parameters(), rec);
   rec->record_inputs = capture != nullptr;
   probe.step(trainer, 2 * m);  // warm-up: optimizer state, the chains' inputs
   rec->record_inputs = false;
@@ -651,6 +716,7 @@ std::string settings_text(const StepSettings& s, int64_t batch) {
 }
 
 std::string schedules_text(const std::vector<FoundChain>& chains, const std::vector<Schedule>& s) {
+  if (chains.empty()) return "none (no chain)";
   std::string out;
   for (size_t c = 0; c < chains.size(); ++c) {
     if (!out.empty()) out += "; ";
@@ -662,81 +728,140 @@ std::string schedules_text(const std::vector<FoundChain>& chains, const std::vec
 
 } // namespace
 
-ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
-  TORCH_CHECK(budget > 0, "plan: budget must be positive, got ", budget);
-  const auto& o = model.options();
-  const auto& im_chains = model.chains();
-  const int64_t batch = model.sample_examples();
+namespace {
+
+struct Search {
+  std::vector<Candidate> fitting;  // predicted to fit, best first
+  std::optional<Candidate> closest;
+  int64_t candidates = 0;
+};
+
+// Every combination of the grid, with each chain's schedule solved where the plain chains do not fit.
+Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int64_t budget) {
+  const auto& o = im.options;
+  const auto& chains = im.chains;
+  const int64_t batch = im.probe.examples;
   const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
   std::vector<int64_t> micro = {batch};
   while (o.micro_batching() && micro.back() > 1) micro.push_back((micro.back() + 1) / 2);
-  ModulePlan out;
-  out.budget = budget;
-  out.batch = batch;
-  for (const auto& f : im_chains) out.chains.push_back(f.name);
-  const auto plain_settings = StepSettings().precision(o.precisions().front());
-  const auto plain = model.predict(batch, plain_settings, {});
-  out.plain_peak_bytes = plain.peak_bytes;
-  out.plain_seconds = plain.seconds;
-  std::optional<Candidate> best, closest;
+  Search out;
   for (const auto& measured : model.measured_settings()) {
     for (int64_t m : micro) {
       auto s = StepSettings(measured).micro_batch(m == batch ? 0 : m);
-      Candidate c{s, std::vector<Schedule>(im_chains.size()), model.predict(batch, s, {})};
+      Candidate c{s, std::vector<Schedule>(chains.size()), model.predict(batch, s, {})};
       ++out.candidates;
-      bool fits = c.predicted.peak_bytes <= limit;
-      if (!fits && o.checkpointing() && !im_chains.empty()) {
-        const auto& meas = model.impl_->find(s);
-        if (auto solved = solve_chains(model, meas, batch, s, limit, model.impl_->m_small,
-                                       model.impl_->m_large, false)) {
-          c.schedules = *solved;
-          c.predicted = model.predict(batch, s, c.schedules);
-          fits = c.predicted.peak_bytes <= limit;
-        } else {
-          auto frugal = *solve_chains(model, meas, batch, s, limit, model.impl_->m_small,
-                                      model.impl_->m_large, true);
-          c.schedules = frugal;
-          c.predicted = model.predict(batch, s, frugal);
-        }
+      if (c.predicted.peak_bytes > limit && o.checkpointing() && !chains.empty()) {
+        const auto& meas = im.find(s);
+        auto solved = solve_chains(model, meas, batch, s, limit, im.m_small, im.m_large, false);
+        c.schedules = solved ? *solved : *solve_chains(model, meas, batch, s, limit, im.m_small, im.m_large, true);
+        c.predicted = model.predict(batch, s, c.schedules);
       }
-      if (!closest || c.predicted.peak_bytes < closest->predicted.peak_bytes) closest = c;
-      if (fits && (!best || better(c, *best))) best = c;
+      if (!out.closest || c.predicted.peak_bytes < out.closest->predicted.peak_bytes) out.closest = c;
+      if (c.predicted.peak_bytes <= limit) out.fitting.push_back(c);
     }
   }
-  const auto precisions = [&] {
-    std::string t;
-    for (auto p : o.precisions()) t += (t.empty() ? "" : ", ") + to_string(p);
-    return t;
-  }();
+  std::stable_sort(out.fitting.begin(), out.fitting.end(), better);
+  return out;
+}
+
+// The peak of real steps of `c` on the whole sample under `budget` (the
+// steady step's), or -1 when one ran out of memory under it.
+int64_t run_plan(const ModuleStepModel::Impl& im, const StepSettings& settings,
+                 const std::vector<Schedule>& schedules, int64_t budget) {
+  ModuleRestore restore(*im.probe.module);
+  ChainSchedules scheduled(im.chains, schedules);
+  auto trainer = im.probe.make_trainer(trainer_options(settings, im.base).batch_size(im.probe.examples).save_dir(""));
+  BudgetScope scope(im.base.device(), budget);
+  int64_t peak = 0;
+  try {
+    for (int k = 0; k < 3; ++k) {  // the first creates the optimizer's state
+      const auto rec = im.probe.step(trainer, im.probe.examples);
+      if (k > 0) peak = std::max(peak, rec.peak_bytes);
+    }
+  } catch (const c10::OutOfMemoryError&) {
+    return -1;
+  }
+  return peak;
+}
+
+} // namespace
+
+ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
+  TORCH_CHECK(budget > 0, "plan: budget must be positive, got ", budget);
+  const auto& o = model.options();
+  const auto& chains = model.chains();
+  const int64_t batch = model.sample_examples();
+  const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
+  ModulePlan out;
+  out.budget = budget;
+  out.batch = batch;
+  for (const auto& f : chains) out.chains.push_back(f.name);
+  const auto plain = model.predict(batch, StepSettings().precision(o.precisions().front()), {});
+  out.plain_peak_bytes = plain.peak_bytes;
+  out.plain_seconds = plain.seconds;
+  auto found = search(model, *model.impl_, budget);
+  out.candidates = found.candidates;
+  std::string precisions;
+  for (auto p : o.precisions()) precisions += (precisions.empty() ? "" : ", ") + to_string(p);
+  const char* offloads = o.offload() ? "none, optimizer, optimizer and gradients" : "none";
   out.why.push_back(fmt::format("measured the module's step at micro-batches of {} and {} ({}; offload {}), "
                                 "{} chain(s): {}",
-                                model.impl_->m_small, model.impl_->m_large, precisions,
-                                o.offload() ? "none, optimizer, optimizer and gradients" : "none",
-                                im_chains.size(), im_chains.empty() ? "none" : schedules_text(im_chains, {})));
+                                model.impl_->m_small, model.impl_->m_large, precisions, offloads, chains.size(),
+                                chains.empty() ? "none" : schedules_text(chains, {})));
   out.why.push_back(fmt::format("plain step of {}: predicted peak {}, {:.4f} s", batch,
                                 format_bytes(plain.peak_bytes), plain.seconds));
-  if (!best) {
-    TORCH_CHECK(false, "plan: nothing fits ", format_bytes(budget), " (", format_bytes(limit),
-                " after PlanOptions::margin) for a batch of ", batch, ": tried micro-batches of ", batch,
-                " down to ", micro.back(), ", precision ", precisions, ", offload ",
-                o.offload() ? "none, optimizer, optimizer and gradients" : "none",
-                o.checkpointing() && !im_chains.empty() ? ", checkpoint schedules for every chain" : "",
-                "; the closest predicted peak is ", format_bytes(closest->predicted.peak_bytes), " (",
-                settings_text(closest->settings, batch), ")",
-                im_chains.empty() ? ". The module has no chain: hold its repeated blocks in a "
-                                    "memfit::CheckpointedSequential and the plan can checkpoint them"
-                                  : "");
+  // Verified best first: a candidate whose real steps overrun the budget
+  // scales every later prediction by how far it was off.
+  double correction = 1.0;
+  std::optional<Candidate> best;
+  for (int attempts = 0; !found.fitting.empty() && !best && attempts < kVerifyAttempts;) {
+    auto it = std::find_if(found.fitting.begin(), found.fitting.end(), [&](const Candidate& c) {
+      return double(c.predicted.peak_bytes) * correction <= double(limit);
+    });
+    if (it == found.fitting.end()) break;
+    const Candidate c = *it;
+    found.fitting.erase(it);
+    if (!o.verify()) {
+      best = c;
+      break;
+    }
+    ++attempts;
+    const int64_t measured = run_plan(*model.impl_, c.settings, c.schedules, budget);
+    if (measured >= 0 && measured <= budget) {
+      best = c;
+      out.measured_peak_bytes = measured;
+    } else {
+      correction = std::max(correction * 1.01, double(measured >= 0 ? measured : budget) /
+                                                   double(c.predicted.peak_bytes) * (measured >= 0 ? 1.0 : 1.02));
+      out.why.push_back(fmt::format("{} with checkpoint {}: predicted {}, but its steps {}",
+                                    settings_text(c.settings, batch), schedules_text(chains, c.schedules),
+                                    format_bytes(c.predicted.peak_bytes),
+                                    measured >= 0 ? "peaked at " + format_bytes(measured)
+                                                  : std::string("ran out of memory under the budget")));
+    }
   }
+  TORCH_CHECK(best.has_value(), "plan: nothing fits ", format_bytes(budget), " (", format_bytes(limit),
+              " after PlanOptions::margin) for a batch of ", batch, ": tried micro-batches of ", batch, " down to ",
+              o.micro_batching() ? 1 : batch, ", precision ", precisions, ", offload ", offloads,
+              o.checkpointing() && !chains.empty() ? ", checkpoint schedules for every chain" : "",
+              "; the closest predicted peak is ", format_bytes(found.closest->predicted.peak_bytes), " (",
+              settings_text(found.closest->settings, batch), ")",
+              chains.empty() ? ". The module has no chain: hold its repeated blocks in a "
+                               "memfit::CheckpointedSequential and the plan can checkpoint them"
+                             : "");
   out.fits = true;
   out.settings = best->settings;
   out.schedules = best->schedules;
   out.predicted = best->predicted;
   out.why.push_back(fmt::format("chosen: {} ({} step(s)); checkpoint {}", settings_text(best->settings, batch),
-                                best->predicted.accumulation_steps, schedules_text(im_chains, best->schedules)));
-  out.why.push_back(fmt::format("predicted peak {} of {} ({} phase), {:.4f} s per batch ({:.2f}x plain)",
+                                best->predicted.accumulation_steps, schedules_text(chains, best->schedules)));
+  out.why.push_back(fmt::format("predicted peak {} of {} ({} phase), {:.4f} s per batch ({:.2f}x plain){}",
                                 format_bytes(best->predicted.peak_bytes), format_bytes(budget),
                                 best->predicted.phase, best->predicted.seconds,
-                                plain.seconds > 0 ? best->predicted.seconds / plain.seconds : 0.0));
+                                plain.seconds > 0 ? best->predicted.seconds / plain.seconds : 0.0,
+                                out.measured_peak_bytes > 0
+                                    ? "; its steps peaked at " + format_bytes(out.measured_peak_bytes)
+                                    : std::string()));
   return out;
 }
 
@@ -757,6 +882,7 @@ TrainerOptions ModulePlan::apply(torch::nn::Module& module, TrainerOptions base)
 std::string ModulePlan::to_json() const {
   auto j = nlohmann::json::parse(Plan::to_json());
   j.erase("checkpoint");
+  j["measured_peak_bytes"] = measured_peak_bytes;
   j["chains"] = nlohmann::json::array();
   for (size_t c = 0; c < chains.size(); ++c) {
     j["chains"].push_back({{"name", chains[c]},

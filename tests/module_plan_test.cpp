@@ -149,6 +149,20 @@ TEST_F(ModulePlanTest, AModuleWithoutAChainIsToldWhatWasTriedAndThatAChainAllows
                "plan needs a sample batch of at least 4 examples");
 }
 
+TEST_F(ModulePlanTest, TheChosenPlanRanUnderTheBudgetBeforeItWasReturnedUnlessVerifyIsOff) {
+  ChainNet net(64, 8);
+  const auto batch = sample(256);
+  const auto verified = memfit::plan(net.ptr(), chain_loss, batch, 1 << 20);
+  ASSERT_TRUE(verified.fits);
+  EXPECT_GT(verified.measured_peak_bytes, 0);
+  EXPECT_LE(verified.measured_peak_bytes, 1 << 20);
+  EXPECT_NEAR(double(verified.predicted.peak_bytes), double(verified.measured_peak_bytes),
+              0.05 * double(verified.measured_peak_bytes));
+  const auto unverified = memfit::plan(net.ptr(), chain_loss, batch, 1 << 20, memfit::PlanOptions().verify(false));
+  EXPECT_EQ(unverified.measured_peak_bytes, 0);
+  EXPECT_EQ(unverified.settings.micro_batch(), verified.settings.micro_batch());
+}
+
 TEST_F(ModulePlanTest, APlanAppliesOnlyToTheModuleItWasMadeFor) {
   ChainNet net(32, 2);
   const auto p = memfit::plan(net.ptr(), chain_loss, sample(32), 1 << 30);

@@ -1,8 +1,9 @@
 // Bring your own model: a decoder-only language model of the user's own
-// (embedding, a chain of hand-written transformer blocks, a head) on the
-// Jargon File, planned by memfit under 1/2, 1/4 and 1/8 of its plain peak.
-// The only memfit-specific line in the model is holding the blocks in a
-// memfit::CheckpointedSequential: that marks where the plan may recompute.
+// (own_lm.h: embedding, a chain of hand-written transformer blocks, a head)
+// on the Jargon File, planned by memfit under 1/2, 1/4 and 1/8 of its plain
+// peak, each plan run under its budget beside its prediction.
+#include "own_lm.h"
+
 #include <memfit/data.h>
 #include <memfit/memory.h>
 #include <memfit/module_plan.h>
@@ -10,57 +11,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
-#include <cmath>
 #include <cstdio>
-
-struct BlockImpl : torch::nn::Module {  // pre-norm: attention, then an MLP, each with a residual
-  BlockImpl(int64_t d, int64_t heads) : heads(heads) {
-    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-    qkv = register_module("qkv", torch::nn::Linear(d, 3 * d));
-    proj = register_module("proj", torch::nn::Linear(d, d));
-    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-    up = register_module("up", torch::nn::Linear(d, 4 * d));
-    down = register_module("down", torch::nn::Linear(4 * d, d));
-  }
-  torch::Tensor forward(const torch::Tensor& x) {
-    const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
-    auto q_k_v = qkv->forward(ln1->forward(x)).view({b, t, 3, heads, d / heads}).permute({2, 0, 3, 1, 4});
-    auto scores = torch::matmul(q_k_v[0], q_k_v[1].transpose(-2, -1)) / std::sqrt(double(d / heads));
-    auto causal = torch::ones({t, t}, torch::kBool).triu(1);
-    auto attended = torch::matmul(scores.masked_fill(causal, -1e9).softmax(-1), q_k_v[2]);
-    auto h = x + proj->forward(attended.transpose(1, 2).reshape({b, t, d}));
-    return h + down->forward(torch::gelu(up->forward(ln2->forward(h))));
-  }
-  int64_t heads;
-  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
-  torch::nn::Linear qkv{nullptr}, proj{nullptr}, up{nullptr}, down{nullptr};
-};
-TORCH_MODULE(Block);
-
-struct LanguageModel : torch::nn::Module {
-  LanguageModel(int64_t vocab, int64_t context, int64_t d, int64_t layers, int64_t heads) {
-    tokens = register_module("tokens", torch::nn::Embedding(vocab, d));
-    positions = register_module("positions", torch::nn::Embedding(context, d));
-    torch::nn::Sequential stack;
-    for (int64_t i = 0; i < layers; ++i) stack->push_back(Block(d, heads));
-    blocks = register_module("blocks", memfit::CheckpointedSequential(stack));
-    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-    head = register_module("head", torch::nn::Linear(d, vocab));
-  }
-  torch::Tensor forward(const torch::Tensor& ids) {
-    auto x = tokens->forward(ids) + positions->forward(torch::arange(ids.size(1)));
-    return head->forward(ln->forward(blocks->forward(x)));
-  }
-  torch::nn::Embedding tokens{nullptr}, positions{nullptr};
-  memfit::CheckpointedSequential blocks{nullptr};
-  torch::nn::LayerNorm ln{nullptr};
-  torch::nn::Linear head{nullptr};
-};
-
-torch::Tensor next_token_loss(LanguageModel& lm, const torch::data::Example<>& b) {
-  auto logits = lm.forward(b.data);
-  return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}), b.target.view({-1}));
-}
 
 struct Run { double loss = 0, seconds = 1e30; int64_t peak = 0; };
 

@@ -145,6 +145,9 @@ class ModuleStepModel {
 struct ModulePlan : Plan {
   std::vector<std::string> chains;  ///< The chains' names, in the module's order.
   std::vector<Schedule> schedules;  ///< One per chain (empty: plain).
+  /// The peak of the plan's real steps on the sample, run under the budget
+  /// before it was chosen (PlanOptions::verify; 0 without).
+  int64_t measured_peak_bytes = 0;
 
   /// Sets every chain's schedule in `module` (found by name) and returns
   /// `base` with the plan's micro-batch, precision and offloads.
@@ -157,6 +160,14 @@ struct ModulePlan : Plan {
 
 /// The fastest plan for a step of `model`'s sample batch that fits
 /// options.margin() × `budget` (see the file comment).
+///
+/// With PlanOptions::verify, the best candidates are run for real (three
+/// steps on the sample, under `budget`, the module put back afterwards)
+/// before one is chosen: a candidate whose steps overrun the budget is
+/// dropped, and the predictions after it are scaled by how far it was off
+/// (at most four are run). Bytes within a window of the step are a maximum
+/// over moments, convex in the micro-batch: the linear fit from small
+/// micro-batches can fall short at large ones, and the run catches that.
 ///
 /// Throws c10::Error when nothing fits: the message names what was tried and
 /// the closest predicted peak, and, for a module with no chain, that holding

@@ -119,6 +119,9 @@ struct PlanOptions {
   TORCH_ARG(bool, micro_batching) = true;
   /// Selective recomputation of attention (see SelectiveRecompute).
   TORCH_ARG(SelectiveRecompute, selective_recompute) = SelectiveRecompute::kChoose;
+  /// Plans for a user's module (module_plan.h): run the best candidates'
+  /// real steps under the budget before choosing one. StepModel ignores it.
+  TORCH_ARG(bool, verify) = true;
 };
 
 /// The knobs of one training step.
