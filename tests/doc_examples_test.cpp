@@ -621,6 +621,23 @@ TEST_F(DocExamples, ScheduleLeastMemory) {
   EXPECT_LT(memfit::min_budget(c), memfit::simulate(memfit::schedule_none(4), c).peak_bytes);
 }
 
+// README's and docs/planner.md's snippet.
+TEST_F(DocExamples, PlanYourOwnModule) {
+  auto net = std::make_shared<NetImpl>();
+  auto loss = [](NetImpl& n, const torch::data::Example<>& b) {
+    return torch::nll_loss(n.forward(b.data).log_softmax(1), b.target);
+  };
+  torch::data::Example<> sample_batch(torch::randn({64, 784}), torch::randint(10, {64}));
+  std::ostringstream out;
+  auto& cout = out;
+  // Your module, your loss, a batch of the size you will train with.
+  auto plan = memfit::plan(net, loss, sample_batch, memfit::parse_memory_size("2GiB"));
+  memfit::Trainer trainer(net, loss, plan.apply(*net));  // micro-batch, precision, offload, each chain's schedule
+  cout << plan.explain();
+  EXPECT_NE(out.str().find("fits"), std::string::npos);
+  EXPECT_GT(trainer.train_step(sample_batch).loss, 0);
+}
+
 TEST_F(DocExamples, FindChains) {
   torch::nn::Sequential blocks(torch::nn::Linear(8, 8), torch::nn::ReLU());
   auto net = std::make_shared<torch::nn::Module>();
