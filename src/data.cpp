@@ -178,3 +178,34 @@ ImageDataset text_windows(const TextCorpus& corpus, int64_t context, Split split
 }
 
 } // namespace memfit
+
+namespace memfit {
+
+ExampleDataset::ExampleDataset(ImageDataset data) : data_(std::move(data)) {
+  TORCH_CHECK(data_.images.defined() && data_.labels.defined() && data_.images.size(0) == data_.labels.size(0),
+              "ExampleDataset needs images and labels with one row per example, got ",
+              data_.images.defined() ? data_.images.size(0) : 0, " and ",
+              data_.labels.defined() ? data_.labels.size(0) : 0, " rows");
+}
+
+torch::data::Example<> ExampleDataset::get_batch(c10::ArrayRef<size_t> indices) {
+  const auto n = static_cast<size_t>(data_.size());
+  std::vector<int64_t> rows(indices.begin(), indices.end());
+  for (size_t i : indices) {
+    TORCH_CHECK(i < n, "ExampleDataset: example ", i, " is out of range: the data set has ", n, " examples");
+  }
+  const auto index = torch::tensor(rows, torch::kLong);
+  return {data_.images.index_select(0, index), data_.labels.index_select(0, index)};
+}
+
+torch::optional<size_t> ExampleDataset::size() const { return static_cast<size_t>(data_.size()); }
+
+ExampleDataset fashion_mnist_dataset(Split split, const FashionMnistOptions& options) {
+  return ExampleDataset(load_fashion_mnist(split, options));
+}
+
+ExampleDataset jargon_dataset(int64_t context, Split split, const JargonOptions& options) {
+  return ExampleDataset(text_windows(load_jargon_file(options), context, split));
+}
+
+} // namespace memfit

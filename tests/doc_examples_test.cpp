@@ -607,6 +607,33 @@ TEST_F(DocExamples, TrainerFitOverATorchDataDataSet) {
   EXPECT_EQ(report.steps.size(), 10u);
 }
 
+TEST_F(DocExamples, ExampleDataset) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  memfit::ExampleDataset data(memfit::load_fashion_mnist(memfit::Split::kTest));
+  auto batch = data.get_batch({0, 5, 7});
+  EXPECT_TRUE(batch.data.size(0) == 3 && data.size().value() == 10000);
+  EXPECT_TRUE(batch.data[1].equal(data.data().images[5]));
+  memfit::testing::expect_error([&] { data.get_batch({10000}); }, "example 10000 is out of range: the data set has 10000");
+}
+
+TEST_F(DocExamples, FashionMnistDataset) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  auto test = memfit::fashion_mnist_dataset(memfit::Split::kTest);
+  EXPECT_EQ(test.size().value(), 10000u);
+  // LibTorch's DataLoader takes it as it is.
+  auto loader = torch::data::make_data_loader(std::move(test), 1000);
+  int64_t seen = 0;
+  for (const auto& b : *loader) seen += b.data.size(0);
+  EXPECT_EQ(seen, 10000);
+}
+
+TEST_F(DocExamples, JargonDataset) {
+  if (!std::filesystem::exists("/usr/share/doc/jargon-text/jargon.txt.gz")) GTEST_SKIP() << "jargon-text is not installed";
+  auto train = memfit::jargon_dataset(64, memfit::Split::kTrain);
+  EXPECT_EQ(train.get_batch({0}).target.size(1), 64);
+  EXPECT_TRUE(train.get_batch({3}).data[0].narrow(0, 1, 63).equal(train.get_batch({3}).target[0].narrow(0, 0, 63)));
+}
+
 TEST_F(DocExamples, FashionMnistFolder) {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   torch::data::datasets::MNIST train(memfit::fashion_mnist_folder());

@@ -280,8 +280,13 @@ TEST_F(OwnModelTest, FitReadsAMapStyleDataSetBatchByBatchLikeAnImageDataset) {
     auto data = Rows(whole.images, whole.labels).map(torch::data::transforms::Stack<>());
     return t.fit(data);
   });
+  const auto from_example_data_set = run([&](Trainer& t) {
+    ExampleDataset data(whole);  // what fashion_mnist_dataset and jargon_dataset return
+    return t.fit(data);
+  });
   for (size_t i = 0; i < from_tensors.size(); ++i) {
     EXPECT_TRUE(from_data_set[i].equal(from_tensors[i])) << "parameter " << i;
+    EXPECT_TRUE(from_example_data_set[i].equal(from_tensors[i])) << "parameter " << i;
   }
 }
 

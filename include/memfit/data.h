@@ -14,6 +14,8 @@
 /// the whole split in host memory (train: 188 MB of float images).
 
 #include <torch/arg.h>
+#include <torch/data/datasets/base.h>
+#include <torch/data/example.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -116,5 +118,50 @@ TextCorpus load_jargon_file(const JargonOptions& options = JargonOptions());
 ///   // train.images[i][j + 1] == train.labels[i][j]
 /// \endcode
 ImageDataset text_windows(const TextCorpus& corpus, int64_t context, Split split);
+
+/// A built-in data set as a torch::data batch data set: a batch of indices
+/// reads {images[indices], labels[indices]}, one gather per tensor, as an
+/// Example<> (so `Trainer::fit`, LibTorch's DataLoader and `.map(...)`
+/// chains take it). The tensors are shared, not copied; the batch is new host memory.
+///
+/// Example:
+/// \code
+///   memfit::ExampleDataset data(memfit::load_fashion_mnist(memfit::Split::kTest));
+///   auto batch = data.get_batch({0, 5, 7});
+///   assert(batch.data.size(0) == 3 && data.size().value() == 10000);
+/// \endcode
+class ExampleDataset : public torch::data::datasets::BatchDataset<ExampleDataset, torch::data::Example<>> {
+ public:
+  /// Wraps `data` (its tensors are shared).
+  explicit ExampleDataset(ImageDataset data);
+  /// The examples at `indices`, in order; throws c10::Error naming an index out of range.
+  torch::data::Example<> get_batch(c10::ArrayRef<size_t> indices) override;
+  /// Number of examples.
+  torch::optional<size_t> size() const override;
+  /// The wrapped data.
+  const ImageDataset& data() const { return data_; }
+
+ private:
+  ImageDataset data_;
+};
+
+/// Fashion-MNIST's `split` as a torch::data data set (load_fashion_mnist, then ExampleDataset).
+///
+/// Example:
+/// \code
+///   auto test = memfit::fashion_mnist_dataset(memfit::Split::kTest);
+///   assert(test.size().value() == 10000);
+/// \endcode
+ExampleDataset fashion_mnist_dataset(Split split, const FashionMnistOptions& options = FashionMnistOptions());
+
+/// The Jargon File's next-token windows of `context` tokens as a torch::data
+/// data set (load_jargon_file, text_windows, then ExampleDataset).
+///
+/// Example:
+/// \code
+///   auto train = memfit::jargon_dataset(64, memfit::Split::kTrain);
+///   assert(train.get_batch({0}).target.size(1) == 64);
+/// \endcode
+ExampleDataset jargon_dataset(int64_t context, Split split, const JargonOptions& options = JargonOptions());
 
 } // namespace memfit
