@@ -3,6 +3,7 @@
 #include "memfit/compat.h"
 #include "memfit/memory.h"
 #include "memfit/profile.h"
+#include "plan_internal.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -184,36 +185,6 @@ class ParameterMarks {
   std::vector<std::pair<torch::Tensor, unsigned>> hooks_;
 };
 
-// The module's parameters, buffers, gradients and the CPU RNG, put back on destruction.
-class ModuleRestore {
- public:
-  explicit ModuleRestore(torch::nn::Module& module) {
-    tensors_ = module.parameters();
-    const auto buffers = module.buffers();
-    tensors_.insert(tensors_.end(), buffers.begin(), buffers.end());
-    UntrackedGuard host;
-    for (const auto& t : tensors_) {
-      saved_.push_back(t.detach().clone());
-      grads_.push_back(t.grad());
-    }
-    rng_ = compat::get_rng_state({});
-  }
-  ~ModuleRestore() {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < tensors_.size(); ++i) {
-      tensors_[i].copy_(saved_[i]);
-      tensors_[i].mutable_grad() = grads_[i];
-    }
-    compat::set_rng_state(rng_);
-  }
-  ModuleRestore(const ModuleRestore&) = delete;
-  ModuleRestore& operator=(const ModuleRestore&) = delete;
-
- private:
-  std::vector<torch::Tensor> tensors_, saved_, grads_;
-  compat::RngState rng_;
-};
-
 // Sets each chain's schedule (empty: plain) and puts the old ones back on destruction.
 class ChainSchedules {
  public:
@@ -237,21 +208,6 @@ class ChainSchedules {
   std::vector<Schedule> saved_;
 };
 
-// A memory budget of at most `bytes` for the scope (a caller's lower one stays).
-class BudgetScope {
- public:
-  BudgetScope(torch::Device device, int64_t bytes) : device_(device), saved_(memory_budget(device)) {
-    set_memory_budget(device_, saved_ > 0 ? std::min(saved_, bytes) : bytes);
-  }
-  ~BudgetScope() { set_memory_budget(device_, saved_); }
-  BudgetScope(const BudgetScope&) = delete;
-  BudgetScope& operator=(const BudgetScope&) = delete;
-
- private:
-  torch::Device device_;
-  int64_t saved_;
-};
-
 // Candidates run for real before one is chosen, at most.
 constexpr int kVerifyAttempts = 4;
 
@@ -263,15 +219,7 @@ bool same_marks(const std::vector<Event>& a, const std::vector<Event>& b) {
   return true;
 }
 
-// v(m) on the line through (b_small, small) and (b_large, large); a falling
-// line (timing noise) or one crossing zero above 0 goes through 0 and the larger point instead.
-double line(double small, double large, int64_t b_small, int64_t b_large, int64_t m) {
-  const double slope = (large - small) / double(b_large - b_small);
-  const double intercept = small - slope * double(b_small);
-  if (intercept < 0 || slope < 0) return std::max(0.0, large) * double(m) / double(b_large);
-  return intercept + slope * double(m);
-}
-int64_t line_bytes(int64_t small, int64_t large, int64_t b_small, int64_t b_large, int64_t m) {
+int64_t affine_bytes(int64_t small, int64_t large, int64_t b_small, int64_t b_large, int64_t m) {
   // Bytes: the exact line (a step's bytes are affine in the batch).
   const double slope = double(large - small) / double(b_large - b_small);
   return std::max<int64_t>(0, std::llround(double(small) + slope * double(m - b_small)));
@@ -283,13 +231,13 @@ ChainProfile scale_profile(const ChainProfile& a, const ChainProfile& b, int64_t
     auto& l = out.layers[i];
     const auto& x = a.layers[i];
     const auto& y = b.layers[i];
-    l.input_bytes = line_bytes(x.input_bytes, y.input_bytes, ma, mb, m);
-    l.output_bytes = line_bytes(x.output_bytes, y.output_bytes, ma, mb, m);
-    l.kept_bytes = line_bytes(x.kept_bytes, y.kept_bytes, ma, mb, m);
-    l.forward_peak_bytes = line_bytes(x.forward_peak_bytes, y.forward_peak_bytes, ma, mb, m);
-    l.backward_overhead_bytes = line_bytes(x.backward_overhead_bytes, y.backward_overhead_bytes, ma, mb, m);
-    l.forward_seconds = line(x.forward_seconds, y.forward_seconds, ma, mb, m);
-    l.backward_seconds = line(x.backward_seconds, y.backward_seconds, ma, mb, m);
+    l.input_bytes = affine_bytes(x.input_bytes, y.input_bytes, ma, mb, m);
+    l.output_bytes = affine_bytes(x.output_bytes, y.output_bytes, ma, mb, m);
+    l.kept_bytes = affine_bytes(x.kept_bytes, y.kept_bytes, ma, mb, m);
+    l.forward_peak_bytes = affine_bytes(x.forward_peak_bytes, y.forward_peak_bytes, ma, mb, m);
+    l.backward_overhead_bytes = affine_bytes(x.backward_overhead_bytes, y.backward_overhead_bytes, ma, mb, m);
+    l.forward_seconds = detail::line(x.forward_seconds, y.forward_seconds, ma, mb, m);
+    l.backward_seconds = detail::line(x.backward_seconds, y.backward_seconds, ma, mb, m);
   }
   return out;
 }
@@ -350,7 +298,7 @@ struct ModuleStepModel::Impl {
 
 std::vector<Event> ModuleStepModel::Impl::measure_at(const StepSettings& s, int64_t m,
                                                      Capture* capture, int64_t* state_bytes) {
-  ModuleRestore restore(*probe.module);
+  detail::ModuleStateGuard restore(*probe.module);
   auto rec = std::make_shared<Recorder>(base.device(), chains.size());
   ChainTaps taps(chains, rec);
   auto trainer = probe.make_trainer(
@@ -535,7 +483,7 @@ std::vector<std::pair<const Event*, int64_t>> predicted_windows(const std::vecto
   std::vector<ChainState> state(deltas.size(), ChainState::kIdle);
   std::vector<std::pair<const Event*, int64_t>> out;
   for (size_t i = 1; i < large.size(); ++i) {
-    int64_t peak = line_bytes(small[i].window_peak, large[i].window_peak, ms, ml, m);
+    int64_t peak = affine_bytes(small[i].window_peak, large[i].window_peak, ms, ml, m);
     for (size_t c = 0; c < deltas.size(); ++c) {
       if (int(c) == exclude) continue;
       if (state[c] == ChainState::kForward) peak += deltas[c].forward;
@@ -594,7 +542,7 @@ StepPrediction ModuleStepModel::predict(int64_t batch, const StepSettings& setti
     return t;
   };
   const auto ts = split(meas.small), tl = split(meas.large);
-  double per_micro = line(ts.first, tl.first, im.m_small, im.m_large, m);
+  double per_micro = detail::line(ts.first, tl.first, im.m_small, im.m_large, m);
   if (m < im.m_small && !meas.one.empty()) {  // between the measured micro-batches of 1 and m_small
     const auto t1 = split(meas.one);
     per_micro = t1.first + (ts.first - t1.first) * double(m - 1) / double(im.m_small - 1);
@@ -768,10 +716,11 @@ Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int
 // steady step's), or -1 when one ran out of memory under it.
 int64_t run_plan(const ModuleStepModel::Impl& im, const StepSettings& settings,
                  const std::vector<Schedule>& schedules, int64_t budget) {
-  ModuleRestore restore(*im.probe.module);
+  detail::ModuleStateGuard restore(*im.probe.module);
   ChainSchedules scheduled(im.chains, schedules);
   auto trainer = im.probe.make_trainer(trainer_options(settings, im.base).batch_size(im.probe.examples).save_dir(""));
-  BudgetScope scope(im.base.device(), budget);
+  const int64_t outer = memory_budget(im.base.device());  // a caller's lower budget stays
+  detail::BudgetScope scope(im.base.device(), outer > 0 ? std::min(outer, budget) : budget);
   int64_t peak = 0;
   try {
     for (int k = 0; k < 3; ++k) {  // the first creates the optimizer's state

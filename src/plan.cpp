@@ -1,6 +1,7 @@
 #include "memfit/plan.h"
 
 #include "memfit/stream.h"
+#include "plan_internal.h"
 
 #include "memfit/compat.h"
 #include "memfit/models.h"
@@ -145,17 +146,8 @@ std::vector<Segment> as_streamed(const std::vector<Segment>& segments, const std
   return out;
 }
 
-// v(m) on the line through (b_small, small) and (b_large, large); when that
-// line would cross zero above m = 0 or fall (timing noise), the line through
-// 0 and (b_large, large) instead, so small batches never look free.
-double line(double small, double large, int64_t b_small, int64_t b_large, int64_t m) {
-  const double slope = (large - small) / double(b_large - b_small);
-  const double intercept = small - slope * double(b_small);
-  if (intercept < 0 || slope < 0) return std::max(0.0, large) * double(m) / double(b_large);
-  return intercept + slope * double(m);
-}
 int64_t line_bytes(int64_t small, int64_t large, int64_t b_small, int64_t b_large, int64_t m) {
-  return static_cast<int64_t>(std::llround(line(double(small), double(large), b_small, b_large, m)));
+  return static_cast<int64_t>(std::llround(detail::line(double(small), double(large), b_small, b_large, m)));
 }
 
 
@@ -409,8 +401,8 @@ ChainProfile StepModel::scaled_profile(Precision precision, int64_t micro_batch,
     auto lo = std::prev(hi);
     const auto& tl = lo->second.layers[i];
     const auto& th = hi->second.layers[i];
-    l.forward_seconds = line(tl.forward_seconds, th.forward_seconds, lo->first, hi->first, micro_batch);
-    l.backward_seconds = line(tl.backward_seconds, th.backward_seconds, lo->first, hi->first, micro_batch);
+    l.forward_seconds = detail::line(tl.forward_seconds, th.forward_seconds, lo->first, hi->first, micro_batch);
+    l.backward_seconds = detail::line(tl.backward_seconds, th.backward_seconds, lo->first, hi->first, micro_batch);
     if (micro_batch < lo->first) {  // never below the smallest measured batch's time per example
       l.forward_seconds = std::max(l.forward_seconds, tl.forward_seconds * double(micro_batch) / double(lo->first));
       l.backward_seconds = std::max(l.backward_seconds, tl.backward_seconds * double(micro_batch) / double(lo->first));
@@ -804,8 +796,8 @@ bool verify_step(const std::function<torch::nn::Sequential()>& make_model, const
                  int64_t batch, const StepSettings& s, int64_t budget, const PlanOptions& o,
                  const torch::Device& device, int64_t* peak) {
   const int64_t base = memory_allocated(device);
-  const int64_t old_budget = memory_budget(device);
   bool ok = false;
+  std::optional<detail::BudgetScope> budget_scope;  // the caller's budget comes back, also after a throw
   try {
     auto chain = make_model();
     set_selective_recompute(chain, s.selective_recompute());
@@ -818,18 +810,14 @@ bool verify_step(const std::function<torch::nn::Sequential()>& make_model, const
                                                                          .momentum(o.momentum())
                                                                          .weight_decay(o.weight_decay())
                                                                          .device(device)));
-    set_memory_budget(device, base + budget);
+    budget_scope.emplace(device, base + budget);
     const auto report = trainer.fit(data);
     *peak = 0;
     for (const auto& r : report.steps) *peak = std::max(*peak, r.peak_bytes - base);
     ok = true;
   } catch (const c10::OutOfMemoryError&) {
     ok = false;
-  } catch (...) {
-    set_memory_budget(device, old_budget);
-    throw;
   }
-  set_memory_budget(device, old_budget);
   return ok;
 }
 
@@ -910,18 +898,9 @@ ModelProfile profile(const torch::nn::Sequential& model, const torch::Tensor& sa
               "profile needs a sample batch with at least one example");
   ModelProfile out;
   out.chain = profile_chain(model, sample_batch);
-  // The steps train the model itself; its parameters, buffers and the RNG are
-  // put back afterwards (modules need not be Cloneable).
-  std::vector<torch::Tensor> tensors = model->parameters();
-  const auto buffers = model->buffers();
-  tensors.insert(tensors.end(), buffers.begin(), buffers.end());
-  std::vector<torch::Tensor> saved;
-  compat::RngState rng;
-  {
-    UntrackedGuard host;
-    for (const auto& t : tensors) saved.push_back(t.detach().clone());
-    rng = compat::get_rng_state({});
-  }
+  // The steps train the model itself; its parameters, buffers, gradients and
+  // the RNG are put back afterwards (modules need not be Cloneable).
+  detail::ModuleStateGuard restore(*model);
   ImageDataset batch;
   {
     UntrackedGuard host;  // the sample is host data, as a data set is
@@ -930,28 +909,14 @@ ModelProfile profile(const torch::nn::Sequential& model, const torch::Tensor& sa
     batch.labels = torch::is_floating_point(sample_batch) ? torch::zeros({sample_batch.size(0)}, torch::kInt64)
                                                           : torch::zeros_like(sample_batch, torch::kInt64);
   }
-  auto restore = [&] {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      tensors[i].copy_(saved[i]);
-      tensors[i].mutable_grad() = torch::Tensor();
-    }
-    compat::set_rng_state(rng);
-  };
-  try {
-    Trainer trainer(model, TrainerOptions()
-                               .batch_size(sample_batch.size(0))
-                               .steps(2)
-                               .optimizer(optimizer)
-                               .device(sample_batch.device()));
-    const auto report = trainer.fit(batch);
-    out.step = report.step_memory;
-    out.step_seconds = report.steps.back().seconds;
-  } catch (...) {
-    restore();
-    throw;
-  }
-  restore();
+  Trainer trainer(model, TrainerOptions()
+                             .batch_size(sample_batch.size(0))
+                             .steps(2)
+                             .optimizer(optimizer)
+                             .device(sample_batch.device()));
+  const auto report = trainer.fit(batch);
+  out.step = report.step_memory;
+  out.step_seconds = report.steps.back().seconds;
   return out;
 }
 
