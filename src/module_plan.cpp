@@ -107,21 +107,50 @@ class RecordStep : public StepComponent {
   std::shared_ptr<Recorder> r_;
 };
 
+// Sets each chain's schedule (empty: plain) and puts the old ones back on destruction.
+class ChainSchedules {
+ public:
+  ChainSchedules(std::vector<FoundChain> chains, const std::vector<Schedule>& schedules)
+      : chains_(std::move(chains)) {
+    for (size_t c = 0; c < chains_.size(); ++c) {
+      auto chain = chains_[c].chain.ptr();
+      saved_.push_back(chain->schedule());
+      const auto n = static_cast<int64_t>(chain->sequential()->size());
+      chain->set_schedule(c < schedules.size() && !schedules[c].segments.empty() ? schedules[c] : schedule_none(n));
+    }
+  }
+  ~ChainSchedules() {
+    for (size_t c = 0; c < saved_.size(); ++c) chains_[c].chain.ptr()->set_schedule(saved_[c]);
+  }
+  ChainSchedules(const ChainSchedules&) = delete;
+  ChainSchedules& operator=(const ChainSchedules&) = delete;
+
+ private:
+  std::vector<FoundChain> chains_;
+  std::vector<Schedule> saved_;
+};
+
+// `chains`, after checking that none runs its layers through a runner already.
+std::vector<FoundChain> without_runners(std::vector<FoundChain> chains) {
+  for (const auto& c : chains) {
+    TORCH_CHECK(!c.chain->layer_runner(), "plan: chain '", c.name,
+                "' already runs its layers through a layer runner (a ParameterStream?); plan the "
+                "module before attaching one");
+  }
+  return chains;
+}
+
 // Runs every chain plainly with marks at its forward's entry and exit and
 // hooks for its backward's; puts schedules and runners back on destruction.
 class ChainTaps {
  public:
-  ChainTaps(std::vector<FoundChain> chains, const std::shared_ptr<Recorder>& rec) : chains_(std::move(chains)) {
+  ChainTaps(std::vector<FoundChain> chains, const std::shared_ptr<Recorder>& rec)
+      : chains_(without_runners(std::move(chains))), plain_(chains_, {}) {
     for (size_t c = 0; c < chains_.size(); ++c) {
-      auto& chain = *chains_[c].chain;
-      TORCH_CHECK(!chain.layer_runner(), "plan: chain '", chains_[c].name,
-                  "' already runs its layers through a layer runner (a ParameterStream?); plan the "
-                  "module before attaching one");
-      schedules_.push_back(chain.schedule());
-      const auto n = static_cast<int64_t>(chain.sequential()->size());
-      chain.set_schedule(schedule_none(n));
+      auto chain = chains_[c].chain.ptr();
+      const auto n = static_cast<int64_t>(chain->sequential()->size());
       const int index = static_cast<int>(c);
-      chain.set_layer_runner([rec, index, n](int64_t i, torch::nn::AnyModule& m, const torch::Tensor& x) {
+      chain->set_layer_runner([rec, index, n](int64_t i, torch::nn::AnyModule& m, const torch::Tensor& x) {
         const bool grad = torch::autograd::GradMode::is_enabled();
         if (grad && rec->active && rec->micro == 0) {
           auto& bytes = rec->layer_bytes[static_cast<size_t>(index)];
@@ -150,17 +179,14 @@ class ChainTaps {
     }
   }
   ~ChainTaps() {
-    for (size_t c = 0; c < schedules_.size(); ++c) {
-      chains_[c].chain->set_layer_runner(nullptr);
-      chains_[c].chain->set_schedule(schedules_[c]);
-    }
+    for (auto& c : chains_) c.chain.ptr()->set_layer_runner(nullptr);
   }
   ChainTaps(const ChainTaps&) = delete;
   ChainTaps& operator=(const ChainTaps&) = delete;
 
  private:
   std::vector<FoundChain> chains_;
-  std::vector<Schedule> schedules_;
+  ChainSchedules plain_;
 };
 
 // A mark each time backward hands a parameter its gradient: windows inside
@@ -183,29 +209,6 @@ class ParameterMarks {
 
  private:
   std::vector<std::pair<torch::Tensor, unsigned>> hooks_;
-};
-
-// Sets each chain's schedule (empty: plain) and puts the old ones back on destruction.
-class ChainSchedules {
- public:
-  ChainSchedules(std::vector<FoundChain> chains, const std::vector<Schedule>& schedules)
-      : chains_(std::move(chains)) {
-    for (size_t c = 0; c < chains_.size(); ++c) {
-      auto chain = chains_[c].chain.ptr();
-      saved_.push_back(chain->schedule());
-      const auto n = static_cast<int64_t>(chain->sequential()->size());
-      chain->set_schedule(c < schedules.size() && !schedules[c].segments.empty() ? schedules[c] : schedule_none(n));
-    }
-  }
-  ~ChainSchedules() {
-    for (size_t c = 0; c < saved_.size(); ++c) chains_[c].chain.ptr()->set_schedule(saved_[c]);
-  }
-  ChainSchedules(const ChainSchedules&) = delete;
-  ChainSchedules& operator=(const ChainSchedules&) = delete;
-
- private:
-  std::vector<FoundChain> chains_;
-  std::vector<Schedule> saved_;
 };
 
 // Candidates run for real before one is chosen, at most.

@@ -158,9 +158,12 @@ TEST_F(ModulePlanTest, TheChosenPlanRanUnderTheBudgetBeforeItWasReturnedUnlessVe
   EXPECT_LE(verified.measured_peak_bytes, 1 << 20);
   EXPECT_NEAR(double(verified.predicted.peak_bytes), double(verified.measured_peak_bytes),
               0.05 * double(verified.measured_peak_bytes));
+  // Without verification nothing runs at the planned batch (the choice
+  // itself may differ: predicted times within the 3% tie band are noise).
   const auto unverified = memfit::plan(net.ptr(), chain_loss, batch, 1 << 20, memfit::PlanOptions().verify(false));
+  EXPECT_TRUE(unverified.fits);
   EXPECT_EQ(unverified.measured_peak_bytes, 0);
-  EXPECT_EQ(unverified.settings.micro_batch(), verified.settings.micro_batch());
+  EXPECT_LE(unverified.predicted.peak_bytes, static_cast<int64_t>(0.97 * (1 << 20)));
 }
 
 TEST_F(ModulePlanTest, APlanAppliesOnlyToTheModuleItWasMadeFor) {
