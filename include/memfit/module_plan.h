@@ -6,13 +6,16 @@
 ///
 /// ModuleStepModel measures the user's real training step (Trainer::train_step
 /// over the module and loss, on slices of a sample batch) in each precision
-/// and offload setting the plan may use, at two micro-batch sizes, and fits
-/// every byte figure as a linear function of the micro-batch. The step is cut
-/// into windows at fixed points: each micro-batch's start and end, the
-/// optimizer step, and each chain's forward entry and exit and backward
-/// entry and exit (hooks on the chain's output and input). The rest of the
-/// model is measured as a whole inside those windows; each chain's layers are
-/// profiled one by one (profile_chain, on the input the chain received).
+/// and offload setting the plan may use, at micro-batches of
+/// PlanOptions::profile_batch and half of it (and of 1, for times), and fits
+/// every byte figure as an affine function of the micro-batch. The step is
+/// cut into windows at fixed points: each micro-batch's start, its loss,
+/// each parameter's gradient and its end, the optimizer step, and each
+/// chain's forward entry and exit and backward entry and exit (hooks on the
+/// chain's output and input). The rest of the model is measured as a whole
+/// inside those windows; each chain's layers are profiled one by one
+/// (profile_chain, on the input the chain received), with the bytes each
+/// keeps read from the module's own run.
 ///
 /// A step with checkpoint schedules is predicted from the plain step's
 /// windows: schedule.h's simulator gives, for each chain, how much the
@@ -27,14 +30,15 @@
 /// each solves every chain's optimal schedule for the memory its windows
 /// leave; it keeps the fastest plan whose predicted peak fits (times within
 /// 3% are a tie, won by the plan without recomputation, then with less
-/// offload). Parameter streaming is for Sequential classifiers only
-/// (plan.h's StepModel).
+/// offload, then with fewer micro-batches), after running the best
+/// candidates under the budget (PlanOptions::verify). Parameter streaming is
+/// for Sequential classifiers only (plan.h's StepModel).
 ///
 /// Thread safety: one model or plan at a time per module. Sync points: every
 /// measured step (it reads the loss) and each window mark (on CUDA, timing).
 /// Extra memory: steps of two micro-batches of at most
-/// PlanOptions::profile_batch examples, and one chain layer at a time while
-/// profiling. The module's parameters, buffers, gradients, its chains'
+/// PlanOptions::profile_batch examples, one chain layer at a time while
+/// profiling, and (verify) the candidates' own steps under the budget. The module's parameters, buffers, gradients, its chains'
 /// schedules and the CPU RNG are put back afterwards.
 
 #include "memfit/batch.h"
