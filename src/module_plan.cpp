@@ -682,7 +682,7 @@ std::string schedules_text(const std::vector<FoundChain>& chains, const std::vec
 namespace {
 
 struct Search {
-  std::vector<Candidate> fitting;  // predicted to fit, best first
+  std::vector<Candidate> fitting;  // predicted to fit
   std::optional<Candidate> closest;
   int64_t candidates = 0;
 };
@@ -711,7 +711,6 @@ Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int
       if (c.predicted.peak_bytes <= limit) out.fitting.push_back(c);
     }
   }
-  std::stable_sort(out.fitting.begin(), out.fitting.end(), better);
   return out;
 }
 
@@ -767,9 +766,13 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   double correction = 1.0;
   std::optional<Candidate> best;
   for (int attempts = 0; !found.fitting.empty() && !best && attempts < kVerifyAttempts;) {
-    auto it = std::find_if(found.fitting.begin(), found.fitting.end(), [&](const Candidate& c) {
-      return double(c.predicted.peak_bytes) * correction <= double(limit);
-    });
+    // The best that still fits after the correction: a scan, not a sort
+    // (the 3% tie band makes `better` intransitive, which sorting forbids).
+    auto it = found.fitting.end();
+    for (auto c = found.fitting.begin(); c != found.fitting.end(); ++c) {
+      if (double(c->predicted.peak_bytes) * correction > double(limit)) continue;
+      if (it == found.fitting.end() || better(*c, *it)) it = c;
+    }
     if (it == found.fitting.end()) break;
     const Candidate c = *it;
     found.fitting.erase(it);
