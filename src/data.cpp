@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+
+#include <dirent.h>
 #include <unistd.h>
 
 namespace fs = std::filesystem;
@@ -31,56 +33,150 @@ fs::path cache_root(const std::string& configured) {
   return fs::temp_directory_path() / "memfit";
 }
 
-// Unzips `gz` into `out` through a temporary file and a rename, so a reader
-// never sees half a file.
+// Each IDX file: its magic number (2051 images, 2049 labels) and how many
+// examples LibTorch's MNIST reader expects (it refuses other counts).
+struct IdxFile {
+  const char* name;
+  uint32_t magic;
+  int64_t count;
+};
+const IdxFile kIdx[] = {{kFiles[0], 2051, 60000}, {kFiles[1], 2049, 60000},
+                        {kFiles[2], 2051, 10000}, {kFiles[3], 2049, 10000}};
+
+std::string damaged(const fs::path& file, const std::string& what) {
+  return fmt::format("Fashion-MNIST file {} is damaged: {}; reinstall Debian's dataset-fashion-mnist, or give a "
+                     "folder with the four intact files", file.string(), what);
+}
+
+// Checks an unzipped IDX file's header and length, reading 16 bytes; errors
+// name `shown` (the .gz file it came from, or the file itself).
+void check_idx(const fs::path& file, const IdxFile& spec, const fs::path& shown) {
+  std::ifstream is(file, std::ios::binary);
+  TORCH_CHECK(is, "cannot open ", file.string(), " for reading");
+  const bool images = spec.magic == 2051;
+  unsigned char h[16] = {};
+  is.read(reinterpret_cast<char*>(h), images ? 16 : 8);
+  TORCH_CHECK(is, damaged(shown, "it is shorter than an IDX header"));
+  const auto word = [&](int i) {
+    return uint32_t(h[4 * i]) << 24 | uint32_t(h[4 * i + 1]) << 16 | uint32_t(h[4 * i + 2]) << 8 | h[4 * i + 3];
+  };
+  TORCH_CHECK(word(0) == spec.magic, damaged(shown, fmt::format("its IDX magic number is {}, not {}", word(0), spec.magic)));
+  TORCH_CHECK(word(1) == spec.count, damaged(shown, fmt::format("it holds {} examples, not {}", word(1), spec.count)));
+  TORCH_CHECK(!images || (word(2) == 28 && word(3) == 28),
+              damaged(shown, fmt::format("its images are {}x{}, not 28x28", word(2), word(3))));
+  const auto expected = static_cast<uintmax_t>((images ? 16 : 8) + spec.count * (images ? 28 * 28 : 1));
+  std::error_code ec;
+  const auto size = fs::file_size(file, ec);
+  TORCH_CHECK(!ec && size == expected, damaged(shown, fmt::format("it is {} bytes long, not {}", size, expected)));
+}
+
+// Unzips `gz` into `out`, refusing what is not an intact gzip stream (a
+// truncated file, a failed checksum, or bytes that are not gzip at all).
 void gunzip(const fs::path& gz, const fs::path& out) {
   gzFile in = gzopen(gz.c_str(), "rb");
   TORCH_CHECK(in != nullptr, "cannot open ", gz.string(), " for reading");
-  const fs::path tmp = out.string() + fmt::format(".tmp{}", ::getpid());
-  {
-    std::ofstream os(tmp, std::ios::binary | std::ios::trunc);
-    if (!os) {
-      gzclose(in);
-      TORCH_CHECK(false, "cannot write ", tmp.string(),
-                  "; set MEMFIT_CACHE_DIR to a writable folder");
-    }
-    char buf[1 << 16];
-    int n;
-    while ((n = gzread(in, buf, sizeof buf)) > 0) os.write(buf, n);
-    const bool failed = n < 0 || !os;
+  std::ofstream os(out, std::ios::binary | std::ios::trunc);
+  if (!os) {
     gzclose(in);
-    if (failed) {
-      os.close();
-      fs::remove(tmp);
-      TORCH_CHECK(false, "cannot unzip ", gz.string(), " (corrupt file or full disk)");
-    }
+    TORCH_CHECK(false, "cannot write ", out.string(), "; set MEMFIT_CACHE_DIR to a writable folder");
   }
-  fs::rename(tmp, out);
+  char buf[1 << 16];
+  int n;
+  while ((n = gzread(in, buf, sizeof buf)) > 0) os.write(buf, n);
+  int err = Z_OK;
+  const std::string message = gzerror(in, &err);
+  const bool direct = gzdirect(in) != 0;
+  gzclose(in);
+  os.close();
+  TORCH_CHECK(!direct, damaged(gz, "it is not a gzip file"));
+  TORCH_CHECK(n == 0 && err == Z_OK, damaged(gz, "its gzip stream is broken (" + message + ")"));
+  TORCH_CHECK(os, "cannot write ", out.string(), " (is the disk full?)");
 }
 
-// A folder holding the four unzipped IDX files, unzipping into the cache when
-// `root` holds only the .gz files.
+// A key for the four .gz files' contents: their sizes and CRC-32s.
+std::string content_key(const fs::path& root) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  std::vector<char> buf(1 << 20);
+  for (const char* f : kFiles) {
+    const fs::path gz = root / (std::string(f) + ".gz");
+    std::ifstream is(gz, std::ios::binary);
+    TORCH_CHECK(is, "cannot open ", gz.string(), " for reading");
+    uintmax_t size = 0;
+    while (is.read(buf.data(), static_cast<std::streamsize>(buf.size())) || is.gcount() > 0) {
+      crc = crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(is.gcount()));
+      size += static_cast<uintmax_t>(is.gcount());
+    }
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(&size), sizeof size);
+  }
+  return fmt::format("{:08x}", static_cast<uint32_t>(crc));
+}
+
+// Removes a flat folder and its files (POSIX calls: a LibTorch 2.x build may
+// bind std::filesystem::remove_all to libtorch.so's own copy, which crashes).
+void remove_flat_folder(const fs::path& folder) {
+  if (DIR* d = ::opendir(folder.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name != "." && name != "..") ::unlink((folder / name).c_str());
+    }
+    ::closedir(d);
+  }
+  ::rmdir(folder.c_str());
+}
+
+bool holds_intact_files(const fs::path& folder) {
+  try {
+    for (const auto& f : kIdx) check_idx(folder / f.name, f, folder / f.name);
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+// A folder holding the four checked, unzipped IDX files: `root` when it holds
+// them, else cache/fashion-mnist/KEY, where KEY names the .gz files' contents.
+// The cache folder is filled under a temporary name, checked, then renamed:
+// a damaged input never leaves anything that a later run would read.
 fs::path unzipped_folder(const FashionMnistOptions& options) {
   const fs::path root(options.root());
   bool plain = true;
   for (const char* f : kFiles) plain = plain && fs::exists(root / f);
-  if (plain) return root;
+  if (plain) {
+    for (const auto& f : kIdx) check_idx(root / f.name, f, root / f.name);
+    return root;
+  }
   for (const char* f : kFiles) {
     const fs::path gz = root / (std::string(f) + ".gz");
     TORCH_CHECK(fs::exists(gz), "Fashion-MNIST file ", gz.string(),
                 " is missing: install Debian's package dataset-fashion-mnist "
-                "(apt-get install dataset-fashion-mnist) or point --data at a folder with "
+                "(apt-get install dataset-fashion-mnist) or give a folder with "
                 "the four *-ubyte(.gz) files");
   }
-  const fs::path cache = cache_root(options.cache_dir()) / "fashion-mnist";
+  const fs::path cache = cache_root(options.cache_dir()) / "fashion-mnist" / content_key(root);
+  if (holds_intact_files(cache)) return cache;
   std::error_code ec;
-  fs::create_directories(cache, ec);
-  TORCH_CHECK(!ec, "cannot create cache folder ", cache.string(), ": ", ec.message(),
+  fs::create_directories(cache.parent_path(), ec);
+  TORCH_CHECK(!ec, "cannot create cache folder ", cache.parent_path().string(), ": ", ec.message(),
               "; set MEMFIT_CACHE_DIR to a writable folder");
-  for (const char* f : kFiles) {
-    const fs::path out = cache / f;
-    const fs::path gz = root / (std::string(f) + ".gz");
-    if (!fs::exists(out) || fs::last_write_time(out) < fs::last_write_time(gz)) gunzip(gz, out);
+  const fs::path tmp = cache.string() + fmt::format(".tmp{}", ::getpid());
+  remove_flat_folder(tmp);
+  fs::create_directory(tmp, ec);
+  TORCH_CHECK(!ec, "cannot create ", tmp.string(), ": ", ec.message(), "; set MEMFIT_CACHE_DIR to a writable folder");
+  try {
+    for (const auto& f : kIdx) {
+      const fs::path gz = root / (std::string(f.name) + ".gz");
+      gunzip(gz, tmp / f.name);
+      check_idx(tmp / f.name, f, gz);
+    }
+  } catch (...) {
+    remove_flat_folder(tmp);
+    throw;
+  }
+  remove_flat_folder(cache);  // a damaged copy (edited by hand); intact ones returned above
+  if (::rename(tmp.c_str(), cache.c_str()) != 0) {  // another process renamed its copy first
+    remove_flat_folder(tmp);
+    TORCH_CHECK(holds_intact_files(cache), "cannot fill the cache folder ", cache.string(),
+                "; set MEMFIT_CACHE_DIR to a writable folder");
   }
   return cache;
 }
@@ -116,9 +212,12 @@ TextCorpus load_jargon_file(const JargonOptions& options) {
   char buf[1 << 16];
   int n = 0;
   while ((n = gzread(in, buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
-  const bool failed = n < 0;
+  int err = Z_OK;
+  const std::string message = gzerror(in, &err);
   gzclose(in);
-  TORCH_CHECK(!failed && !text.empty(), "cannot read ", path.string(), " (a corrupt or empty gzip file)");
+  TORCH_CHECK(n == 0 && err == Z_OK, "cannot read ", path.string(), ": its gzip stream is broken (", message,
+              "); reinstall Debian's jargon-text, or give an intact file");
+  TORCH_CHECK(!text.empty(), "cannot read ", path.string(), ": it is empty; give a text of at least a few windows");
   TextCorpus corpus;
   bool seen[256] = {};
   for (unsigned char c : text) seen[c] = true;

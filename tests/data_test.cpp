@@ -6,8 +6,12 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <map>
 
+#include <ftw.h>
 #include <unistd.h>
+#include <zlib.h>
 
 namespace memfit {
 namespace {
@@ -29,15 +33,55 @@ class FashionMnist : public testing::Seeded {
     cache_ = fs::temp_directory_path() / ("memfit-data-test-" + std::to_string(::getpid()));
   }
   void TearDown() override {
-    // POSIX calls rather than fs::remove_all, which a LibTorch 2.x build may
-    // resolve to libtorch.so's own (incompatible) copy and crash in.
-    for (const char* f : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                          "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"}) {
-      ::unlink((cache_ / "fashion-mnist" / f).c_str());
-    }
-    ::rmdir((cache_ / "fashion-mnist").c_str());
-    ::rmdir(cache_.c_str());
+    remove_tree(cache_);
     Seeded::TearDown();
+  }
+  // POSIX calls rather than fs::remove_all, which a LibTorch 2.x build may
+  // resolve to libtorch.so's own (incompatible) copy and crash in.
+  static void remove_tree(const fs::path& path) {
+    ::nftw(path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+           FTW_DEPTH | FTW_PHYS);
+  }
+  // The cache folder that holds the four unzipped files, if any.
+  std::vector<fs::path> cached_folders() const {
+    std::vector<fs::path> out;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(cache_ / "fashion-mnist", ec)) out.push_back(e.path());
+    return out;
+  }
+  // A folder of four .gz files: the real ones, except those given by name.
+  fs::path data_folder(const std::map<std::string, std::string>& gz_bytes, bool compress = true) {
+    const fs::path root = cache_ / "input";
+    fs::create_directories(root);
+    for (const char* f : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                          "t10k-labels-idx1-ubyte"}) {
+      const fs::path gz = root / (std::string(f) + ".gz");
+      const auto it = gz_bytes.find(f);
+      if (it == gz_bytes.end()) {
+        fs::create_symlink(fs::path(FashionMnistOptions().root()) / gz.filename(), gz);
+      } else if (compress) {
+        gzFile out = gzopen(gz.c_str(), "wb1");
+        gzwrite(out, it->second.data(), static_cast<unsigned>(it->second.size()));
+        gzclose(out);
+      } else {
+        std::ofstream(gz, std::ios::binary) << it->second;
+      }
+    }
+    return root;
+  }
+  // Loads the training split from `root`, expecting an error naming `file`
+  // and holding `what`; then checks that nothing was cached.
+  void expect_refused(const fs::path& root, const std::string& file, const std::string& what) {
+    try {
+      load_fashion_mnist(Split::kTrain, FashionMnistOptions().root(root.string()).cache_dir(cache_.string()));
+      ADD_FAILURE() << "expected an error for " << file;
+    } catch (const c10::Error& e) {
+      const std::string msg = e.msg();
+      EXPECT_NE(msg.find((root / file).string()), std::string::npos) << msg;
+      EXPECT_NE(msg.find(what), std::string::npos) << msg;
+      EXPECT_EQ(msg.find('\n'), std::string::npos) << "one line: " << msg;
+    }
+    EXPECT_TRUE(cached_folders().empty()) << "a damaged input left a cache folder: " << cached_folders().front();
   }
   fs::path cache_;
 };
@@ -55,7 +99,53 @@ TEST_F(FashionMnist, ReadsTheRealTestSplitFromDebiansGzippedFiles) {
   // Normalised with the training statistics: the test mean is near 0, std near 1.
   EXPECT_NEAR(ds.images.mean().item<double>(), 0.0, 0.05);
   EXPECT_NEAR(ds.images.std().item<double>(), 1.0, 0.05);
-  EXPECT_TRUE(fs::exists(cache_ / "fashion-mnist" / "t10k-images-idx3-ubyte"));
+  ASSERT_EQ(cached_folders().size(), 1u);
+  EXPECT_TRUE(fs::exists(cached_folders().front() / "t10k-images-idx3-ubyte"));
+}
+
+// Reference: `head -c 3000` of each .gz trained with exit 0 before the files were checked.
+TEST_F(FashionMnist, TruncatedFilesAreRefusedNamingTheFileAndNeverCached) {
+  std::map<std::string, std::string> cut;
+  for (const char* f : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte"}) {
+    std::ifstream is(fs::path(FashionMnistOptions().root()) / (std::string(f) + ".gz"), std::ios::binary);
+    std::string bytes(3000, '\0');
+    is.read(bytes.data(), 3000);
+    cut[f] = bytes;
+  }
+  expect_refused(data_folder(cut, /*compress=*/false), "train-images-idx3-ubyte.gz", "gzip stream is broken");
+}
+
+TEST_F(FashionMnist, BytesThatAreNotGzipAreRefused) {
+  expect_refused(data_folder({{"t10k-labels-idx1-ubyte", "not a gzip file at all"}}, /*compress=*/false),
+                 "t10k-labels-idx1-ubyte.gz", "not a gzip file");
+}
+
+TEST_F(FashionMnist, GzippedGarbageFailsTheIdxMagicNumber) {
+  expect_refused(data_folder({{"train-images-idx3-ubyte", std::string(5000, '\x5a')}}),
+                 "train-images-idx3-ubyte", "IDX magic number is 1515870810, not 2051");
+}
+
+TEST_F(FashionMnist, ALabelCountThatDisagreesWithTheImagesIsRefused) {
+  std::string labels = {0, 0, 8, 1, 0, 0, '\xea', '\x5f'};  // magic 2049, 59999 labels
+  labels += std::string(59999, '\1');
+  expect_refused(data_folder({{"train-labels-idx1-ubyte", labels}}), "train-labels-idx1-ubyte",
+                 "holds 59999 examples, not 60000");
+}
+
+TEST_F(FashionMnist, ADamagedInputNeverBreaksALaterRunOnGoodData) {
+  expect_refused(data_folder({{"t10k-images-idx3-ubyte", std::string(100, '\0')}}), "t10k-images-idx3-ubyte",
+                 "IDX magic number is 0");
+  const auto ds = load_fashion_mnist(Split::kTest, FashionMnistOptions().cache_dir(cache_.string()));
+  EXPECT_EQ(ds.size(), 10000);
+}
+
+TEST_F(FashionMnist, ACacheCopyDamagedByHandIsUnzippedAgain) {
+  const auto options = FashionMnistOptions().cache_dir(cache_.string());
+  const auto first = load_fashion_mnist(Split::kTest, options);
+  ASSERT_EQ(cached_folders().size(), 1u);
+  fs::resize_file(cached_folders().front() / "t10k-labels-idx1-ubyte", 100);
+  const auto again = load_fashion_mnist(Split::kTest, options);
+  EXPECT_TRUE(torch::equal(first.labels, again.labels));
 }
 
 TEST_F(FashionMnist, RawPixelsAreInTheUnitIntervalWithoutNormalisation) {

@@ -52,10 +52,18 @@ struct ImageDataset {
 
 /// The folder holding Fashion-MNIST's four unzipped IDX files, for LibTorch's
 /// own torch::data::datasets::MNIST: options.root when it holds them, else
-/// the cache folder, unzipped there on first use.
+/// `cache_dir/fashion-mnist/KEY`, unzipped there on first use.
+///
+/// Every file is checked before it is used: an intact gzip stream (its
+/// length and checksum), the IDX magic number, 28x28 images, the example
+/// count LibTorch's reader expects, and the file's full length. KEY names the
+/// .gz files' contents (their sizes and CRC-32), and the cache folder is
+/// filled under a temporary name and renamed only once every file passed, so
+/// damaged input never leaves a cache that a later run reads.
 ///
 /// Throws c10::Error naming the missing file and the Debian package
-/// `dataset-fashion-mnist` when the files are not there.
+/// `dataset-fashion-mnist` when the files are not there, and naming the file
+/// and what is wrong with it when one is damaged.
 ///
 /// Example:
 /// \code
