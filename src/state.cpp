@@ -7,7 +7,9 @@
 
 #include <fmt/format.h>
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -60,15 +62,106 @@ void write_all(int fd, const std::string& bytes, const std::string& path) {
   }
 }
 
+// The file a write to `path` replaces: `path`, or the end of its chain of
+// symbolic links (a write goes through a link and keeps it).
+fs::path write_target(const std::string& path) {
+  TORCH_CHECK(!path.empty(), "cannot write to an empty path: give the name of a file");
+  fs::path p(path);
+  for (int hops = 0; hops < 40; ++hops) {
+    std::error_code ec;
+    if (fs::symlink_status(p, ec).type() != fs::file_type::symlink) return p;
+    const fs::path next = fs::read_symlink(p, ec);
+    TORCH_CHECK(!ec, "cannot write ", path, ": cannot read the symbolic link ", p.string(), ": ", ec.message());
+    p = next.is_absolute() ? next : p.parent_path() / next;
+  }
+  TORCH_CHECK(false, "cannot write ", path, ": too many levels of symbolic links");
+}
+
+const char* file_kind(fs::file_type type) {
+  switch (type) {
+    case fs::file_type::directory: return "a directory";
+    case fs::file_type::character: return "a character device";
+    case fs::file_type::block: return "a block device";
+    case fs::file_type::fifo: return "a FIFO";
+    case fs::file_type::socket: return "a socket";
+    case fs::file_type::regular: return "a regular file";
+    default: return "not a regular file";
+  }
+}
+
+fs::path folder_of(const fs::path& file) { return file.has_parent_path() ? file.parent_path() : fs::path("."); }
+
+// Checks that `folder` is a directory this process may create files in.
+void check_writable_folder(const fs::path& folder, const std::string& what) {
+  std::error_code ec;
+  const auto type = fs::status(folder, ec).type();
+  TORCH_CHECK(type != fs::file_type::not_found, "cannot write ", what, ": the folder ", folder.string(),
+              " does not exist; create it, or choose a path in an existing folder");
+  TORCH_CHECK(type == fs::file_type::directory, "cannot write ", what, ": ", folder.string(), " is ",
+              file_kind(type), ", not a folder");
+  TORCH_CHECK(::access(folder.c_str(), W_OK | X_OK) == 0, "cannot write ", what, ": the folder ",
+              folder.string(), " is not writable (", std::strerror(errno), ")");
+}
+
+// Checks the file a write to `path` replaces, and returns it.
+fs::path checked_target(const std::string& path) {
+  const fs::path target = write_target(path);
+  std::error_code ec;
+  const auto type = fs::status(target, ec).type();
+  TORCH_CHECK(type == fs::file_type::not_found || type == fs::file_type::regular, "cannot write ", path, ": ",
+              target.string() == path ? "it" : target.string() + ", where the link points,", " is ",
+              file_kind(type), ", and memfit replaces only regular files; give the path of a file");
+  check_writable_folder(folder_of(target), path);
+  return target;
+}
+
+// Removes `target.tmp.PID` files beside `target` whose writer no longer runs
+// (POSIX calls, as in data.cpp: a LibTorch 2.x build may bind std::filesystem's
+// directory iteration to libtorch.so's own copy).
+void remove_stale_temporaries(const fs::path& target) {
+  const std::string prefix = target.filename().string() + ".tmp.";
+  DIR* d = ::opendir(folder_of(target).c_str());
+  if (d == nullptr) return;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string digits = name.substr(prefix.size());
+    if (digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(digits));
+    if (pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) {
+      ::unlink((folder_of(target) / name).c_str());
+    }
+  }
+  ::closedir(d);
+}
+
 } // namespace
 
+void check_output_file(const std::string& path) { checked_target(path); }
+
+void check_output_folder(const std::string& dir) {
+  TORCH_CHECK(!dir.empty(), "cannot write to an empty folder name: give a folder");
+  fs::path p(dir);
+  std::error_code ec;
+  const auto type = fs::status(p, ec).type();
+  if (type != fs::file_type::not_found) {
+    check_writable_folder(p, dir);
+    return;
+  }
+  while (p.has_parent_path() && p.parent_path() != p && fs::status(p.parent_path(), ec).type() == fs::file_type::not_found) {
+    p = p.parent_path();
+  }
+  check_writable_folder(folder_of(p), dir);
+}
+
 void write_file_atomically(const std::string& path, const std::string& bytes) {
-  const fs::path target(path);
-  const fs::path folder = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const fs::path target = checked_target(path);
+  const fs::path folder = folder_of(target);
+  remove_stale_temporaries(target);
+  const std::string tmp = target.string() + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "cannot write ", path, ": ", std::strerror(errno),
-              " (does the folder ", folder.string(), " exist and is it writable?)");
+              " (is the folder ", folder.string(), " writable?)");
   try {
     write_all(fd, bytes, path);
     TORCH_CHECK(::fsync(fd) == 0, "cannot flush ", tmp, " to disk: ", std::strerror(errno));
@@ -78,7 +171,7 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
     throw;
   }
   ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (::rename(tmp.c_str(), target.c_str()) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
     TORCH_CHECK(false, "cannot rename ", tmp, " to ", path, ": ", std::strerror(err));

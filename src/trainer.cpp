@@ -24,6 +24,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+constexpr const char* kCheckpointFile = "checkpoint.pt";
+
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
@@ -183,7 +185,8 @@ void Trainer::check_options() const {
               options_.steps());
   TORCH_CHECK(options_.steps() > 0 || options_.epochs() > 0,
               "epochs must be positive when steps is 0, got ", options_.epochs());
-  TORCH_CHECK(options_.lr() > 0, "lr must be positive, got ", options_.lr());
+  TORCH_CHECK(std::isfinite(options_.lr()) && options_.lr() > 0, "lr must be a positive finite number, got ",
+              options_.lr());
   TORCH_CHECK(options_.max_grad_norm() >= 0 && std::isfinite(options_.max_grad_norm()),
               "max_grad_norm must be >= 0 (0: no clipping), got ", options_.max_grad_norm());
   TORCH_CHECK(options_.eval_batch_size() > 0, "eval_batch_size must be positive, got ",
@@ -193,6 +196,12 @@ void Trainer::check_options() const {
               options_.micro_batch_size());
   TORCH_CHECK(options_.save_every() >= 0, "save_every must be >= 0 (0: save at the end only), got ",
               options_.save_every());
+  if (!options_.save_dir().empty()) {  // a run never fails at its end for its folder
+    check_output_folder(options_.save_dir());
+    if (std::filesystem::is_directory(options_.save_dir())) {
+      check_output_file((std::filesystem::path(options_.save_dir()) / kCheckpointFile).string());
+    }
+  }
   TORCH_CHECK(options_.master_weights() == MasterWeightsMode::kNone ||
                   options_.precision() != Precision::kFP32,
               "master weights hold parameters in bf16 or fp16: set precision to bf16 or fp16, "
@@ -447,9 +456,13 @@ ParallelMode parse_parallel_mode(const std::string& name) {
 
 int64_t Trainer::total_steps_of(int64_t examples) const {
   if (options_.steps() > 0) return options_.steps();
-  const int64_t global = options_.batch_size() * data_ranks();
-  const int64_t per_epoch = (examples + global - 1) / global;
-  return per_epoch * options_.epochs();
+  int64_t global = 0, total = 0;
+  TORCH_CHECK(!__builtin_mul_overflow(options_.batch_size(), data_ranks(), &global),
+              "batch_size ", options_.batch_size(), " times ", data_ranks(), " ranks overflows int64");
+  const int64_t per_epoch = examples / global + (examples % global != 0 ? 1 : 0);
+  TORCH_CHECK(!__builtin_mul_overflow(per_epoch, options_.epochs(), &total), "epochs ", options_.epochs(),
+              " of ", per_epoch, " steps each overflow int64: ask for fewer epochs, or for steps");
+  return total;
 }
 
 namespace {
@@ -593,7 +606,7 @@ TrainReport Trainer::run_fit(int64_t n, const BatchSource& source, const StepCal
               order_.defined() ? order_.size(0) : 0, " examples, but the data set has ", n,
               ": resume with the data the run was saved with");
   TrainReport report;
-  report.steps.reserve(static_cast<size_t>(total - step_));
+  report.steps.reserve(static_cast<size_t>(std::min<int64_t>(total - step_, 4096)));  // grows with the steps taken
   PeakMeter run_meter(options_.device());
   module_->train();
   const auto run_start = Clock::now();
@@ -705,7 +718,6 @@ EvalResult Trainer::evaluate(const ImageDataset& data) {
 namespace {
 
 constexpr const char* kCheckpointFormat = "memfit.trainer.v1";
-constexpr const char* kCheckpointFile = "checkpoint.pt";
 
 std::string checkpoint_path(const std::string& path) {
   return std::filesystem::is_directory(path) ? (std::filesystem::path(path) / kCheckpointFile).string()

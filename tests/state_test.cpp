@@ -8,6 +8,8 @@
 
 #include <fstream>
 #include <sstream>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 namespace memfit {
@@ -46,6 +48,69 @@ TEST_F(State, AFailedWriteKeepsThePreviousFile) {
   write_file_atomically(p, "kept");
   EXPECT_THROW(write_file_atomically("/nonexistent-folder/x", "lost"), c10::Error);
   EXPECT_EQ(read(p), "kept");
+}
+
+// Reference: as root, a report written to /dev/full replaced the device node.
+TEST_F(State, WhatIsNotARegularFileIsNeverReplaced) {
+  for (const std::string target : {"/dev/null", "/dev/full", "/tmp"}) {
+    try {
+      write_file_atomically(target, "x");
+      ADD_FAILURE() << target << " was written";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.msg()).find("replaces only regular files"), std::string::npos) << e.msg();
+    }
+    EXPECT_THROW(check_output_file(target), c10::Error);
+  }
+  struct stat st {};
+  ASSERT_EQ(::stat("/dev/null", &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode)) << "/dev/null is still a device";
+  const auto fifo = path("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THROW(write_file_atomically(fifo, "x"), c10::Error);
+  ASSERT_EQ(::lstat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+}
+
+TEST_F(State, AWriteThroughASymbolicLinkReplacesItsTargetAndKeepsTheLink) {
+  const auto target = path("target.txt");
+  const auto link = path("link.txt");
+  write_file_atomically(target, "old");
+  ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0);
+  write_file_atomically(link, "new");
+  struct stat st {};
+  ASSERT_EQ(::lstat(link.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISLNK(st.st_mode));
+  EXPECT_EQ(read(target), "new");
+}
+
+TEST_F(State, TemporariesOfAKilledWriterAreRemovedByTheNextWrite) {
+  const auto p = path("c.txt");
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // a pid that no longer runs
+  const auto stale = path("c.txt.tmp." + std::to_string(child));
+  std::ofstream(stale) << "torn";
+  const auto live = path("c.txt.tmp.1");  // pid 1 runs: its temporary stays
+  std::ofstream(live) << "in progress";
+  write_file_atomically(p, "whole");
+  EXPECT_NE(::access(stale.c_str(), F_OK), 0);
+  EXPECT_EQ(::access(live.c_str(), F_OK), 0);
+  EXPECT_EQ(read(p), "whole");
+}
+
+TEST_F(State, OutputChecksNameWhatIsWrongBeforeAnyWrite) {
+  const auto missing = ::testing::TempDir() + "memfit_no_such_folder_" + std::to_string(::getpid());
+  try {
+    check_output_file(missing + "/r.json");
+    ADD_FAILURE() << "a missing folder passed";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.msg()).find("does not exist"), std::string::npos) << e.msg();
+  }
+  EXPECT_NO_THROW(check_output_folder(missing + "/a/b")) << "created later, in a writable folder";
+  EXPECT_NE(::access(missing.c_str(), F_OK), 0) << "checking creates nothing";
+  EXPECT_THROW(check_output_folder("/dev/null/ck"), c10::Error);
+  EXPECT_THROW(check_output_file(""), c10::Error);
 }
 
 TEST_F(State, ModuleRoundTripIsBitwiseAndCopiesInPlace) {

@@ -28,14 +28,39 @@ namespace memfit {
 
 /// Writes `bytes` to `path` through a temporary file, fsync and rename.
 ///
-/// Throws c10::Error naming the path when the folder is missing or not
-/// writable, or the disk is full; the previous file at `path` is then intact.
+/// What is not a regular file is never replaced: a symbolic link is written
+/// through (its target is replaced, the link stays), and a directory, device,
+/// FIFO or socket at `path` is refused. Temporary files that an earlier,
+/// killed writer left beside the target (`path.tmp.PID` of a process that no
+/// longer runs) are removed. Throws c10::Error naming the path when the
+/// folder is missing or not writable, or the disk is full; the previous file
+/// at `path` is then intact.
 ///
 /// Example:
 /// \code
 ///   memfit::write_file_atomically("/tmp/memfit_example.json", "{}\n");
 /// \endcode
 void write_file_atomically(const std::string& path, const std::string& bytes);
+
+/// Checks, writing nothing, that write_file_atomically(path, ...) can succeed.
+///
+/// Throws c10::Error in one line when `path` is empty, names a directory, a
+/// device, a FIFO or a socket (directly or through a symbolic link), or lies
+/// in a folder that is missing or not writable. Programs call it for every
+/// output before any work, so that a run never fails at its end for a path.
+///
+/// Example:
+/// \code
+///   memfit::check_output_file("/tmp/memfit_example.json");
+/// \endcode
+void check_output_file(const std::string& path);
+
+/// Checks, creating nothing, that a folder of outputs can be written at `dir`.
+///
+/// `dir` may exist (a directory, writable) or not (then its nearest existing
+/// ancestor must be a writable directory, where it will be created). Throws
+/// c10::Error in one line otherwise.
+void check_output_folder(const std::string& dir);
 
 /// Saves `module`'s parameters and buffers to `path`, atomically.
 ///
