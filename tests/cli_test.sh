@@ -9,6 +9,7 @@ passed=0
 failed=0
 
 # expect NAME CODE PATTERN_IN_STREAM STREAM -- ARGS...
+# (one_line=0 expect ...: a usage error said by several processes, as under launch)
 expect() {
   local name=$1 code=$2 pattern=$3 stream=$4
   shift 5
@@ -24,13 +25,21 @@ expect() {
     echo "FAIL $name: $stream lacks /$pattern/"; sed 's/^/  | /' "$tmp/$stream" | tail -20
     failed=$((failed + 1)); return
   fi
-  if [ "$code" -eq 2 ] && [ "$(wc -l <"$tmp/err")" -ne 1 ]; then
+  if [ "$code" -eq 2 ] && [ "${one_line:-1}" -eq 1 ] && [ "$(wc -l <"$tmp/err")" -ne 1 ]; then
     echo "FAIL $name: usage errors are one line, got:"; sed 's/^/  | /' "$tmp/err"
     failed=$((failed + 1)); return
   fi
   echo "ok   $name"
   passed=$((passed + 1))
 }
+
+# check NAME CONDITION...: records a check that is not one memfit call.
+check() {
+  local name=$1
+  shift
+  if "$@"; then echo "ok   $name"; passed=$((passed + 1)); else echo "FAIL $name"; failed=$((failed + 1)); fi
+}
+lacks() { ! grep -q -- "$1" "$2"; }  # lacks PATTERN FILE
 
 expect help 0 'train' out -- --help
 for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --seed --budget \
@@ -62,16 +71,16 @@ expect optimal-run 0 'checkpoint schedule: .*\*' out -- \
   --checkpoint-budget 3MiB
 expect bad-precision 2 'precision.*fp8' err -- train --precision fp8
 expect master-weights-need-precision 2 'precision bf16' err -- train --master-weights host
-expect bad-device 1 "invalid device 'tpu'.*cpu, cuda or cuda:N" err -- train --device tpu --steps 1
+expect bad-device 2 "invalid device 'tpu'.*cpu, cuda or cuda:N" err -- train --device tpu --steps 1
 expect bf16-run 0 'precision bf16, parameters in bf16 with fp32 master weights on the host' out -- \
   train --model resnet --width 4 --steps 3 --batch 16 --no-eval -q --precision bf16 --master-weights host
 version=$("$bin" --version)
 if [[ "$version" == *"LibTorch 1."* ]]; then
-  expect fp16-on-cpu-refused 1 'fp16 compute is not available on the CPU.*--precision bf16' err -- \
+  expect fp16-on-cpu-refused 2 'fp16 compute is not available on the CPU.*--precision bf16' err -- \
     train --precision fp16 --steps 1 --no-eval -q
 fi
 if [[ "$version" == *"CPU only"* ]]; then
-  expect cuda-on-cpu-build 1 'no CUDA device.*--device cpu' err -- train --device cuda --steps 1
+  expect cuda-on-cpu-build 2 'no CUDA device.*--device cpu' err -- train --device cuda --steps 1
 fi
 expect negative-clip 2 'clip-grad-norm' err -- train --clip-grad-norm -1
 expect nan-loss-names-the-step 1 'step [0-9]+ \(epoch 0\): the loss is (NaN|inf|-inf);.*--skip-nonfinite' err -- \
@@ -79,6 +88,70 @@ expect nan-loss-names-the-step 1 'step [0-9]+ \(epoch 0\): the loss is (NaN|inf|
 expect clipped-run 0 'final loss' out -- \
   train --model mlp --width 8 --depth 1 --steps 3 --clip-grad-norm 0.5 --no-eval -q
 expect missing-data 1 'dataset-fashion-mnist' err -- train --data "$tmp/none" --steps 1
+
+# Hostile input (#20): every usage error exits 2 in one line before any work
+# (nothing on stdout), numbers have bounds, outputs are checked first.
+usage() {  # usage NAME PATTERN ARGS...: exit 2, the pattern in one line, no work done
+  local name=$1 pattern=$2
+  shift 2
+  expect "$name" 2 "$pattern" err -- "$@"
+  if [ -s "$tmp/out" ]; then echo "FAIL $name-before-work: stdout is not empty"; failed=$((failed + 1)); fi
+}
+usage huge-batch '--batch must be a positive integer of at most 16777216, got 9999' train --batch 99999999999999999999
+usage huge-epochs '--epochs must be a positive integer of at most' train --epochs 9223372036854775807
+usage huge-steps '--steps must be a positive integer' train --steps 99999999999999999999999
+usage nan-lr '--lr must be a number in \(0, 3.4e\+38\], got nan' train --lr nan
+usage inf-lr '--lr must be a number' train --lr inf
+usage nan-clip '--clip-grad-norm must be' train --clip-grad-norm nan
+usage huge-checkpoint-k 'below 10\^9' train --checkpoint every:99999999999999999999999
+usage huge-threads '--threads must be an integer from 0 to 4096' train --threads 99999
+usage negative-seed '--seed must be an integer' train --seed -1
+usage fraction-batch '--batch must be a positive integer' train --batch 2.5
+for command in train plan find-batch; do  # a zero budget means the same everywhere
+  usage "zero-budget-$command" '--budget must be positive, e.g. 64MiB, got 0' $command --budget 0
+done
+usage model-too-big "its parameters alone need more than a quarter of this machine's" \
+  train --model mlp --width 65536 --depth 64
+usage plan-model-too-big "choose a smaller --width or --depth" plan --model mlp --width 65536 --depth 64 --budget 1GiB
+usage report-folder-missing "cannot write $tmp/missing/r.json: the folder $tmp/missing does not exist" \
+  train --model mlp --steps 1 --report "$tmp/missing/r.json"
+usage report-to-device 'it is a character device, and memfit replaces only regular files' \
+  train --model mlp --steps 1 --report /dev/null
+usage report-to-folder 'it is a directory' train --model mlp --steps 1 --report "$tmp"
+usage save-into-a-file "is a regular file, not a folder" train --model mlp --steps 1 --save /etc/hostname/ck
+usage report-input-is-output 'is also an input of this command' report /etc/hostname -o /etc/hostname
+mkfifo "$tmp/fifo"
+usage report-to-fifo 'it is a FIFO' report /etc/hostname -o "$tmp/fifo"
+check fifo-is-still-a-fifo test -p "$tmp/fifo"
+usage plan-device 'invalid device' plan --model mlp --budget 1GiB --device tpu
+# A report written through a symbolic link replaces the link's target and keeps the link.
+echo old >"$tmp/target.json"
+ln -s target.json "$tmp/link.json"
+expect report-through-link 0 'report written' out -- train --model mlp --width 8 --depth 1 --steps 1 --no-eval -q \
+  --report "$tmp/link.json"
+check link-is-kept test -L "$tmp/link.json"
+check link-target-written grep -q '"summary"' "$tmp/target.json"
+# A temporary file left by a killed save is removed by the next save.
+sleep 0 & dead=$!; wait "$dead"
+mkdir -p "$tmp/stale" && echo torn >"$tmp/stale/checkpoint.pt.tmp.$dead"
+expect save-after-a-kill 0 'checkpoint saved' out -- train --model mlp --width 8 --depth 1 --steps 1 --no-eval -q \
+  --save "$tmp/stale"
+check stale-temporary-removed test ! -e "$tmp/stale/checkpoint.pt.tmp.$dead"
+expect threads-capped 0 'more than this machine.s [0-9]+ hardware threads; using' err -- \
+  train --model mlp --width 8 --depth 1 --steps 1 --no-eval -q --threads 4096
+
+# Damaged data is refused naming the file, and never poisons the cache that
+# later runs on good data read.
+export MEMFIT_CACHE_DIR="$tmp/cache"
+mkdir -p "$tmp/cut"
+for f in /usr/share/datasets/fashion-mnist/*.gz; do head -c 3000 "$f" >"$tmp/cut/$(basename "$f")"; done
+expect truncated-data 1 "file $tmp/cut/train-images-idx3-ubyte.gz is damaged: its gzip stream is broken" err -- \
+  train --model mlp --steps 1 --data "$tmp/cut"
+for f in "$tmp"/cut/*.gz; do head -c 5000 /dev/urandom | gzip -c >"$f"; done
+expect gzipped-garbage 1 "train-images-idx3-ubyte.gz is damaged: its IDX magic number is" err -- \
+  train --model mlp --steps 1 --data "$tmp/cut"
+expect good-data-after-bad 0 'final loss' out -- train --model mlp --width 8 --depth 1 --steps 1 --no-eval -q
+unset MEMFIT_CACHE_DIR
 expect over-budget 1 'out of memory.*tried to allocate' err -- \
   train --model mlp --budget 1MiB --steps 2 --no-eval -q --plan none
 expect over-budget-plan 1 'no combination of micro-batching.*parameters.*fits 16.00 KiB.*most frugal needs about' err -- \
@@ -98,32 +171,25 @@ else
   echo "FAIL report-has-summary"; failed=$((failed + 1))
 fi
 
-# check NAME CONDITION...: records a check that is not one memfit call.
-check() {
-  local name=$1
-  shift
-  if "$@"; then echo "ok   $name"; passed=$((passed + 1)); else echo "FAIL $name"; failed=$((failed + 1)); fi
-}
-lacks() { ! grep -q -- "$1" "$2"; }  # lacks PATTERN FILE
 
 # Micro-batching, freezing, offloading the optimizer.
 small=(train --model mlp --width 32 --depth 1 --no-eval -q)
 expect micro-batch-run 0 'batch 100 in micro-batches of 32' out -- "${small[@]}" --steps 2 --batch 100 --micro-batch 32
 expect negative-micro-batch 2 'micro-batch' err -- train --micro-batch -1
 expect freeze-run 0 'parameters, 25120 frozen' out -- "${small[@]}" --steps 2 --freeze 'fc0.*'
-expect freeze-no-match 1 "pattern 'layer9.\*' matches no parameter name; names look like: fc0.weight" err -- \
+expect freeze-no-match 2 "pattern 'layer9.\*' matches no parameter name; names look like: fc0.weight" err -- \
   "${small[@]}" --steps 1 --freeze 'layer9.*'
 expect offload-optimizer-run 0 'optimizer state +0 bytes' out -- "${small[@]}" --steps 2 --offload optimizer
 expect offload-gradients-run 0 'gradients +0 bytes' out -- "${small[@]}" --steps 2 --offload optimizer,gradients
-expect offload-gradients-needs-optimizer 1 'use --offload optimizer,gradients' err -- "${small[@]}" --steps 1 --offload gradients
+expect offload-gradients-needs-optimizer 2 'use --offload optimizer,gradients' err -- "${small[@]}" --steps 1 --offload gradients
 expect bad-offload 2 'offload' err -- train --offload gpu
 expect offload-parameters-run 0 'parameters +16 bytes' out -- "${small[@]}" --steps 2 --offload optimizer,gradients,parameters \
   --offload-tile 8KiB
-expect offload-parameters-needs-both 1 'offload optimizer,gradients,parameters' err -- "${small[@]}" --steps 1 \
+expect offload-parameters-needs-both 2 'offload optimizer,gradients,parameters' err -- "${small[@]}" --steps 1 \
   --offload optimizer,parameters
-expect malformed-offload-tile 1 "12XB" err -- "${small[@]}" --steps 1 --offload optimizer,gradients,parameters \
+expect malformed-offload-tile 2 "12XB" err -- "${small[@]}" --steps 1 --offload optimizer,gradients,parameters \
   --offload-tile 12XB
-expect offload-tile-needs-parameters 1 'add --offload optimizer,gradients,parameters' err -- "${small[@]}" --steps 1 \
+expect offload-tile-needs-parameters 2 'add --offload optimizer,gradients,parameters' err -- "${small[@]}" --steps 1 \
   --offload-tile 8KiB
 expect save-every-needs-save 2 'save-every.*requires.*save|save-every.*save' err -- train --save-every 2
 
@@ -142,7 +208,7 @@ sum_before=$(md5sum <"$tmp/ck/checkpoint.pt")
 expect resume-mismatch 1 "tensor '0.sequential.fc0.weight' is \[32, 784\] Float in the checkpoint but \[64, 784\]" err -- \
   train --model mlp --width 64 --depth 1 --steps 9 --no-eval -q --resume "$tmp/ck" --save "$tmp/ck"
 check resume-mismatch-changes-nothing test "$sum_before" = "$(md5sum <"$tmp/ck/checkpoint.pt")"
-expect resume-missing 1 'no checkpoint file at' err -- "${run_args[@]}" --steps 8 --resume "$tmp/none"
+expect resume-missing 2 'no checkpoint file at' err -- "${run_args[@]}" --steps 8 --resume "$tmp/none"
 
 # A process killed while it saves leaves the previous checkpoint loadable:
 # kill -9 the moment a temporary file appears, until one is caught mid-save.
@@ -200,8 +266,8 @@ expect train-gpt-selective 0 'final loss' out -- train --model gpt --width 16 --
   --batch 8 --steps 2 --no-eval -q --selective-recompute --dropout 0.1
 expect plan-gpt-chooses-selective-recompute 0 '"selective_recompute"' out -- plan --model gpt --width 16 --depth 1 \
   --heads 2 --context 16 --batch 8 --budget 2MiB --json
-expect selective-recompute-needs-gpt 1 'only --model gpt has' err -- train --model mlp --selective-recompute --steps 1 --no-eval
-expect train-gpt-bad-heads 1 'not a multiple of its 3 heads' err -- train --model gpt --width 16 --heads 3 --steps 1 --no-eval
+expect selective-recompute-needs-gpt 2 'only --model gpt has' err -- train --model mlp --selective-recompute --steps 1 --no-eval
+expect train-gpt-bad-heads 2 'not a multiple of its 3 heads' err -- train --model gpt --width 16 --heads 3 --steps 1 --no-eval
 else
   echo "skip gpt checks: Debian's jargon-text is not installed"
 fi
@@ -267,9 +333,9 @@ expect launch-pipeline-offload 0 'through a pipeline of 2 stages' out -- launch 
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --parallel pipeline --chunks 4 --offload optimizer,gradients
 piped_off=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 check launch-pipeline-offload-equals-one-process test -n "$piped_off" -a "$piped_off" = "$one"
-expect launch-pipeline-not-checkpoint 1 'use --pipeline-checkpoint except_last .* instead of --checkpoint sqrt' err -- \
+one_line=0 expect launch-pipeline-not-checkpoint 2 'use --pipeline-checkpoint except_last .* instead of --checkpoint sqrt' err -- \
   launch --nproc 2 --master-port "$((port + 6))" -- "$bin" train --model mlp --steps 1 --no-eval -q --parallel pipeline --checkpoint sqrt
-expect pipeline-checkpoint-needs-pipeline 1 '--pipeline-checkpoint needs --parallel pipeline' err -- \
+expect pipeline-checkpoint-needs-pipeline 2 '--pipeline-checkpoint needs --parallel pipeline' err -- \
   train --model mlp --steps 1 --no-eval -q --pipeline-checkpoint always
 expect launch-failing-worker 3 'rank 1 exited with status 3; stopping the other 1 worker' err -- \
   launch --nproc 2 --master-port "$((port + 1))" -- sh -c 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 60'

@@ -1,4 +1,5 @@
 #include "generate.h"
+#include "usage.h"
 
 #include "memfit/data.h"
 #include "memfit/models.h"
@@ -23,14 +24,16 @@ void add_generate_command(CLI::App& app, GenerateArgs& a) {
       ->required()
       ->check(CLI::ExistingDirectory);
   cmd->add_option("--prompt", a.prompt, "Text to continue")->required();
-  cmd->add_option("--tokens", a.tokens, "Bytes to generate")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--tokens", a.tokens, "Bytes to generate")->check(integer(1, 1 << 20))->capture_default_str();
   cmd->add_option("--temperature", a.temperature, "Sampling temperature (0: always the likeliest byte)")
-      ->check(CLI::Range(0.0, 10.0))
+      ->check(real(0, 10))
       ->capture_default_str();
   cmd->add_option("--top-k", a.top_k, "Sample among the k likeliest bytes (0: all)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(integer(0, 256))
       ->capture_default_str();
-  cmd->add_option("--seed", a.seed, "Seed of the sampling")->capture_default_str();
+  cmd->add_option("--seed", a.seed, "Seed of the sampling")
+      ->check(integer(0, std::numeric_limits<int64_t>::max()))
+      ->capture_default_str();
 }
 
 void write_model_card(const std::string& dir, const nlohmann::json& card) {

@@ -1,4 +1,5 @@
 #include "launch.h"
+#include "usage.h"
 
 #include <fmt/format.h>
 
@@ -24,21 +25,21 @@ void add_launch_command(CLI::App& app, LaunchArgs& a) {
       "returned");
   launch->add_option("--nproc", a.nproc, "Worker processes on this machine")
       ->required()
-      ->check(CLI::Range(int64_t(1), int64_t(1024)));
+      ->check(integer(1, 1024));
   launch->add_option("--nnodes", a.nnodes, "Machines in the job (each runs memfit launch)")
-      ->check(CLI::Range(int64_t(1), int64_t(65536)))
+      ->check(integer(1, 65536))
       ->capture_default_str();
   launch->add_option("--node-rank", a.node_rank, "This machine's index, 0..nnodes-1")
-      ->check(CLI::NonNegativeNumber)
+      ->check(integer(0, 65535))
       ->capture_default_str();
   launch->add_option("--master-addr", a.master_addr, "Address of the machine with node rank 0")
       ->capture_default_str();
   launch->add_option("--master-port", a.master_port, "Port of rank 0's TCPStore there")
-      ->check(CLI::Range(int64_t(1), int64_t(65535)))
+      ->check(integer(1, 65535))
       ->capture_default_str();
   launch->add_option("--grace", a.grace,
                      "Seconds the other workers get to exit after one failed, before SIGKILL")
-      ->check(CLI::NonNegativeNumber)
+      ->check(real(0, 3600))
       ->capture_default_str();
   launch->add_option("command", a.command, "The worker's command line, after --")->required();
 }

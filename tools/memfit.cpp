@@ -16,6 +16,7 @@
 #include "launch.h"
 #include "progress.h"
 #include "report.h"
+#include "usage.h"
 
 #include <c10/core/DeviceGuard.h>
 
@@ -38,20 +39,10 @@ namespace {
 
 constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
-
-// CLI11 validator for sizes such as 512MiB, 2GiB, 1.5GB or plain bytes.
-CLI::Validator memory_size_validator() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        try {
-          memfit::parse_memory_size(text);
-          return {};
-        } catch (const c10::Error& e) {
-          return e.msg();
-        }
-      },
-      "SIZE");
-}
+// The largest batch and step count a flag accepts: far beyond any run here,
+// small enough that no product of them overflows.
+constexpr int64_t kMaxBatch = int64_t(1) << 24;
+constexpr int64_t kMaxSteps = int64_t(1) << 40;
 
 // The model and its data, shared by train, plan, profile and find-batch.
 struct ModelArgs {
@@ -119,10 +110,11 @@ struct PlanArgs : ModelArgs {
 
 // Parses --checkpoint's value: none, sqrt, optimal, every:K or uniform:K.
 memfit::CheckpointedSequentialOptions parse_checkpoint(const std::string& spec) {
-  static const std::regex pattern(R"(^(none|sqrt|optimal)$|^(every|uniform):([1-9][0-9]*)$)");
+  static const std::regex pattern(R"(^(none|sqrt|optimal)$|^(every|uniform):([1-9][0-9]{0,8})$)");
   std::smatch m;
-  TORCH_CHECK(std::regex_match(spec, m, pattern), "invalid checkpoint schedule '", spec,
-              "': expected none, sqrt, optimal, every:K or uniform:K (K a positive integer)");
+  TORCH_CHECK(std::regex_match(spec, m, pattern), "invalid checkpoint schedule '",
+              spec.size() > 40 ? spec.substr(0, 40) + "..." : spec,
+              "': expected none, sqrt, optimal, every:K or uniform:K (K a positive integer below 10^9)");
   memfit::CheckpointedSequentialOptions o;
   if (m[1].matched) {
     o.kind(memfit::parse_schedule_kind(m[1].str()));
@@ -142,20 +134,20 @@ void add_model_shape_options(CLI::App* cmd, ModelArgs& a) {
   cmd->add_option("--width", a.width,
                   "MLP hidden width, ResNet first-stage channels or GPT embedding width (0: "
                   "default, 512 / 16 / 128)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(memfit::tools::integer(0, 65536))
       ->capture_default_str();
   cmd->add_option("--depth", a.depth,
                   "MLP hidden layers, ResNet blocks per stage or GPT blocks (0: default, 2 / 2 / 4)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(memfit::tools::integer(0, 4096))
       ->capture_default_str();
   cmd->add_option("--heads", a.heads, "GPT: attention heads per block (dividing the width)")
-      ->check(CLI::PositiveNumber)
+      ->check(memfit::tools::integer(1, 4096))
       ->capture_default_str();
   cmd->add_option("--context", a.context, "GPT: tokens per training sequence")
-      ->check(CLI::PositiveNumber)
+      ->check(memfit::tools::integer(1, 65536))
       ->capture_default_str();
   cmd->add_option("--dropout", a.dropout, "GPT: dropout probability")
-      ->check(CLI::Range(0.0, 0.99))
+      ->check(memfit::tools::real(0, 0.99))
       ->capture_default_str();
   cmd->add_flag("--selective-recompute", a.selective_recompute,
                 "GPT: recompute attention scores, softmax and attention dropout in backward "
@@ -189,11 +181,6 @@ struct Workload {
 Workload load_workload(const ModelArgs& a, bool with_test) {
   Workload w;
   w.kind = memfit::parse_model_kind(a.model);
-  TORCH_CHECK(a.torchscript.empty() || w.kind != memfit::ModelKind::kGpt,
-              "--torchscript models take Fashion-MNIST images: leave out --model gpt");
-  TORCH_CHECK(!a.selective_recompute || (w.kind == memfit::ModelKind::kGpt && a.torchscript.empty()),
-              "--selective-recompute recomputes attention, which only --model gpt has: leave it out, "
-              "or use --model gpt");
   w.options.width(a.width).depth(a.depth);
   if (w.kind == memfit::ModelKind::kGpt) {
     const auto corpus = memfit::load_jargon_file(memfit::JargonOptions().path(a.text));
@@ -223,38 +210,39 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       "train", "Train a model on Fashion-MNIST or the Jargon File and report loss, test accuracy and peak memory");
   add_model_shape_options(train, a);
   train->add_option("--batch", a.batch, "Examples per optimizer step (positive)")
-      ->check(CLI::PositiveNumber)
+      ->check(memfit::tools::integer(1, kMaxBatch))
       ->capture_default_str();
   auto* steps = train->add_option("--steps", a.steps, "Optimizer steps to take (positive)")
-                    ->check(CLI::PositiveNumber)
+                    ->check(memfit::tools::integer(1, kMaxSteps))
                     ->capture_default_str();
   auto* epochs = train->add_option("--epochs", a.epochs,
                                    "Full passes over the training set (instead of --steps)")
-                     ->check(CLI::PositiveNumber);
+                     ->check(memfit::tools::integer(1, 1000000));
   steps->excludes(epochs);
   train->add_option("--lr", a.lr, "Learning rate (positive)")
-      ->check(CLI::PositiveNumber)
+      ->check(memfit::tools::real(0, 3.4e38, /*open_lo=*/true))
       ->capture_default_str();
   train->add_option("--optimizer", a.optimizer, "Optimizer: sgd (momentum 0.9), adam or adamw")
       ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
       ->capture_default_str();
   train->add_option("--seed", a.seed, "Seed of the parameter initialisation and data shuffling")
+      ->check(memfit::tools::integer(0, std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
   train->add_option("--budget", a.budget,
                     "Memory budget for tensors, e.g. 512MiB, 2GiB, 1.5GB or bytes; "
                     "a step over it fails with an out-of-memory error (exit 1)")
-      ->check(memory_size_validator());
+      ->check(memfit::tools::memory_size());
   train->add_option("--report", a.report,
                     "Write per-step loss, seconds and peak bytes and a summary as JSON to FILE");
   train->add_option("--eval-batch", a.eval_batch, "Examples per evaluation forward (positive)")
-      ->check(CLI::PositiveNumber)
+      ->check(memfit::tools::integer(1, kMaxBatch))
       ->capture_default_str();
   train->add_flag("--no-eval", a.no_eval, "Skip the evaluation on the test set");
   train->add_flag("-q,--quiet", a.quiet, "No progress display");
   train->add_option("--dist-timeout", a.dist_timeout,
                     "Under `memfit launch` (or torchrun, srun, mpirun): seconds a rank waits for "
                     "the others before it stops with an error naming them")
-      ->check(CLI::PositiveNumber)
+      ->check(memfit::tools::integer(1, 604800))
       ->capture_default_str();
   train->add_option("--dist-backend", a.dist_backend,
                     "Under `memfit launch`: the process group's backend, as in PyTorch's "
@@ -274,7 +262,7 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->check(CLI::IsMember({"data", "pipeline"}))
       ->capture_default_str();
   train->add_option("--chunks", a.chunks, "With --parallel pipeline: micro-batches per batch")
-      ->check(CLI::PositiveNumber)
+      ->check(memfit::tools::integer(1, 4096))
       ->capture_default_str();
   train->add_option("--schedule", a.schedule,
                     "With --parallel pipeline: gpipe (all forwards, then all backwards) or 1f1b "
@@ -304,7 +292,7 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
   train->add_option("--checkpoint-budget", a.checkpoint_budget,
                     "Memory for the model's activations under --checkpoint optimal, e.g. 24MiB: "
                     "the schedule with the least recomputation that fits")
-      ->check(memory_size_validator());
+      ->check(memfit::tools::memory_size());
   train->add_flag("--offload-checkpoints", a.offload_checkpoints,
                   "Keep checkpointed segments' inputs in host memory until backward");
   train->add_option("--precision", a.precision,
@@ -321,14 +309,14 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   train->add_option("--clip-grad-norm", a.clip_grad_norm,
                     "Clip the gradients' total 2-norm to this, after unscaling (0: no clipping)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(memfit::tools::real(0, 1e12))
       ->capture_default_str();
   train->add_flag("--skip-nonfinite", a.skip_nonfinite,
                   "Skip steps whose loss is NaN or infinite instead of stopping");
   train->add_option("--micro-batch", a.micro_batch,
                     "Examples per forward/backward; gradients accumulate over the --batch "
                     "(0: the whole batch at once)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(memfit::tools::integer(0, kMaxBatch))
       ->capture_default_str();
   train->add_option("--freeze", a.freeze,
                     "Freeze the parameters whose names match this glob, e.g. 'fc0.*' or "
@@ -344,12 +332,13 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
   train->add_option("--offload-tile", a.offload_tile,
                     "With --offload parameters: run Linear weights larger than SIZE in tiles of at "
                     "most SIZE (e.g. 256KiB), so the device holds one tile instead of the weight; "
-                    "default: untiled");
+                    "default: untiled")
+      ->check(memfit::tools::memory_size());
   auto* save = train->add_option("--save", a.save,
                                  "Save a checkpoint (model, optimizer, scaler, RNG, data position) "
                                  "to DIR/checkpoint.pt at the end, atomically");
   train->add_option("--save-every", a.save_every, "Also save every N steps (needs --save)")
-      ->check(CLI::PositiveNumber)
+      ->check(memfit::tools::integer(1, kMaxSteps))
       ->needs(save);
   train->add_option("--resume", a.resume,
                     "Continue the run saved in DIR (same model and options) up to --steps");
@@ -360,14 +349,14 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   train->add_option("--threads", a.threads,
                     "CPU threads for LibTorch's kernels (0: every hardware thread)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(memfit::tools::integer(0, 4096))
       ->capture_default_str();
 }
 
 void add_model_options(CLI::App* cmd, PlanArgs& a) {
   add_model_shape_options(cmd, a);
   cmd->add_option("--batch", a.batch, "Examples per optimizer step (positive)")
-      ->check(CLI::PositiveNumber)
+      ->check(memfit::tools::integer(1, kMaxBatch))
       ->capture_default_str();
   cmd->add_option("--optimizer", a.optimizer, "Optimizer: sgd (momentum 0.9), adam or adamw")
       ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
@@ -380,14 +369,14 @@ void add_model_options(CLI::App* cmd, PlanArgs& a) {
   cmd->add_option("--device", a.device, "Device: cpu, cuda or cuda:N")->capture_default_str();
   cmd->add_flag("--json", a.json, "Print JSON instead of a table");
   cmd->add_option("--threads", a.threads, "CPU threads (0: every hardware thread)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(memfit::tools::integer(0, 4096));
 }
 
 // --budget, required by plan and find-batch.
 void add_budget_option(CLI::App* cmd, PlanArgs& a) {
   cmd->add_option("--budget", a.budget, "Memory budget, e.g. 32MiB")
       ->required()
-      ->check(memory_size_validator());
+      ->check(memfit::tools::memory_size());
 }
 
 void add_plan_commands(CLI::App& app, PlanArgs& a) {
@@ -440,11 +429,134 @@ std::vector<memfit::Precision> plan_precisions(const std::string& text, const to
 
 // Sets LibTorch's intra-op threads (every hardware thread unless --threads)
 // and, when `speak`, warns in one line of a BLAS that slows LibTorch down.
+// More threads than hardware threads are capped, with a warning: OpenMP
+// threads spin, and oversubscribed cores slow LibTorch down many times over.
 void set_threads(int threads, bool speak = true) {
-  const unsigned hw = std::thread::hardware_concurrency();
-  at::set_num_threads(threads > 0 ? threads : static_cast<int>(hw > 0 ? hw : 1));
+  const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  if (threads > hw && speak) {
+    fmt::print(stderr, "memfit: warning: --threads {} is more than this machine's {} hardware threads; using {}\n",
+               threads, hw, hw);
+  }
+  at::set_num_threads(threads > 0 ? std::min(threads, hw) : hw);
   const auto warning = speak ? memfit::check_blas() : std::string();
   if (!warning.empty()) fmt::print(stderr, "memfit: warning: {}\n", warning);
+}
+
+// Restores the host budget that check_model_fits sets for one build.
+struct HostBudgetGuard {
+  explicit HostBudgetGuard(int64_t bytes) : before_(memfit::memory_budget(torch::kCPU)) {
+    memfit::set_memory_budget(torch::kCPU, bytes);
+  }
+  ~HostBudgetGuard() { memfit::set_memory_budget(torch::kCPU, before_); }
+  HostBudgetGuard(const HostBudgetGuard&) = delete;
+  HostBudgetGuard& operator=(const HostBudgetGuard&) = delete;
+  int64_t before_;
+};
+
+// The model's flags, checked by building it once in host memory under a
+// quarter of this machine's memory: a shape the library refuses, or one
+// whose training (fp32 parameters, gradients and two optimizer moments: 16
+// bytes a parameter) cannot fit this machine, is a usage error.
+void check_model_fits(const ModelArgs& a) {
+  using memfit::tools::usage_check;
+  const auto kind = memfit::parse_model_kind(a.model);
+  usage_check(a.torchscript.empty() || kind != memfit::ModelKind::kGpt,
+              "--torchscript models take Fashion-MNIST images: leave out --model gpt");
+  usage_check(!a.selective_recompute || (kind == memfit::ModelKind::kGpt && a.torchscript.empty()),
+              "--selective-recompute recomputes attention, which only --model gpt has: leave it out, "
+              "or use --model gpt");
+  if (!a.torchscript.empty()) return;
+  memfit::ModelOptions o;
+  o.width(a.width).depth(a.depth);
+  if (kind == memfit::ModelKind::kGpt) {
+    o.num_classes(256).heads(a.heads).context(a.context).dropout(a.dropout).selective_recompute(a.selective_recompute);
+  }
+  const int64_t machine = memfit::tools::physical_memory();
+  int64_t params = -1;  // -1: the parameters alone overran the quarter
+  try {
+    memfit::memory_allocated(torch::kCPU);  // tracking starts before the build
+    HostBudgetGuard guard(memfit::memory_allocated(torch::kCPU) + machine / 4);
+    const auto model = memfit::make_model(kind, o);
+    params = 0;
+    for (const auto& p : model->parameters()) params += p.numel();
+  } catch (const c10::OutOfMemoryError&) {
+  } catch (const c10::Error& e) {
+    throw memfit::tools::UsageError(e.msg());
+  }
+  const std::string shape = fmt::format("--model {}{}{}", a.model, a.width > 0 ? fmt::format(" --width {}", a.width) : "",
+                                        a.depth > 0 ? fmt::format(" --depth {}", a.depth) : "");
+  usage_check(params >= 0, shape, ": its parameters alone need more than a quarter of this machine's ",
+              memfit::format_bytes(machine), " of memory; choose a smaller --width or --depth");
+  usage_check(params <= machine / 16, shape, " has ", params, " parameters: training them (with their gradients and "
+              "the optimizer's two moments, 16 bytes each) needs about ", memfit::format_bytes(16 * params),
+              ", more than this machine's ", memfit::format_bytes(machine), "; choose a smaller --width or --depth");
+}
+
+// The device and precision flags: a device or precision this machine lacks.
+torch::Device check_device_and_precision(const std::string& device_text, const std::string& precision) {
+  const auto device = memfit::tools::as_usage([&] { return parse_device(device_text); });
+  if (precision != "any") {
+    memfit::tools::as_usage([&] {
+      memfit::check_precision_supported(
+          precision == "auto" ? memfit::auto_precision(device) : memfit::parse_precision(precision), device);
+    });
+  }
+  return device;
+}
+
+// Every usage error of `memfit train`, found before any work.
+void validate_train(const TrainArgs& a) {
+  using memfit::tools::usage_check;
+  namespace fs = std::filesystem;
+  usage_check(a.checkpoint != "optimal" || !a.checkpoint_budget.empty(),
+              "--checkpoint optimal needs --checkpoint-budget SIZE, the memory for activations, e.g. "
+              "--checkpoint-budget 24MiB");
+  usage_check(a.dist_backend != "nccl" || (a.device.rfind("cuda", 0) == 0 && a.parallel != "pipeline"),
+              "--dist-backend nccl reduces CUDA tensors in data parallel training: add --device cuda",
+              a.parallel == "pipeline" ? " and --parallel data (pipelines run over Gloo)" : "",
+              ", or use --dist-backend gloo");
+  usage_check(a.master_weights == "none" || a.precision != "fp32", "--master-weights ", a.master_weights,
+              " holds parameters in bf16 or fp16: add --precision bf16 (or fp16, auto), or drop --master-weights");
+  if (a.parallel == "pipeline") {
+    usage_check(a.checkpoint == "none", "--checkpoint schedules one process's chain; a pipeline's stages "
+                "checkpoint per chunk: use --pipeline-checkpoint except_last (or always) instead of --checkpoint ",
+                a.checkpoint);
+  } else {
+    usage_check(a.pipeline_checkpoint == "never", "--pipeline-checkpoint needs --parallel pipeline; for one "
+                "process or data parallelism use --checkpoint (sqrt, optimal, ...)");
+  }
+  const auto offloads = [&](const char* what) {
+    return std::find(a.offload.begin(), a.offload.end(), what) != a.offload.end();
+  };
+  usage_check(!offloads("gradients") || offloads("optimizer"), "--offload gradients moves each gradient to "
+              "the host masters that the optimizer's offload keeps: use --offload optimizer,gradients");
+  usage_check(!offloads("parameters") || (offloads("optimizer") && offloads("gradients")), "--offload "
+              "parameters streams the parameters from the host masters that also take the gradients and the "
+              "optimizer state: use --offload optimizer,gradients,parameters");
+  usage_check(a.offload_tile.empty() || offloads("parameters"), "--offload-tile cuts streamed Linear "
+              "weights into tiles: add --offload optimizer,gradients,parameters, or drop --offload-tile");
+  check_device_and_precision(a.device, a.precision);
+  const std::string resumed =
+      a.resume.empty() ? "" : fs::is_directory(a.resume) ? (fs::path(a.resume) / "checkpoint.pt").string() : a.resume;
+  usage_check(resumed.empty() || fs::is_regular_file(resumed), "--resume ", a.resume, ": no checkpoint file at ",
+              resumed, "; give the folder that --save wrote");
+  if (!a.report.empty()) {
+    memfit::tools::check_output("--report", a.report, {a.torchscript, a.text, resumed});
+  }
+  if (!a.save.empty()) {
+    memfit::tools::as_usage([&] { memfit::check_output_folder(a.save); });
+    if (fs::is_directory(a.save)) {
+      memfit::tools::check_output("--save", (fs::path(a.save) / "checkpoint.pt").string(), {});
+      memfit::tools::check_output("--save", (fs::path(a.save) / "model.json").string(), {});
+    }
+  }
+  check_model_fits(a);
+}
+
+// Every usage error of `memfit plan`, `profile` and `find-batch`.
+void validate_model_command(const PlanArgs& a) {
+  check_device_and_precision(a.device, a.precision);
+  check_model_fits(a);
 }
 
 // The three commands built on a StepModel.
@@ -639,28 +751,15 @@ int run_train(const TrainArgs& a) {
   const auto offloads = [&](const char* what) {
     return std::find(a.offload.begin(), a.offload.end(), what) != a.offload.end();
   };
-  for (const auto& pattern : a.freeze) memfit::freeze(*chain, pattern);
+  for (const auto& pattern : a.freeze) {  // the names exist only once the model is built
+    memfit::tools::as_usage([&] { memfit::freeze(*chain, pattern); });
+  }
   ck_options.checkpoint(memfit::CheckpointOptions().offload(
       a.offload_checkpoints || offloads("checkpoints") ? memfit::Offload::kHost
                                                        : memfit::Offload::kNone));
   const auto precision = a.precision == "auto" ? memfit::auto_precision(device)
                                                : memfit::parse_precision(a.precision);
   const bool pipelined = a.parallel == "pipeline";
-  if (pipelined) {
-    TORCH_CHECK(a.checkpoint == "none", "--checkpoint schedules one process's chain; a pipeline's stages "
-                "checkpoint per chunk: use --pipeline-checkpoint except_last (or always) instead of --checkpoint ",
-                a.checkpoint);
-  } else {
-    TORCH_CHECK(a.pipeline_checkpoint == "never", "--pipeline-checkpoint needs --parallel pipeline; for one "
-                "process or data parallelism use --checkpoint (sqrt, optimal, ...)");
-  }
-  TORCH_CHECK(!offloads("gradients") || offloads("optimizer"), "--offload gradients moves each gradient to "
-              "the host masters that the optimizer's offload keeps: use --offload optimizer,gradients");
-  TORCH_CHECK(!offloads("parameters") || (offloads("optimizer") && offloads("gradients")), "--offload "
-              "parameters streams the parameters from the host masters that also take the gradients and the "
-              "optimizer state: use --offload optimizer,gradients,parameters");
-  TORCH_CHECK(a.offload_tile.empty() || offloads("parameters"), "--offload-tile cuts streamed Linear "
-              "weights into tiles: add --offload optimizer,gradients,parameters, or drop --offload-tile");
   // With a budget, plan the knobs unless they were set by hand.
   const bool by_hand = pipelined || a.micro_batch > 0 || a.checkpoint != "none" || !a.offload.empty() ||
                        a.offload_checkpoints || a.master_weights != "none";
@@ -907,46 +1006,28 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::string where = "memfit";
     for (const auto* sub : app.get_subcommands()) where += " " + sub->get_name();
-    fmt::print(stderr, "{}: error: {} (see '{} --help')\n", where, e.what(), where);
+    fmt::print(stderr, "{}: error: {} (see '{} --help')\n", where, memfit::tools::plain_parse_error(e.what()),
+               where);
     return kExitUsage;
   }
-  if (app.got_subcommand("train") && train_args.checkpoint == "optimal" &&
-      train_args.checkpoint_budget.empty()) {
-    fmt::print(stderr,
-               "memfit train: error: --checkpoint optimal needs --checkpoint-budget SIZE, the memory "
-               "for activations, e.g. --checkpoint-budget 24MiB (see 'memfit train --help')\n");
-    return kExitUsage;
-  }
-
-  if (app.got_subcommand("train") && train_args.dist_backend == "nccl" &&
-      (train_args.device.rfind("cuda", 0) != 0 || train_args.parallel == "pipeline")) {
-    fmt::print(stderr,
-               "memfit train: error: --dist-backend nccl reduces CUDA tensors in data parallel training: "
-               "add --device cuda{}, or use --dist-backend gloo (see 'memfit train --help')\n",
-               train_args.parallel == "pipeline" ? " and --parallel data (pipelines run over Gloo)" : "");
-    return kExitUsage;
-  }
-
-  if (app.got_subcommand("train") && train_args.master_weights != "none" &&
-      train_args.precision == "fp32") {
-    fmt::print(stderr,
-               "memfit train: error: --master-weights {} holds parameters in bf16 or fp16: add "
-               "--precision bf16 (or fp16, auto), or drop --master-weights (see 'memfit train "
-               "--help')\n",
-               train_args.master_weights);
-    return kExitUsage;
-  }
-
+  std::string where = "memfit";
+  for (const auto* sub : app.get_subcommands()) where += " " + sub->get_name();
   try {
-    if (app.got_subcommand("train")) return run_train(train_args);
+    if (app.got_subcommand("train")) {
+      validate_train(train_args);
+      return run_train(train_args);
+    }
     if (app.got_subcommand("launch")) return memfit::tools::run_launch(launch_args);
     if (app.got_subcommand("generate")) return memfit::tools::run_generate(generate_args);
-    if (app.got_subcommand("plan")) return run_model_command(plan_args, ModelCommand::kPlan);
-    if (app.got_subcommand("profile")) return run_model_command(plan_args, ModelCommand::kProfile);
-    if (app.got_subcommand("find-batch")) {
-      return run_model_command(plan_args, ModelCommand::kFindBatch);
+    for (const auto& [name, command] : {std::pair{"plan", ModelCommand::kPlan},
+                                        std::pair{"profile", ModelCommand::kProfile},
+                                        std::pair{"find-batch", ModelCommand::kFindBatch}}) {
+      if (!app.got_subcommand(name)) continue;
+      validate_model_command(plan_args);
+      return run_model_command(plan_args, command);
     }
     if (app.got_subcommand("report")) {
+      memfit::tools::check_output("--output", report_out, {report_in});
       std::ifstream is(report_in);
       std::stringstream text;
       text << is.rdbuf();
@@ -955,6 +1036,9 @@ int main(int argc, char** argv) {
       fmt::print("report written to {}\n", report_out);
       return 0;
     }
+  } catch (const memfit::tools::UsageError& e) {
+    fmt::print(stderr, "{}: error: {} (see '{} --help')\n", where, e.what(), where);
+    return kExitUsage;
   } catch (const c10::Error& e) {
     fmt::print(stderr, "memfit: error: {}\n", e.msg());
     return kExitFailure;

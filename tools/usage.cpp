@@ -1,0 +1,86 @@
+#include "usage.h"
+
+#include "memfit/memory.h"
+#include "memfit/state.h"
+
+#include <fmt/format.h>
+
+#include <charconv>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+
+#include <unistd.h>
+
+namespace memfit::tools {
+
+CLI::Validator integer(int64_t lo, int64_t hi) {
+  const std::string range = lo == 1 && hi == std::numeric_limits<int64_t>::max() ? "a positive integer"
+                            : lo == 1 ? fmt::format("a positive integer of at most {}", hi)
+                            : lo == 0 ? fmt::format("an integer from 0 to {}", hi)
+                                      : fmt::format("an integer from {} to {}", lo, hi);
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        int64_t v = 0;
+        const char* end = text.data() + text.size();
+        const auto [p, ec] = std::from_chars(text.data(), end, v);
+        if (ec != std::errc() || p != end || v < lo || v > hi) {
+          return fmt::format("must be {}, got {}", range, text.size() > 40 ? text.substr(0, 40) + "..." : text);
+        }
+        return {};
+      },
+      "INT");
+}
+
+CLI::Validator real(double lo, double hi, bool open_lo) {
+  const std::string range = fmt::format("a number in {}{:g}, {:g}]", open_lo ? "(" : "[", lo, hi);
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(v) || v > hi ||
+            (open_lo ? v <= lo : v < lo)) {
+          return fmt::format("must be {}, got {}", range, text.size() > 40 ? text.substr(0, 40) + "..." : text);
+        }
+        return {};
+      },
+      "NUMBER");
+}
+
+CLI::Validator memory_size() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        try {
+          if (memfit::parse_memory_size(text) > 0) return {};
+          return "must be positive, e.g. 64MiB, got " + text;
+        } catch (const c10::Error& e) {
+          return e.msg();
+        }
+      },
+      "SIZE");
+}
+
+std::string plain_parse_error(const std::string& what) {
+  const auto colon = what.find(": must ");
+  if (what.rfind("--", 0) == 0 && colon != std::string::npos && what.find(' ') > colon) {
+    return what.substr(0, colon) + what.substr(colon + 1);
+  }
+  return what;
+}
+
+void check_output(const std::string& flag, const std::string& output, const std::vector<std::string>& inputs) {
+  as_usage([&] { memfit::check_output_file(output); });
+  for (const auto& input : inputs) {
+    std::error_code ec;
+    usage_check(input.empty() || !std::filesystem::equivalent(output, input, ec), flag, " ", output,
+                " is also an input of this command (", input, "): write to another file");
+  }
+}
+
+int64_t physical_memory() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long size = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && size > 0 ? static_cast<int64_t>(pages) * size : std::numeric_limits<int64_t>::max();
+}
+
+} // namespace memfit::tools
