@@ -656,7 +656,12 @@ TrainReport Trainer::run_fit(int64_t n, const BatchSource& source, const StepCal
       last_saved = step_;
     }
     if (on_step) on_step(rec);
+    if (stop_->exchange(false)) {  // request_stop: end here, as at the last step
+      report.stopped = true;
+      break;
+    }
   }
+  stop_->store(false);
   if (!options_.save_dir().empty() && last_saved != step_) {
     const auto save_start = Clock::now();
     save(options_.save_dir());
@@ -802,6 +807,10 @@ void Trainer::save(const std::string& dir) {
     std::lock_guard<std::mutex> lock(gen.mutex());
     a.write("sampler_rng", gen.get_state());
   }
+  // The options a resume must share (checked by check_saved_options).
+  a.write("optimizer_type", c10::IValue(optimizer_type()));
+  a.write("precision", c10::IValue(to_string(options_.precision())));
+  a.write("batch_size", c10::IValue(options_.batch_size()));
   a.write("step", c10::IValue(step_));
   a.write("epoch", c10::IValue(epoch_));
   a.write("cursor", c10::IValue(cursor_));
@@ -838,6 +847,26 @@ torch::Tensor Trainer::stand_in(const torch::Tensor& param) const {
   return i >= 0 ? master_->master_parameters()[static_cast<size_t>(i)] : torch::Tensor();
 }
 
+std::string Trainer::optimizer_type() const {
+  const auto* o = zero_ != nullptr ? zero_->local_optimizer() : optimizer_.get();
+  return o != nullptr ? c10::demangle(typeid(*o).name()) : std::string("none");
+}
+
+// A checkpoint resumes only into the optimizer, precision and batch size
+// that saved it (checkpoints written before these were saved are not checked).
+void Trainer::check_saved_options(torch::serialize::InputArchive& a, const std::string& path) const {
+  const auto check = [&](const char* key, const char* option, const std::string& now) {
+    c10::IValue v;
+    if (!a.try_read(key, v)) return;
+    const std::string saved = v.isString() ? v.toStringRef() : v.isInt() ? std::to_string(v.toInt()) : "?";
+    TORCH_CHECK(saved == now, path, " was saved with ", option, " ", saved, ", but this run's is ", now,
+                ": resume with ", saved, ", or start a new run from the model alone (load_module)");
+  };
+  check("optimizer_type", "the optimizer", optimizer_type());
+  check("precision", "TrainerOptions::precision", to_string(options_.precision()));
+  check("batch_size", "TrainerOptions::batch_size", std::to_string(options_.batch_size()));
+}
+
 void Trainer::resume(const std::string& path_or_dir) {
   const std::string path = checkpoint_path(path_or_dir);
   auto a = detail::read_archive(path);
@@ -846,6 +875,7 @@ void Trainer::resume(const std::string& path_or_dir) {
                   format.toStringRef() == kCheckpointFormat,
               path, " is not a memfit Trainer checkpoint (", kCheckpointFormat,
               "): write one with Trainer::save or memfit train --save DIR");
+  check_saved_options(a, path);
   // Check everything before changing anything. A pipeline's checkpoint holds
   // each stage's model, masters and optimizer in a part of its own.
   torch::serialize::InputArchive parts, stage;
@@ -1012,6 +1042,7 @@ std::string TrainReport::to_json() const {
                             {"peak_bytes", peak_bytes},
                             {"precision", precision},
                             {"skipped_steps", skipped_steps},
+                            {"stopped", stopped},
                             {"final_scale", final_scale},
                             {"step_memory", nlohmann::json::parse(step_memory.to_json())}};
   if (evaluated) {

@@ -463,6 +463,17 @@ TEST_F(DocExamples, DataAndTrainerHeaders) {
   auto result = trainer.evaluate(data);
   EXPECT_EQ(report.steps.size(), 5u);
   EXPECT_GT(result.accuracy, 0.0);
+  {  // Trainer::request_stop
+    auto report = trainer.fit(data, [&](const memfit::StepRecord& r) {
+      if (r.step == 2) trainer.request_stop();
+    });
+    EXPECT_TRUE(report.stopped);
+    EXPECT_EQ(trainer.step(), 2);
+  }
+  {  // check_output_file
+    memfit::check_output_file("/tmp/memfit_example.json");
+    memfit::check_output_folder("/tmp/memfit_example_run");
+  }
   {  // Trainer::resume
     const std::string dir = "/tmp/memfit_example_run";
     memfit::Trainer first(memfit::make_mlp(), memfit::TrainerOptions().batch_size(32).steps(3).save_dir(dir));

@@ -530,6 +530,58 @@ TEST_F(TrainerTest, ResumeIntoAnotherModelNamesTheFirstMismatchAndChangesNothing
   EXPECT_THROW(other.resume(dir + "/nothing-here"), c10::Error);
 }
 
+// Reference: an Adam checkpoint resumed into SGD reached LibTorch's internal
+// assert (sgd.cpp "is_tensor_type"); adam into adamw loaded silently.
+TEST_F(TrainerTest, ResumeRefusesAnotherOptimizerPrecisionOrBatchSizeNamingBothValues) {
+  const CheckpointDir checkpoint("resume_options");
+  const std::string& dir = checkpoint.path;
+  const auto base = [] { return TrainerOptions().batch_size(32).steps(2); };
+  {
+    Trainer t(make_mlp(ModelOptions().width(16).depth(1)), base().steps(1).save_dir(dir));
+    t.fit(small_real_data());
+  }
+  const std::vector<std::pair<TrainerOptions, std::string>> cases = {
+      {base().optimizer(OptimizerKind::kSGD), "the optimizer torch::optim::Adam, but this run's is torch::optim::SGD"},
+      {base().optimizer(OptimizerKind::kAdamW), "torch::optim::Adam, but this run's is torch::optim::AdamW"},
+      {base().precision(Precision::kBF16), "TrainerOptions::precision fp32, but this run's is bf16"},
+      {base().batch_size(16), "TrainerOptions::batch_size 32, but this run's is 16"},
+  };
+  for (const auto& [options, expected] : cases) {
+    Trainer other(make_mlp(ModelOptions().width(16).depth(1)), options);
+    const auto before = parameters_of(other);
+    try {
+      other.resume(dir);
+      ADD_FAILURE() << "resumed despite: " << expected;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.msg()).find(expected), std::string::npos) << e.msg();
+    }
+    const auto after = parameters_of(other);
+    for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(after[i].equal(before[i])) << "nothing changes";
+  }
+  Trainer same(make_mlp(ModelOptions().width(16).depth(1)), base().lr(0.5).micro_batch_size(8));
+  same.resume(dir);  // lr and micro-batching may change: they do not make the checkpoint another run's
+  EXPECT_EQ(same.step(), 1);
+}
+
+TEST_F(TrainerTest, RequestStopEndsFitAfterTheStepInProgressAndSavesFirst) {
+  const CheckpointDir checkpoint("request_stop");
+  torch::manual_seed(3);
+  Trainer t(make_mlp(ModelOptions().width(16).depth(1)),
+            TrainerOptions().batch_size(32).steps(50).save_dir(checkpoint.path));
+  const auto report = t.fit(small_real_data(), [&](const StepRecord& r) {
+    if (r.step == 3) t.request_stop();
+  });
+  EXPECT_TRUE(report.stopped);
+  EXPECT_EQ(report.steps.size(), 3u);
+  EXPECT_EQ(t.step(), 3);
+  Trainer resumed(make_mlp(ModelOptions().width(16).depth(1)), TrainerOptions().batch_size(32).steps(50));
+  resumed.resume(checkpoint.path);
+  EXPECT_EQ(resumed.step(), 3) << "the stop saved the step it ended at";
+  const auto rest = t.fit(small_real_data(), [](const StepRecord&) {});
+  EXPECT_FALSE(rest.stopped) << "the request is cleared when fit returns";
+  EXPECT_EQ(t.step(), 50);
+}
+
 class CudaTrainer : public testing::OnCuda {
  protected:
   void SetUp() override {

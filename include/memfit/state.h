@@ -60,6 +60,11 @@ void check_output_file(const std::string& path);
 /// `dir` may exist (a directory, writable) or not (then its nearest existing
 /// ancestor must be a writable directory, where it will be created). Throws
 /// c10::Error in one line otherwise.
+///
+/// Example:
+/// \code
+///   memfit::check_output_folder("/tmp/memfit_example_run");
+/// \endcode
 void check_output_folder(const std::string& dir);
 
 /// Saves `module`'s parameters and buffers to `path`, atomically.

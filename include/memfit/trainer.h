@@ -30,6 +30,7 @@
 
 #include <any>
 #include <cstdint>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -236,6 +237,7 @@ struct TrainReport {
   std::string precision = "fp32";  ///< Compute precision of the run.
   int64_t skipped_steps = 0;       ///< Steps the GradScaler skipped.
   double final_scale = 0;          ///< The GradScaler's scale at the end (0 without one).
+  bool stopped = false;            ///< fit returned early, at Trainer::request_stop.
   bool evaluated = false;          ///< Whether `test` holds a result.
   EvalResult test;                 ///< Test-set result, when evaluated.
 
@@ -456,6 +458,20 @@ class Trainer {
   ///   auto rest = second.fit(data);  // steps 4, 5 and 6
   /// \endcode
   void resume(const std::string& path);
+  /// Asks fit to return after the step in progress, as if the run had ended:
+  /// it saves to options.save_dir first when one is set, and its report says
+  /// `stopped`. The request is cleared when fit returns. A program calls it
+  /// from its step callback or another thread, e.g. when a signal arrived
+  /// (`memfit train` does so on SIGINT and SIGTERM).
+  ///
+  /// Example:
+  /// \code
+  ///   auto report = trainer.fit(data, [&](const memfit::StepRecord& r) {
+  ///     if (r.step == 2) trainer.request_stop();
+  ///   });
+  ///   assert(report.stopped && trainer.step() == 2);
+  /// \endcode
+  void request_stop() noexcept { stop_->store(true); }
   /// Steps taken in the current run (0 before the first).
   int64_t step() const { return step_; }
   /// Loss and accuracy of the cross-entropy classifier on `data` under
@@ -567,6 +583,9 @@ class Trainer {
   std::unique_ptr<Pipeline> pipeline_;  // classifier_ is its stage
   std::unique_ptr<GradScaler> scaler_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::string optimizer_type() const;
+  void check_saved_options(torch::serialize::InputArchive& a, const std::string& path) const;
+  std::unique_ptr<std::atomic<bool>> stop_ = std::make_unique<std::atomic<bool>>(false);  // request_stop
   ZeroRedundancyOptimizer* zero_ = nullptr;  // optimizer_, when it is sharded
   std::vector<std::shared_ptr<StepComponent>> components_;
   class Timeline;
