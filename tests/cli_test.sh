@@ -205,7 +205,7 @@ check resume-is-bit-identical \
 expect resume-complete-run 0 'complete at step 8: nothing left to train' out -- \
   "${run_args[@]}" --steps 8 --resume "$tmp/ck"
 sum_before=$(md5sum <"$tmp/ck/checkpoint.pt")
-expect resume-mismatch 1 "tensor '0.sequential.fc0.weight' is \[32, 784\] Float in the checkpoint but \[64, 784\]" err -- \
+expect resume-mismatch 2 "tensor '0.sequential.fc0.weight' is \[32, 784\] Float in the checkpoint but \[64, 784\]" err -- \
   train --model mlp --width 64 --depth 1 --steps 9 --no-eval -q --resume "$tmp/ck" --save "$tmp/ck"
 check resume-mismatch-changes-nothing test "$sum_before" = "$(md5sum <"$tmp/ck/checkpoint.pt")"
 expect resume-missing 2 'no checkpoint file at' err -- "${run_args[@]}" --steps 8 --resume "$tmp/none"
@@ -227,6 +227,42 @@ done
 check killed-during-a-save test "$killed_mid_save" -eq 1
 expect killed-run-resumes 0 'resumed from .* at step [1-9]' out -- \
   train --model resnet --batch 8 --steps 1 --no-eval -q --resume "$tmp/kill"
+
+# SIGINT ends a run after the step in progress, saving first with --save, and
+# exits 130 as a shell reports it; the saved run resumes.
+"$bin" train --model mlp --width 32 --depth 1 --steps 1000000 --no-eval -q --save "$tmp/sigint" \
+  >"$tmp/sigint.out" 2>"$tmp/sigint.err" &
+pid=$!
+for _ in $(seq 1 600); do grep -q 'memfit train: model' "$tmp/sigint.out" && break; sleep 0.05; done
+sleep 1
+kill -INT "$pid"
+wait "$pid"
+check sigint-exits-130 test $? -eq 130
+check sigint-says-it-saved grep -q 'stopped by signal 2 after step [1-9][0-9]*; checkpoint saved' "$tmp/sigint.out"
+check sigint-leaves-no-temporary test -z "$(ls "$tmp/sigint" | grep tmp)"
+expect sigint-run-resumes 0 'resumed from .* at step [1-9]' out -- \
+  train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint"
+expect resume-other-optimizer 2 'was saved with the optimizer torch::optim::Adam, but this run.s is torch::optim::SGD' err -- \
+  train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint" --optimizer sgd
+expect resume-other-batch 2 'saved with TrainerOptions::batch_size 64, but this run.s is 32' err -- \
+  train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint" --batch 32
+expect resume-other-precision 2 'saved with TrainerOptions::precision fp32, but this run.s is bf16' err -- \
+  train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint" --precision bf16
+
+# The launcher stopped by SIGTERM passes it to every worker's process group
+# and leaves no process behind, workers started through a shell included.
+codes=""
+for i in $(seq 1 10); do
+  "$bin" launch --nproc 2 --grace 1 -- bash -c 'sleep 3017 & sleep 3017; wait' >/dev/null 2>&1 &
+  pid=$!
+  sleep 0.3
+  kill -TERM "$pid"
+  wait "$pid"
+  codes="$codes $?"
+done
+sleep 0.3
+check launcher-sigterm-exits-143 test "$codes" = "$(printf ' 143%.0s' $(seq 1 10))"
+check launcher-sigterm-leaves-no-orphans test "$(pgrep -fc 'sleep 3017')" -eq 0
 
 # The planner.
 expect plan-help 0 'budget' out -- plan --help

@@ -11,6 +11,8 @@
 #include <map>
 #include <thread>
 
+#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -44,6 +46,21 @@ void add_launch_command(CLI::App& app, LaunchArgs& a) {
   launch->add_option("command", a.command, "The worker's command line, after --")->required();
 }
 
+namespace {
+
+// The signal the launcher received (SIGINT, SIGTERM or SIGHUP), 0 if none.
+volatile std::sig_atomic_t g_signal = 0;
+
+void on_signal(int sig) { g_signal = sig; }
+
+// Sends `sig` to every worker's process group: a worker started through a
+// shell takes its children with it.
+void signal_groups(const std::map<pid_t, int64_t>& rank_of, int sig) {
+  for (const auto& [pid, rank] : rank_of) ::kill(-pid, sig);
+}
+
+}  // namespace
+
 int run_launch(const LaunchArgs& a) {
   if (a.node_rank >= a.nnodes) {
     fmt::print(stderr, "memfit launch: error: --node-rank {} is not below --nnodes {}\n", a.node_rank,
@@ -63,6 +80,9 @@ int run_launch(const LaunchArgs& a) {
       return 1;
     }
     if (pid == 0) {
+      ::setpgid(0, 0);                     // its own process group, ended as a whole
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // and killed if the launcher is
+      if (::getppid() == 1) std::_Exit(128 + SIGKILL);  // the launcher died before prctl
       ::setenv("RANK", std::to_string(rank).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
@@ -78,15 +98,34 @@ int run_launch(const LaunchArgs& a) {
                  rank, std::strerror(errno));
       std::_Exit(127);
     }
+    ::setpgid(pid, pid);  // also here: no signal may reach the group before it exists
     rank_of[pid] = rank;
   }
+  std::vector<pid_t> groups;
+  for (const auto& [pid, rank] : rank_of) groups.push_back(pid);
+  // SIGINT, SIGTERM and SIGHUP are forwarded to every worker's group; without
+  // SA_RESTART, they interrupt the wait below.
+  struct sigaction action {};
+  action.sa_handler = on_signal;
+  sigemptyset(&action.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &action, nullptr);
 
   int result = 0;
   bool stopping = false;
   auto deadline = std::chrono::steady_clock::time_point::max();
   while (!rank_of.empty()) {
+    if (const int sig = g_signal; sig != 0 && !stopping) {
+      stopping = true;
+      result = 128 + sig;
+      fmt::print(stderr, "memfit launch: received signal {}; passing it to the {} worker{}\n", sig,
+                 rank_of.size(), rank_of.size() == 1 ? "" : "s");
+      signal_groups(rank_of, sig);
+      deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(a.grace * 1000));
+    }
     int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, stopping ? WNOHANG : 0);
+    // Polled: a signal that lands just before a blocking wait would be seen
+    // only when a worker ends on its own.
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
     if (pid > 0) {
       const int64_t rank = rank_of[pid];
       rank_of.erase(pid);
@@ -98,21 +137,22 @@ int run_launch(const LaunchArgs& a) {
                    WIFEXITED(status) ? "exited with status" : "was killed by signal",
                    WIFEXITED(status) ? code : WTERMSIG(status), rank_of.size(),
                    rank_of.size() == 1 ? "" : "s");
-        for (const auto& [p, r] : rank_of) ::kill(p, SIGTERM);
+        signal_groups(rank_of, SIGTERM);
         deadline = std::chrono::steady_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(a.grace * 1000));
       }
       continue;
     }
     if (pid < 0 && errno != EINTR) break;
-    if (stopping) {
-      if (std::chrono::steady_clock::now() >= deadline) {
-        for (const auto& [p, r] : rank_of) ::kill(p, SIGKILL);
-        deadline = std::chrono::steady_clock::time_point::max();
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (stopping && std::chrono::steady_clock::now() >= deadline) {
+      signal_groups(rank_of, SIGKILL);
+      deadline = std::chrono::steady_clock::time_point::max();
     }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  // No process outlives the launcher: what a worker left in its group (a
+  // shell's background children) goes with it.
+  for (const pid_t group : groups) ::kill(-group, SIGKILL);
   return result;
 }
 

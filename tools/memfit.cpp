@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -38,6 +39,8 @@
 namespace {
 
 constexpr int kExitFailure = 1;
+// The signal (SIGINT or SIGTERM) that asked `memfit train` to stop, 0 if none.
+volatile std::sig_atomic_t g_signal = 0;
 constexpr int kExitUsage = 2;
 // The largest batch and step count a flag accepts: far beyond any run here,
 // small enough that no product of them overflows.
@@ -870,7 +873,8 @@ int run_train(const TrainArgs& a) {
     checkpointed = nullptr;
   }
   if (!a.resume.empty()) {
-    trainer.resume(a.resume);
+    // A checkpoint of other options or another model is a usage error.
+    memfit::tools::as_usage([&] { trainer.resume(a.resume); });
     fmt::print("resumed from {} at step {}\n", a.resume, trainer.step());
   }
 
@@ -899,7 +903,16 @@ int run_train(const TrainArgs& a) {
   memfit::tools::ProgressBar bar(trainer.total_steps(train_data), a.batch, stderr,
                                  ::isatty(fileno(stderr)) != 0);
   const auto start = std::chrono::steady_clock::now();
+  // SIGINT and SIGTERM end the run after the step in progress, saving first
+  // with --save; a second one stops at once.
+  for (int sig : {SIGINT, SIGTERM}) {
+    std::signal(sig, [](int received) {
+      g_signal = received;
+      std::signal(received, SIG_DFL);
+    });
+  }
   auto on_step = [&](const memfit::StepRecord& r) {
+    if (g_signal != 0) trainer.request_stop();
     if (a.quiet) return;
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -918,8 +931,13 @@ int run_train(const TrainArgs& a) {
     throw;
   }
   bar.finish();
+  if (report.stopped) {
+    fmt::print("stopped by signal {} after step {}{}\n", static_cast<int>(g_signal), trainer.step(),
+               a.save.empty() ? "" : fmt::format("; checkpoint saved to {}/checkpoint.pt (continue with --resume {})",
+                                                 a.save, a.save));
+  }
 
-  if (!a.no_eval) {
+  if (!a.no_eval && !report.stopped) {
     report.test = trainer.evaluate(test_data);
     report.evaluated = true;
   }
@@ -952,7 +970,7 @@ int run_train(const TrainArgs& a) {
                                 memfit::format_bytes(plan->predicted.peak_bytes))
                   : std::string());
   fmt::print("peak of the largest training step:\n{}", report.step_memory.table());
-  if (!a.save.empty()) fmt::print("checkpoint saved to {}/checkpoint.pt\n", a.save);
+  if (!a.save.empty() && !report.stopped) fmt::print("checkpoint saved to {}/checkpoint.pt\n", a.save);
   if (!a.report.empty() && world.rank == 0) {
     auto json = nlohmann::json::parse(report.to_json());
     json["environment"] = nlohmann::json::parse(memfit::environment().to_json());
@@ -963,7 +981,7 @@ int run_train(const TrainArgs& a) {
     memfit::write_file_atomically(a.report, json.dump(2) + "\n");
     fmt::print("report written to {}\n", a.report);
   }
-  return 0;
+  return report.stopped ? 128 + static_cast<int>(g_signal) : 0;  // as a shell reports the signal
 }
 
 } // namespace
