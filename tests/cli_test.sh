@@ -244,9 +244,9 @@ expect sigint-run-resumes 0 'resumed from .* at step [1-9]' out -- \
   train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint"
 expect resume-other-optimizer 2 'was saved with the optimizer torch::optim::Adam, but this run.s is torch::optim::SGD' err -- \
   train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint" --optimizer sgd
-expect resume-other-batch 2 'saved with TrainerOptions::batch_size 64, but this run.s is 32' err -- \
+expect resume-other-batch 2 'saved with --batch 64, but this run.s is 32' err -- \
   train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint" --batch 32
-expect resume-other-precision 2 'saved with TrainerOptions::precision fp32, but this run.s is bf16' err -- \
+expect resume-other-precision 2 'saved with --precision fp32, but this run.s is bf16' err -- \
   train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint" --precision bf16
 
 # The launcher stopped by SIGTERM passes it to every worker's process group

@@ -1055,10 +1055,10 @@ int main(int argc, char** argv) {
       return 0;
     }
   } catch (const memfit::tools::UsageError& e) {
-    fmt::print(stderr, "{}: error: {} (see '{} --help')\n", where, e.what(), where);
+    fmt::print(stderr, "{}: error: {} (see '{} --help')\n", where, memfit::tools::with_flag_names(e.what()), where);
     return kExitUsage;
   } catch (const c10::Error& e) {
-    fmt::print(stderr, "memfit: error: {}\n", e.msg());
+    fmt::print(stderr, "memfit: error: {}\n", memfit::tools::with_flag_names(e.msg()));
     return kExitFailure;
   } catch (const std::exception& e) {
     fmt::print(stderr, "memfit: error: {}\n", e.what());

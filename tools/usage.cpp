@@ -68,6 +68,24 @@ std::string plain_parse_error(const std::string& what) {
   return what;
 }
 
+std::string with_flag_names(std::string message) {
+  static const std::pair<const char*, const char*> names[] = {
+      {"TrainerOptions::batch_size", "--batch"},
+      {"TrainerOptions::precision", "--precision"},
+      {"TrainerOptions::micro_batch_size", "--micro-batch"},
+      {"TrainerOptions::offload_parameters", "--offload parameters"},
+      {"TrainerOptions::process_group", "memfit launch"},
+      {"PlanOptions::precisions", "--precision"},
+      {"PlanOptions::selective_recompute", "--selective-recompute"},
+  };
+  for (const auto& [cpp, flag] : names) {
+    for (auto at = message.find(cpp); at != std::string::npos; at = message.find(cpp, at)) {
+      message.replace(at, std::string(cpp).size(), flag);
+    }
+  }
+  return message;
+}
+
 void check_output(const std::string& flag, const std::string& output, const std::vector<std::string>& inputs) {
   as_usage([&] { memfit::check_output_file(output); });
   for (const auto& input : inputs) {

@@ -51,6 +51,10 @@ CLI::Validator memory_size();
 /// CLI11's "--flag: message" for a failed validator, as "--flag message".
 std::string plain_parse_error(const std::string& what);
 
+/// A library message with its C++ option names (TrainerOptions::batch_size)
+/// replaced by the flags that set them (--batch).
+std::string with_flag_names(std::string message);
+
 /// Checks that `output` can be written and is none of `inputs`.
 void check_output(const std::string& flag, const std::string& output, const std::vector<std::string>& inputs);
 
