@@ -21,6 +21,8 @@ export MEMFIT_CACHE_DIR="$tmp/cache"
 # one of these inputs, which must be refused.
 mkdir -p "$tmp/in/bad" "$tmp/out"
 mkfifo "$tmp/out/fifo"  # an output that is not a regular file
+device=/dev/null  # a device node of our own where we may make one (as root)
+mknod "$tmp/null" c 1 3 2>/dev/null && device="$tmp/null"
 "$bin" train --model mlp --width 8 --depth 1 --steps 1 --no-eval -q --save "$tmp/in/run" >/dev/null 2>&1 ||
   { echo "FAIL setup: could not save a run"; exit 1; }
 for f in /usr/share/datasets/fashion-mnist/*.gz; do head -c 2000 "$f" >"$tmp/in/bad/$(basename "$f")"; done
@@ -54,8 +56,8 @@ declare -A domain=(
   [--threads]="0 1 4097"
   [--eval-batch]="64 0"
   [--save-every]="1 0"
-  [--report]="$tmp/out/r.json /dev/null $tmp/missing/r.json $tmp/in $tmp/out/fifo"
-  [--save]="$tmp/out/ck /dev/null $tmp/in/note.txt $tmp/out/fifo"
+  [--report]="$tmp/out/r.json $device $tmp/missing/r.json $tmp/in $tmp/out/fifo"
+  [--save]="$tmp/out/ck $device $tmp/in/note.txt $tmp/out/fifo"
   [--resume]="$tmp/in/run $tmp/none $tmp/in/note.txt"
   [--data]="/usr/share/datasets/fashion-mnist $tmp/in/bad $tmp/none"
   [--freeze]="fc0.* nothing*"
@@ -96,6 +98,7 @@ for n in $(seq 1 "$cases"); do
   elif [ "$rc" -eq 2 ] && [ "$(wc -l <"$tmp/stderr")" -ne 1 ]; then why="a usage error in $(wc -l <"$tmp/stderr") lines"
   elif [ -n "$(find "$tmp" -name '*.tmp*' -print -quit)" ]; then why="left $(find "$tmp" -name '*.tmp*' | head -1)"
   elif [ "$(sums)" != "$before" ]; then why="changed an input"
+  elif [ ! -c "$device" ]; then why="replaced the device $device"
   fi
   codes[$rc]=$(( ${codes[$rc]:-0} + 1 ))
   if [ -n "$why" ]; then

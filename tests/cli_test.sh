@@ -115,8 +115,13 @@ usage model-too-big "its parameters alone need more than a quarter of this machi
 usage plan-model-too-big "choose a smaller --width or --depth" plan --model mlp --width 65536 --depth 64 --budget 1GiB
 usage report-folder-missing "cannot write $tmp/missing/r.json: the folder $tmp/missing does not exist" \
   train --model mlp --steps 1 --report "$tmp/missing/r.json"
+# A device node of our own when we may make one (as root): a regression must
+# not replace the machine's /dev/null, which only root could.
+device=/dev/null
+mknod "$tmp/null" c 1 3 2>/dev/null && device="$tmp/null"
 usage report-to-device 'it is a character device, and memfit replaces only regular files' \
-  train --model mlp --steps 1 --report /dev/null
+  train --model mlp --steps 1 --report "$device"
+check device-is-still-a-device test -c "$device"
 usage report-to-folder 'it is a directory' train --model mlp --steps 1 --report "$tmp"
 usage save-into-a-file "is a regular file, not a folder" train --model mlp --steps 1 --save /etc/hostname/ck
 usage report-input-is-output 'is also an input of this command' report /etc/hostname -o /etc/hostname
@@ -255,7 +260,7 @@ codes=""
 for i in $(seq 1 10); do
   "$bin" launch --nproc 2 --grace 1 -- bash -c 'sleep 3017 & sleep 3017; wait' >/dev/null 2>&1 &
   pid=$!
-  sleep 0.3
+  sleep 1  # the workers and their shells' children run
   kill -TERM "$pid"
   wait "$pid"
   codes="$codes $?"

@@ -67,6 +67,13 @@ int run_launch(const LaunchArgs& a) {
                a.nnodes);
     return 2;
   }
+  // SIGINT, SIGTERM and SIGHUP are forwarded to every worker's group, from
+  // before the first fork: a signal while workers start still reaches them
+  // (a worker's exec restores the default actions).
+  struct sigaction action {};
+  action.sa_handler = on_signal;
+  sigemptyset(&action.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &action, nullptr);
   const int64_t world = a.nproc * a.nnodes;
   std::map<pid_t, int64_t> rank_of;
   std::fflush(stdout);
@@ -103,12 +110,6 @@ int run_launch(const LaunchArgs& a) {
   }
   std::vector<pid_t> groups;
   for (const auto& [pid, rank] : rank_of) groups.push_back(pid);
-  // SIGINT, SIGTERM and SIGHUP are forwarded to every worker's group; without
-  // SA_RESTART, they interrupt the wait below.
-  struct sigaction action {};
-  action.sa_handler = on_signal;
-  sigemptyset(&action.sa_mask);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &action, nullptr);
 
   int result = 0;
   bool stopping = false;
