@@ -247,6 +247,10 @@ check sigint-says-it-saved grep -q 'stopped by signal 2 after step [1-9][0-9]*; 
 check sigint-leaves-no-temporary test -z "$(ls "$tmp/sigint" | grep tmp)"
 expect sigint-run-resumes 0 'resumed from .* at step [1-9]' out -- \
   train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint"
+card_before=$(md5sum <"$tmp/sigint/model.json")
+expect resume-other-width 2 "tensor '0.sequential.fc0.weight' is \[32, 784\] Float in the checkpoint but \[64, 784\]" err -- \
+  train --model mlp --width 64 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint" --save "$tmp/sigint"
+check refused-resume-keeps-the-model-card test "$card_before" = "$(md5sum <"$tmp/sigint/model.json")"
 expect resume-other-optimizer 2 'was saved with the optimizer torch::optim::Adam, but this run.s is torch::optim::SGD' err -- \
   train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint" --optimizer sgd
 expect resume-other-batch 2 'saved with --batch 64, but this run.s is 32' err -- \

@@ -856,6 +856,12 @@ int run_train(const TrainArgs& a) {
   // (tracked) memory has just gone to its host masters, as on a GPU, where
   // it would have been built in host memory.
   memfit::reset_peak_memory_stats(device);
+  if (!a.resume.empty()) {
+    // A checkpoint of other options or another model is a usage error,
+    // found before anything is written (the model card below included).
+    memfit::tools::as_usage([&] { trainer.resume(a.resume); });
+    fmt::print("resumed from {} at step {}\n", a.resume, trainer.step());
+  }
   if (!a.save.empty() && world.rank == 0) {  // what `memfit generate` needs to build the model again
     nlohmann::json card = {{"model", a.model},     {"width", a.width},     {"depth", a.depth},
                            {"heads", a.heads},     {"context", a.context}, {"dropout", a.dropout},
@@ -871,11 +877,6 @@ int run_train(const TrainArgs& a) {
     chain = nullptr;
     model = nullptr;
     checkpointed = nullptr;
-  }
-  if (!a.resume.empty()) {
-    // A checkpoint of other options or another model is a usage error.
-    memfit::tools::as_usage([&] { trainer.resume(a.resume); });
-    fmt::print("resumed from {} at step {}\n", a.resume, trainer.step());
   }
 
   fmt::print("memfit train: model {} ({} parameters{}), {} training examples, batch {}{}, {} "
