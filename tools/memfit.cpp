@@ -434,14 +434,19 @@ std::vector<memfit::Precision> plan_precisions(const std::string& text, const to
 // and, when `speak`, warns in one line of a BLAS that slows LibTorch down.
 // More threads than hardware threads are capped, with a warning: OpenMP
 // threads spin, and oversubscribed cores slow LibTorch down many times over.
-void set_threads(int threads, bool speak = true) {
+// Returns the one-line warning of a BLAS that slows LibTorch down, if any
+// and `speak`, for the caller to print once its usage checks are done.
+std::string set_threads(int threads, bool speak = true) {
   const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   if (threads > hw && speak) {
     fmt::print(stderr, "memfit: warning: --threads {} is more than this machine's {} hardware threads; using {}\n",
                threads, hw, hw);
   }
   at::set_num_threads(threads > 0 ? std::min(threads, hw) : hw);
-  const auto warning = speak ? memfit::check_blas() : std::string();
+  return speak ? memfit::check_blas() : std::string();
+}
+
+void print_warning(const std::string& warning) {
   if (!warning.empty()) fmt::print(stderr, "memfit: warning: {}\n", warning);
 }
 
@@ -568,7 +573,7 @@ enum class ModelCommand { kPlan, kProfile, kFindBatch };
 int run_model_command(const PlanArgs& a, ModelCommand command) {
   const torch::Device device = parse_device(a.device);
   memfit::memory_allocated(device);
-  set_threads(a.threads);
+  print_warning(set_threads(a.threads));
   torch::manual_seed(0);
   auto workload = load_workload(a, /*with_test=*/false);
   auto chain = workload.make();
@@ -738,7 +743,7 @@ int run_train(const TrainArgs& a) {
   }
   memfit::memory_allocated(device);  // begins tracking before anything is allocated
   torch::manual_seed(a.seed);
-  set_threads(a.threads, world.rank == 0);
+  const std::string blas_warning = set_threads(a.threads, world.rank == 0);  // printed after the resume check
 
   const auto workload = load_workload(a, /*with_test=*/!a.no_eval);
   const auto& train_data = workload.train;
@@ -862,6 +867,7 @@ int run_train(const TrainArgs& a) {
     memfit::tools::as_usage([&] { trainer.resume(a.resume); });
     fmt::print("resumed from {} at step {}\n", a.resume, trainer.step());
   }
+  print_warning(blas_warning);
   if (!a.save.empty() && world.rank == 0) {  // what `memfit generate` needs to build the model again
     nlohmann::json card = {{"model", a.model},     {"width", a.width},     {"depth", a.depth},
                            {"heads", a.heads},     {"context", a.context}, {"dropout", a.dropout},
