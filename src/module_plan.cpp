@@ -722,7 +722,7 @@ int64_t run_plan(const ModuleStepModel::Impl& im, const StepSettings& settings,
   ChainSchedules scheduled(im.chains, schedules);
   auto trainer = im.probe.make_trainer(trainer_options(settings, im.base).batch_size(im.probe.examples).save_dir(""));
   const int64_t outer = memory_budget(im.base.device());  // a caller's lower budget stays
-  detail::BudgetScope scope(im.base.device(), outer > 0 ? std::min(outer, budget) : budget);
+  BudgetGuard scope(im.base.device(), outer > 0 ? std::min(outer, budget) : budget);
   int64_t peak = 0;
   try {
     for (int k = 0; k < 3; ++k) {  // the first creates the optimizer's state

@@ -797,7 +797,7 @@ bool verify_step(const std::function<torch::nn::Sequential()>& make_model, const
                  const torch::Device& device, int64_t* peak) {
   const int64_t base = memory_allocated(device);
   bool ok = false;
-  std::optional<detail::BudgetScope> budget_scope;  // the caller's budget comes back, also after a throw
+  std::optional<BudgetGuard> budget_scope;  // the caller's budget comes back, also after a throw
   try {
     auto chain = make_model();
     set_selective_recompute(chain, s.selective_recompute());

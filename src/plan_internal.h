@@ -56,20 +56,5 @@ class ModuleStateGuard {
   compat::RngState rng_;
 };
 
-// set_memory_budget(device, bytes) for the scope; the previous budget after.
-class BudgetScope {
- public:
-  BudgetScope(torch::Device device, int64_t bytes) : device_(device), saved_(memory_budget(device)) {
-    set_memory_budget(device_, bytes);
-  }
-  ~BudgetScope() { set_memory_budget(device_, saved_); }
-  BudgetScope(const BudgetScope&) = delete;
-  BudgetScope& operator=(const BudgetScope&) = delete;
-
- private:
-  torch::Device device_;
-  int64_t saved_;
-};
-
 } // namespace detail
 } // namespace memfit

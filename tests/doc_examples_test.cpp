@@ -94,6 +94,15 @@ TEST_F(DocExamples, MemoryHeader) {
     EXPECT_EQ(memfit::max_memory_allocated(), memfit::memory_allocated());
   }
   memfit::empty_cache(torch::kCPU);
+  {  // BudgetGuard
+    {
+      memfit::BudgetGuard budget(torch::kCPU, memfit::memory_allocated() + (1 << 20));
+      bool thrown = false;
+      try { torch::empty({1 << 20}); } catch (const c10::OutOfMemoryError&) { thrown = true; }
+      EXPECT_TRUE(thrown);
+    }
+    EXPECT_EQ(memfit::memory_budget(torch::kCPU), 0);
+  }
   {  // set_memory_budget
     memfit::set_memory_budget(torch::kCPU, memfit::memory_allocated() + (1 << 20));
     bool thrown = false;

@@ -430,8 +430,7 @@ std::vector<memfit::Precision> plan_precisions(const std::string& text, const to
   return {text == "auto" ? memfit::auto_precision(device) : memfit::parse_precision(text)};
 }
 
-// Sets LibTorch's intra-op threads (every hardware thread unless --threads)
-// and, when `speak`, warns in one line of a BLAS that slows LibTorch down.
+// Sets LibTorch's intra-op threads (every hardware thread unless --threads).
 // More threads than hardware threads are capped, with a warning: OpenMP
 // threads spin, and oversubscribed cores slow LibTorch down many times over.
 // Returns the one-line warning of a BLAS that slows LibTorch down, if any
@@ -449,17 +448,6 @@ std::string set_threads(int threads, bool speak = true) {
 void print_warning(const std::string& warning) {
   if (!warning.empty()) fmt::print(stderr, "memfit: warning: {}\n", warning);
 }
-
-// Restores the host budget that check_model_fits sets for one build.
-struct HostBudgetGuard {
-  explicit HostBudgetGuard(int64_t bytes) : before_(memfit::memory_budget(torch::kCPU)) {
-    memfit::set_memory_budget(torch::kCPU, bytes);
-  }
-  ~HostBudgetGuard() { memfit::set_memory_budget(torch::kCPU, before_); }
-  HostBudgetGuard(const HostBudgetGuard&) = delete;
-  HostBudgetGuard& operator=(const HostBudgetGuard&) = delete;
-  int64_t before_;
-};
 
 // The model's flags, checked by building it once in host memory under a
 // quarter of this machine's memory: a shape the library refuses, or one
@@ -483,7 +471,7 @@ void check_model_fits(const ModelArgs& a) {
   int64_t params = -1;  // -1: the parameters alone overran the quarter
   try {
     memfit::memory_allocated(torch::kCPU);  // tracking starts before the build
-    HostBudgetGuard guard(memfit::memory_allocated(torch::kCPU) + machine / 4);
+    memfit::BudgetGuard budget(torch::kCPU, memfit::memory_allocated(torch::kCPU) + machine / 4);
     const auto model = memfit::make_model(kind, o);
     params = 0;
     for (const auto& p : model->parameters()) params += p.numel();
@@ -512,6 +500,11 @@ torch::Device check_device_and_precision(const std::string& device_text, const s
   return device;
 }
 
+// Whether --offload names `what` (optimizer, gradients, parameters, checkpoints).
+bool offloads_to_host(const TrainArgs& a, const char* what) {
+  return std::find(a.offload.begin(), a.offload.end(), what) != a.offload.end();
+}
+
 // Every usage error of `memfit train`, found before any work.
 void validate_train(const TrainArgs& a) {
   using memfit::tools::usage_check;
@@ -533,9 +526,7 @@ void validate_train(const TrainArgs& a) {
     usage_check(a.pipeline_checkpoint == "never", "--pipeline-checkpoint needs --parallel pipeline; for one "
                 "process or data parallelism use --checkpoint (sqrt, optimal, ...)");
   }
-  const auto offloads = [&](const char* what) {
-    return std::find(a.offload.begin(), a.offload.end(), what) != a.offload.end();
-  };
+  const auto offloads = [&](const char* what) { return offloads_to_host(a, what); };
   usage_check(!offloads("gradients") || offloads("optimizer"), "--offload gradients moves each gradient to "
               "the host masters that the optimizer's offload keeps: use --offload optimizer,gradients");
   usage_check(!offloads("parameters") || (offloads("optimizer") && offloads("gradients")), "--offload "
@@ -756,9 +747,7 @@ int run_train(const TrainArgs& a) {
   if (ck_options.kind() == memfit::ScheduleKind::kOptimal) {
     ck_options.budget(memfit::parse_memory_size(a.checkpoint_budget));
   }
-  const auto offloads = [&](const char* what) {
-    return std::find(a.offload.begin(), a.offload.end(), what) != a.offload.end();
-  };
+  const auto offloads = [&](const char* what) { return offloads_to_host(a, what); };
   for (const auto& pattern : a.freeze) {  // the names exist only once the model is built
     memfit::tools::as_usage([&] { memfit::freeze(*chain, pattern); });
   }

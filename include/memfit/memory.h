@@ -116,6 +116,31 @@ void set_memory_budget(torch::Device device, int64_t bytes);
 /// \endcode
 int64_t memory_budget(torch::Device device = torch::kCPU);
 
+/// An RAII guard that sets `device`'s budget for a scope and puts back the
+/// one it found, also when the scope ends by an exception.
+///
+/// Example:
+/// \code
+///   {
+///     memfit::BudgetGuard budget(torch::kCPU, memfit::memory_allocated() + (1 << 20));
+///     try { torch::empty({1 << 20}); } catch (const c10::OutOfMemoryError&) { /* 4 MiB > 1 MiB */ }
+///   }
+///   assert(memfit::memory_budget(torch::kCPU) == 0);
+/// \endcode
+class BudgetGuard {
+ public:
+  BudgetGuard(torch::Device device, int64_t bytes) : device_(device), saved_(memory_budget(device)) {
+    set_memory_budget(device_, bytes);
+  }
+  ~BudgetGuard() { set_memory_budget(device_, saved_); }
+  BudgetGuard(const BudgetGuard&) = delete;
+  BudgetGuard& operator=(const BudgetGuard&) = delete;
+
+ private:
+  torch::Device device_;
+  int64_t saved_;
+};
+
 /// Bytes of the distinct storages behind `tensors` (views of one storage count
 /// once; undefined tensors count nothing).
 ///
