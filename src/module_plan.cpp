@@ -666,12 +666,13 @@ std::string settings_text(const StepSettings& s, int64_t batch) {
   return fmt::format("micro-batch {}, {}, offload {}", m, to_string(s.precision()), offload_text(s));
 }
 
-std::string schedules_text(const std::vector<FoundChain>& chains, const std::vector<Schedule>& s) {
+// Each chain's name and schedule.
+std::string schedules_text(const std::vector<std::string>& chains, const std::vector<Schedule>& s) {
   if (chains.empty()) return "none (no chain)";
   std::string out;
   for (size_t c = 0; c < chains.size(); ++c) {
     if (!out.empty()) out += "; ";
-    const auto name = chains[c].name.empty() ? std::string("(the module)") : chains[c].name;
+    const auto name = chains[c].empty() ? std::string("(the module)") : chains[c];
     out += name + ": " + (c < s.size() && recomputes(s[c]) ? s[c].to_string() : std::string("none"));
   }
   return out;
@@ -687,14 +688,16 @@ struct Search {
   int64_t candidates = 0;
 };
 
-// Every combination of the grid, with each chain's schedule solved where the plain chains do not fit.
-Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int64_t budget) {
+// Every combination of the grid for a step of `batch` examples (in one pass
+// unless `micro_batching`), with each chain's schedule solved where the plain
+// chains do not fit.
+Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int64_t batch, int64_t budget,
+              bool micro_batching) {
   const auto& o = im.options;
   const auto& chains = im.chains;
-  const int64_t batch = im.probe.examples;
   const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
   std::vector<int64_t> micro = {batch};
-  while (o.micro_batching() && micro.back() > 1) micro.push_back((micro.back() + 1) / 2);
+  while (micro_batching && micro.back() > 1) micro.push_back((micro.back() + 1) / 2);
   Search out;
   for (const auto& measured : model.measured_settings()) {
     for (int64_t m : micro) {
@@ -714,19 +717,31 @@ Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int
   return out;
 }
 
-// The peak of real steps of `c` on the whole sample under `budget` (the
-// steady step's), or -1 when one ran out of memory under it.
+// The best of `fitting` whose prediction, scaled by `correction`, fits
+// `limit`: a scan, not a sort (the 3% tie band makes `better` intransitive,
+// which sorting forbids); end() when none.
+std::vector<Candidate>::iterator best_fitting(std::vector<Candidate>& fitting, double correction, int64_t limit) {
+  auto it = fitting.end();
+  for (auto c = fitting.begin(); c != fitting.end(); ++c) {
+    if (double(c->predicted.peak_bytes) * correction > double(limit)) continue;
+    if (it == fitting.end() || better(*c, *it)) it = c;
+  }
+  return it;
+}
+
+// The peak of real steps of `batch` examples with `settings` and `schedules`
+// under `budget` (the steady step's), or -1 when one ran out of memory under it.
 int64_t run_plan(const ModuleStepModel::Impl& im, const StepSettings& settings,
-                 const std::vector<Schedule>& schedules, int64_t budget) {
+                 const std::vector<Schedule>& schedules, int64_t batch, int64_t budget) {
   detail::ModuleStateGuard restore(*im.probe.module);
   ChainSchedules scheduled(im.chains, schedules);
-  auto trainer = im.probe.make_trainer(trainer_options(settings, im.base).batch_size(im.probe.examples).save_dir(""));
+  auto trainer = im.probe.make_trainer(trainer_options(settings, im.base).batch_size(batch).save_dir(""));
   const int64_t outer = memory_budget(im.base.device());  // a caller's lower budget stays
   BudgetGuard scope(im.base.device(), outer > 0 ? std::min(outer, budget) : budget);
   int64_t peak = 0;
   try {
     for (int k = 0; k < 3; ++k) {  // the first creates the optimizer's state
-      const auto rec = im.probe.step(trainer, im.probe.examples);
+      const auto rec = im.probe.step(trainer, batch);
       if (k > 0) peak = std::max(peak, rec.peak_bytes);
     }
   } catch (const c10::OutOfMemoryError&) {
@@ -750,7 +765,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   const auto plain = model.predict(batch, StepSettings().precision(o.precisions().front()), {});
   out.plain_peak_bytes = plain.peak_bytes;
   out.plain_seconds = plain.seconds;
-  auto found = search(model, *model.impl_, budget);
+  auto found = search(model, *model.impl_, batch, budget, o.micro_batching());
   out.candidates = found.candidates;
   std::string precisions;
   for (auto p : o.precisions()) precisions += (precisions.empty() ? "" : ", ") + to_string(p);
@@ -758,7 +773,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   out.why.push_back(fmt::format("measured the module's step at micro-batches of {} and {} ({}; offload {}), "
                                 "{} chain(s): {}",
                                 model.impl_->m_small, model.impl_->m_large, precisions, offloads, chains.size(),
-                                chains.empty() ? "none" : schedules_text(chains, {})));
+                                chains.empty() ? "none" : schedules_text(out.chains, {})));
   out.why.push_back(fmt::format("plain step of {}: predicted peak {}, {:.4f} s", batch,
                                 format_bytes(plain.peak_bytes), plain.seconds));
   // Verified best first: a candidate whose real steps overrun the budget
@@ -766,13 +781,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   double correction = 1.0;
   std::optional<Candidate> best;
   for (int attempts = 0; !found.fitting.empty() && !best && attempts < kVerifyAttempts;) {
-    // The best that still fits after the correction: a scan, not a sort
-    // (the 3% tie band makes `better` intransitive, which sorting forbids).
-    auto it = found.fitting.end();
-    for (auto c = found.fitting.begin(); c != found.fitting.end(); ++c) {
-      if (double(c->predicted.peak_bytes) * correction > double(limit)) continue;
-      if (it == found.fitting.end() || better(*c, *it)) it = c;
-    }
+    const auto it = best_fitting(found.fitting, correction, limit);  // still fits after the correction
     if (it == found.fitting.end()) break;
     const Candidate c = *it;
     found.fitting.erase(it);
@@ -781,7 +790,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
       break;
     }
     ++attempts;
-    const int64_t measured = run_plan(*model.impl_, c.settings, c.schedules, budget);
+    const int64_t measured = run_plan(*model.impl_, c.settings, c.schedules, batch, budget);
     if (measured >= 0 && measured <= budget) {
       best = c;
       out.measured_peak_bytes = measured;
@@ -789,7 +798,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
       correction = std::max(correction * 1.01, double(measured >= 0 ? measured : budget) /
                                                    double(c.predicted.peak_bytes) * (measured >= 0 ? 1.0 : 1.02));
       out.why.push_back(fmt::format("{} with checkpoint {}: predicted {}, but its steps {}",
-                                    settings_text(c.settings, batch), schedules_text(chains, c.schedules),
+                                    settings_text(c.settings, batch), schedules_text(out.chains, c.schedules),
                                     format_bytes(c.predicted.peak_bytes),
                                     measured >= 0 ? "peaked at " + format_bytes(measured)
                                                   : std::string("ran out of memory under the budget")));
@@ -809,7 +818,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   out.schedules = best->schedules;
   out.predicted = best->predicted;
   out.why.push_back(fmt::format("chosen: {} ({} step(s)); checkpoint {}", settings_text(best->settings, batch),
-                                best->predicted.accumulation_steps, schedules_text(chains, best->schedules)));
+                                best->predicted.accumulation_steps, schedules_text(out.chains, best->schedules)));
   out.why.push_back(fmt::format("predicted peak {} of {} ({} phase), {:.4f} s per batch ({:.2f}x plain){}",
                                 format_bytes(best->predicted.peak_bytes), format_bytes(budget),
                                 best->predicted.phase, best->predicted.seconds,
@@ -820,17 +829,35 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   return out;
 }
 
-TrainerOptions ModulePlan::apply(torch::nn::Module& module, TrainerOptions base) const {
+namespace {
+// Sets each of `chains`' schedules in `module`, found by name (`who` names the caller).
+void set_schedules(torch::nn::Module& module, const std::vector<std::string>& chains,
+                   const std::vector<Schedule>& schedules, const char* who) {
   auto found = find_chains(module);
-  TORCH_CHECK(found.size() == chains.size(), "ModulePlan::apply: the plan has ", chains.size(),
+  TORCH_CHECK(found.size() == chains.size(), who, ": the plan has ", chains.size(),
               " chain(s) but the module has ", found.size(), "; apply a plan to the module it was made for");
   for (size_t c = 0; c < found.size(); ++c) {
-    TORCH_CHECK(found[c].name == chains[c], "ModulePlan::apply: the plan's chain '", chains[c],
+    TORCH_CHECK(found[c].name == chains[c], who, ": the plan's chain '", chains[c],
                 "' is not in the module (found '", found[c].name, "')");
     const auto n = static_cast<int64_t>(found[c].chain->sequential()->size());
     found[c].chain->set_schedule(c < schedules.size() && !schedules[c].segments.empty() ? schedules[c]
                                                                                          : schedule_none(n));
   }
+}
+
+std::string checkpoint_json(const std::vector<std::string>& chains, const std::vector<Schedule>& schedules) {
+  auto out = nlohmann::json::array();
+  for (size_t c = 0; c < chains.size(); ++c) {
+    out.push_back({{"name", chains[c]},
+                   {"checkpoint", c < schedules.size() && recomputes(schedules[c]) ? schedules[c].to_string()
+                                                                                  : std::string("none")}});
+  }
+  return out.dump();
+}
+} // namespace
+
+TrainerOptions ModulePlan::apply(torch::nn::Module& module, TrainerOptions base) const {
+  set_schedules(module, chains, schedules, "ModulePlan::apply");
   return trainer_options(settings, std::move(base));
 }
 
@@ -838,16 +865,157 @@ std::string ModulePlan::to_json() const {
   auto j = nlohmann::json::parse(Plan::to_json());
   j.erase("checkpoint");
   j["measured_peak_bytes"] = measured_peak_bytes;
-  j["chains"] = nlohmann::json::array();
-  for (size_t c = 0; c < chains.size(); ++c) {
-    j["chains"].push_back({{"name", chains[c]},
-                           {"checkpoint", c < schedules.size() && recomputes(schedules[c])
-                                              ? schedules[c].to_string()
-                                              : std::string("none")}});
-  }
+  j["chains"] = nlohmann::json::parse(checkpoint_json(chains, schedules));
   return j.dump(2);
 }
 
 std::string ModulePlan::explain() const { return Plan::explain(); }
+
+ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget, const FindBatchOptions& options) {
+  TORCH_CHECK(budget > 0, "find_batch: budget must be positive, got ", budget);
+  TORCH_CHECK(options.max_batch() > 0, "FindBatchOptions::max_batch must be positive, got ", options.max_batch());
+  TORCH_CHECK(options.attempts() > 0, "FindBatchOptions::attempts must be positive, got ", options.attempts());
+  const auto& im = *model.impl_;
+  const auto& o = im.options;
+  const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
+  // Verified answers are run, so they are at most the examples the probe reads.
+  const int64_t top = options.verify() ? std::min(options.max_batch(), im.probe.examples) : options.max_batch();
+  ModuleBatchSearch out;
+  out.budget = budget;
+  for (const auto& f : im.chains) out.chains.push_back(f.name);
+  // Each search, then its verification; `choose` gives the step for a batch, if one fits.
+  auto run = [&](ModuleBatchFound& found, const std::function<std::optional<Candidate>(int64_t)>& choose) {
+    found.batch = detail::largest_fitting(top, [&](int64_t b) { return choose(b).has_value(); });
+    while (found.batch > 0) {
+      const auto c = *choose(found.batch);
+      found.settings = c.settings;
+      found.schedules = c.schedules;
+      found.predicted_peak_bytes = c.predicted.peak_bytes;
+      if (!options.verify() || found.attempts >= options.attempts()) return;
+      ++found.attempts;
+      const int64_t peak = run_plan(im, c.settings, c.schedules, found.batch, budget);
+      if (peak >= 0 && peak <= budget) {
+        found.verified = true;
+        found.measured_peak_bytes = peak;
+        return;
+      }
+      found.batch = static_cast<int64_t>(double(found.batch) * 0.9);
+      while (found.batch > 0 && !choose(found.batch)) --found.batch;
+    }
+  };
+  const auto plain = StepSettings().precision(o.precisions().front());
+  run(out.plain, [&](int64_t b) -> std::optional<Candidate> {
+    Candidate c{plain, std::vector<Schedule>(im.chains.size()), model.predict(b, plain, {})};
+    if (c.predicted.peak_bytes > limit) return std::nullopt;
+    return c;
+  });
+  run(out.techniques, [&](int64_t b) -> std::optional<Candidate> {
+    auto found = search(model, im, b, budget, /*micro_batching=*/false);
+    const auto it = best_fitting(found.fitting, 1.0, limit);
+    if (it == found.fitting.end()) return std::nullopt;
+    return *it;
+  });
+  return out;
+}
+
+ModuleProfile profile(const ModuleStepModel& model) {
+  const auto& im = *model.impl_;
+  ModuleProfile out;
+  out.batch = im.probe.examples;
+  out.precision = im.options.precisions().front();
+  const auto plain = StepSettings().precision(out.precision);
+  for (size_t c = 0; c < im.chains.size(); ++c) {
+    out.chains.push_back(im.chains[c].name);
+    const auto& p = im.profiles.at(out.precision)[c];
+    out.layers.push_back(scale_profile(p.first, p.second, im.m_small, im.m_large, out.batch));
+  }
+  out.predicted = model.predict(out.batch, plain, {});
+  // Three real steps: the first makes the optimizer's state.
+  detail::ModuleStateGuard restore(*im.probe.module);
+  auto trainer = im.probe.make_trainer(trainer_options(plain, im.base).batch_size(out.batch).save_dir(""));
+  for (int k = 0; k < 3; ++k) {
+    const auto rec = im.probe.step(trainer, out.batch);
+    if (k > 0) out.step_seconds = k == 1 ? rec.seconds : std::min(out.step_seconds, rec.seconds);
+  }
+  out.step = trainer.last_step_memory();
+  out.timeline = trainer.last_timeline();
+  return out;
+}
+
+std::string ModuleProfile::table() const {
+  std::string out;
+  for (size_t c = 0; c < chains.size(); ++c) {
+    out += fmt::format("chain {} at batch {} ({}):\n{}", chains[c].empty() ? "(the module)" : chains[c], batch,
+                       to_string(precision), layers[c].table());
+  }
+  out += fmt::format("predicted plain training step: peak {} in the {} phase, {:.1f} ms\n{}",
+                     format_bytes(predicted.peak_bytes), predicted.phase, 1e3 * predicted.seconds,
+                     predicted.memory.table());
+  out += fmt::format("measured plain training step: peak {}, {:.1f} ms\n{}", format_bytes(step.peak),
+                     1e3 * step_seconds, step.table());
+  return out;
+}
+
+std::string ModuleProfile::to_json() const {
+  nlohmann::json j = {{"batch", batch},
+                      {"precision", to_string(precision)},
+                      {"chains", nlohmann::json::array()},
+                      {"predicted_step_peak_bytes", predicted.peak_bytes},
+                      {"predicted_step_seconds", predicted.seconds},
+                      {"predicted_memory", nlohmann::json::parse(predicted.memory.to_json())},
+                      {"measured_step_peak_bytes", step.peak},
+                      {"measured_memory", nlohmann::json::parse(step.to_json())},
+                      {"measured_step_seconds", step_seconds}};
+  for (size_t c = 0; c < chains.size(); ++c) {
+    j["chains"].push_back({{"name", chains[c]}, {"layers", nlohmann::json::parse(layers[c].to_json())}});
+  }
+  return j.dump(2);
+}
+
+TrainerOptions ModuleBatchSearch::apply(const ModuleBatchFound& found, torch::nn::Module& module,
+                                        TrainerOptions base) const {
+  TORCH_CHECK(found.batch > 0, "ModuleBatchSearch::apply: not even a batch of 1 fits ", format_bytes(budget),
+              "; nothing to apply");
+  set_schedules(module, chains, found.schedules, "ModuleBatchSearch::apply");
+  return trainer_options(StepSettings(found.settings).micro_batch(0), std::move(base)).batch_size(found.batch);
+}
+
+namespace {
+nlohmann::json found_json(const ModuleBatchFound& f, const std::vector<std::string>& chains) {
+  return {{"batch", f.batch},
+          {"precision", to_string(f.settings.precision())},
+          {"offload", offload_text(f.settings)},
+          {"chains", nlohmann::json::parse(checkpoint_json(chains, f.schedules))},
+          {"predicted_peak_bytes", f.predicted_peak_bytes},
+          {"measured_peak_bytes", f.measured_peak_bytes},
+          {"verified", f.verified},
+          {"verification_runs", f.attempts}};
+}
+
+std::string found_text(const char* what, const ModuleBatchFound& f, const std::vector<std::string>& chains,
+                       int64_t budget) {
+  if (f.batch == 0) return fmt::format("{}: not even a batch of 1 fits {}\n", what, format_bytes(budget));
+  return fmt::format("{}: batch {} ({}, offload {}; checkpoint {}), predicted peak {}{}\n", what, f.batch,
+                     to_string(f.settings.precision()), offload_text(f.settings), schedules_text(chains, f.schedules),
+                     format_bytes(f.predicted_peak_bytes),
+                     f.verified ? fmt::format(", measured {} in {} run(s)", format_bytes(f.measured_peak_bytes),
+                                              f.attempts)
+                                : std::string(", not verified"));
+}
+} // namespace
+
+std::string ModuleBatchSearch::to_json() const {
+  nlohmann::json j = {{"budget_bytes", budget},
+                      {"chains", chains},
+                      {"plain", found_json(plain, chains)},
+                      {"with_techniques", found_json(techniques, chains)}};
+  return j.dump(2);
+}
+
+std::string ModuleBatchSearch::explain() const {
+  return fmt::format("largest batch in one pass under {}:\n", format_bytes(budget)) +
+         found_text("  plainly", plain, chains, budget) +
+         found_text("  with checkpointing, offload and precision", techniques, chains, budget);
+}
 
 } // namespace memfit

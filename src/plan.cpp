@@ -843,23 +843,12 @@ BatchSearch find_batch(const StepModel& model,
   const auto& o = model.options();
   const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
   const int64_t top = options.verify() ? std::min(options.max_batch(), data.size()) : options.max_batch();
-  // Largest b in [1, top] with fits(b), fits being monotone; 0 when even 1 fails.
-  auto bisect = [&](const std::function<bool(int64_t)>& fits) {
-    if (!fits(1)) return int64_t(0);
-    int64_t lo = 1, hi = top;
-    if (fits(hi)) return hi;
-    while (hi - lo > 1) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      (fits(mid) ? lo : hi) = mid;
-    }
-    return lo;
-  };
   BatchSearch out;
   const auto plain_settings =
       StepSettings().precision(o.precisions().front()).selective_recompute(model.selective_choices().front());
   // Each search with its verification; `settings_for` gives the knobs for a batch.
   auto search = [&](BatchFound& found, const std::function<std::optional<StepSettings>(int64_t)>& settings_for) {
-    found.batch = bisect([&](int64_t b) { return settings_for(b).has_value(); });
+    found.batch = detail::largest_fitting(top, [&](int64_t b) { return settings_for(b).has_value(); });
     while (found.batch > 0) {
       found.settings = *settings_for(found.batch);
       found.predicted_peak_bytes = model.predict(found.batch, found.settings).peak_bytes;

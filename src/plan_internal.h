@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace memfit {
@@ -23,6 +24,19 @@ inline double line(double small, double large, int64_t b_small, int64_t b_large,
   const double intercept = small - slope * double(b_small);
   if (intercept < 0 || slope < 0) return std::max(0.0, large) * double(m) / double(b_large);
   return intercept + slope * double(m);
+}
+
+// The largest b in [1, top] with fits(b), for fits monotone (true up to
+// some b, false above); 0 when fits(1) is false.
+inline int64_t largest_fitting(int64_t top, const std::function<bool(int64_t)>& fits) {
+  if (!fits(1)) return 0;
+  int64_t lo = 1, hi = top;
+  if (fits(hi)) return hi;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
 }
 
 // A module's parameters, buffers and gradients and the CPU RNG, copied to

@@ -392,6 +392,12 @@ void Trainer::add_component(std::shared_ptr<StepComponent> component) {
 
 const std::vector<PhaseMemory>& Trainer::last_timeline() const { return timeline_->timeline(); }
 
+StepMemory Trainer::last_step_memory() const {
+  int64_t peak = 0;  // the step's peak is its largest phase peak
+  for (const auto& m : timeline_->timeline()) peak = std::max(peak, m.peak_bytes);
+  return breakdown(peak, timeline_->model_grad_bytes());
+}
+
 void Trainer::wrong_batch_type(const char* name) const {
   TORCH_CHECK(false, "train_step got a batch of type ", c10::demangle(name), ", but the Trainer's loss takes ",
               loss_.has_value() ? c10::demangle(loss_.type().name()) : std::string("no batch"),

@@ -706,5 +706,36 @@ TEST_F(DocExamples, PlanAnyModule) {
   EXPECT_TRUE(p.fits);
 }
 
+TEST_F(DocExamples, ProfileAnyModule) {
+  auto net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                                   torch::nn::Linear(64, 4));
+  auto loss = [](torch::nn::SequentialImpl& m, const torch::data::Example<>& b) {
+    return torch::nn::functional::cross_entropy(m.forward(b.data), b.target);
+  };
+  torch::data::Example<> sample(torch::randn({64, 32}), torch::zeros({64}, torch::kLong));
+  auto p = memfit::profile(net.ptr(), loss, sample);
+  EXPECT_TRUE(p.batch == 64 && p.step.peak > 0 && p.predicted.peak_bytes > 0);
+}
+
+struct Points : torch::data::datasets::Dataset<Points> {  // the user's data set
+  torch::data::Example<> get(size_t i) override {
+    return {torch::randn({32}), torch::tensor(static_cast<int64_t>(i % 4))};
+  }
+  torch::optional<size_t> size() const override { return 1000; }
+};
+
+TEST_F(DocExamples, FindTheLargestBatchOfAnyModule) {
+  auto data = Points().map(torch::data::transforms::Stack<>());
+  auto net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                                   torch::nn::Linear(64, 4));
+  auto loss = [](torch::nn::SequentialImpl& m, const torch::data::Example<>& b) {
+    return torch::nn::functional::cross_entropy(m.forward(b.data), b.target);
+  };
+  auto found = memfit::find_batch(net.ptr(), loss, data, 1 << 20);
+  EXPECT_TRUE(found.plain.verified && found.plain.measured_peak_bytes <= 1 << 20);
+  memfit::Trainer trainer(net, loss, found.apply(found.plain, *net));
+  EXPECT_EQ(trainer.options().batch_size(), found.plain.batch);
+}
+
 } // namespace
 } // namespace memfit

@@ -8,6 +8,7 @@
 
 #include <torch/torch.h>
 
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -173,6 +174,92 @@ TEST_F(ModulePlanTest, APlanAppliesOnlyToTheModuleItWasMadeFor) {
   EXPECT_NE(p.to_json().find("\"chains\""), std::string::npos);
   FlatNet other(32);
   expect_error([&] { p.apply(*other); }, "the plan has 1 chain(s) but the module has 0");
+}
+
+TEST_F(ModulePlanTest, ProfileMeasuresTheUsersStepAndEachChainsLayersAndPredictsTheStepWithinFivePercent) {
+  ChainNet net(64, 8);
+  const auto batch = sample(256);
+  std::vector<torch::Tensor> before;
+  for (const auto& p : net->parameters()) before.push_back(p.detach().clone());
+  const auto p = memfit::profile(net.ptr(), chain_loss, batch);
+  EXPECT_EQ(p.batch, 256);
+  ASSERT_EQ(p.chains, std::vector<std::string>{"body"});
+  ASSERT_EQ(p.layers.size(), 1u);
+  ASSERT_EQ(p.layers[0].layers.size(), 16u);
+  // A Linear's output at the sample's batch, scaled from the profile batches: 256 x 64 floats.
+  EXPECT_EQ(p.layers[0].layers[0].output_bytes, 256 * 64 * 4);
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], net->parameters()[i]));
+  // The measured step is the Trainer's own, and the prediction is within 5% of it.
+  memfit::Trainer trainer(net, chain_loss, memfit::TrainerOptions());
+  const int64_t peak = measured_peak(trainer, batch);
+  EXPECT_EQ(p.step.peak, peak);
+  EXPECT_NEAR(double(p.predicted.peak_bytes), double(peak), 0.05 * double(peak));
+  EXPECT_EQ(p.step.parameters, memfit::storage_bytes(net->parameters()));
+  EXPECT_GT(p.step.optimizer_state, 0);  // Adam's moments, made in the first step
+  EXPECT_GT(p.step_seconds, 0);
+  EXPECT_FALSE(p.timeline.empty());
+  EXPECT_NE(p.table().find("measured plain training step"), std::string::npos);
+  EXPECT_NE(p.to_json().find("\"measured_step_peak_bytes\""), std::string::npos);
+}
+
+// The user's data set: examples read one by one, never held whole.
+struct Points : torch::data::datasets::Dataset<Points> {
+  explicit Points(size_t n) : n_(n) {}
+  torch::data::Example<> get(size_t i) override {
+    auto g = torch::make_generator<torch::CPUGeneratorImpl>(static_cast<uint64_t>(i));
+    return {torch::randn({16}, g), torch::tensor(static_cast<int64_t>(i % 5))};
+  }
+  torch::optional<size_t> size() const override { return n_; }
+  size_t n_;
+};
+
+TEST_F(ModulePlanTest, FindBatchGivesTheLargestBatchOfTheUsersDataSetThatTrainsUnderTheBudget) {
+  ChainNet net(64, 16);
+  auto data = Points(4096).map(torch::data::transforms::Stack<>());
+  const int64_t budget = 2 << 20;
+  const auto found = memfit::find_batch(net.ptr(), chain_loss, data, budget);
+  RecordProperty("found", found.explain());
+  ASSERT_GT(found.plain.batch, 8) << found.explain();
+  EXPECT_TRUE(found.plain.verified) << found.explain();
+  EXPECT_LE(found.plain.measured_peak_bytes, budget);
+  // Checkpointing the chain (and offload) trains a larger batch in one pass.
+  EXPECT_GT(found.techniques.batch, found.plain.batch * 5 / 4) << found.explain();
+  EXPECT_TRUE(found.techniques.verified) << found.explain();
+  EXPECT_EQ(found.chains, std::vector<std::string>{"body"});
+  // The answers hold on the Trainer's own steps, and a batch a fifth larger does not fit plainly.
+  auto steps = [&](const memfit::ModuleBatchFound& f, int64_t batch) {
+    memfit::Trainer trainer(net, chain_loss, found.apply(f, *net).batch_size(batch));
+    std::vector<size_t> indices(static_cast<size_t>(batch));
+    std::iota(indices.begin(), indices.end(), size_t{0});
+    torch::data::Example<> b;
+    {
+      memfit::UntrackedGuard host;
+      b = data.get_batch(indices);
+    }
+    memfit::BudgetGuard guard(torch::kCPU, budget);
+    return measured_peak(trainer, b);
+  };
+  EXPECT_LE(steps(found.plain, found.plain.batch), budget);
+  EXPECT_THROW(steps(found.plain, found.plain.batch * 6 / 5), c10::OutOfMemoryError);
+  EXPECT_LE(steps(found.techniques, found.techniques.batch), budget);
+  EXPECT_NE(found.to_json().find("\"with_techniques\""), std::string::npos);
+}
+
+TEST_F(ModulePlanTest, FindBatchIsBoundedByTheDataSetAndRefusesWhatItCannotSearch) {
+  ChainNet net(16, 2);
+  auto small = Points(64).map(torch::data::transforms::Stack<>());
+  const auto found = memfit::find_batch(net.ptr(), chain_loss, small, 1 << 30);
+  EXPECT_EQ(found.plain.batch, 64);  // all of it fits: the data set bounds the search
+  EXPECT_TRUE(found.plain.verified);
+  auto tiny = Points(3).map(torch::data::transforms::Stack<>());
+  expect_error([&] { memfit::find_batch(net.ptr(), chain_loss, tiny, 1 << 30); },
+               "find_batch reads a map-style data set of at least 4 examples");
+  expect_error([&] { memfit::find_batch(net.ptr(), chain_loss, small, 0); }, "budget must be positive, got 0");
+  expect_error([&] { memfit::find_batch(net.ptr(), chain_loss, small, 1 << 20, memfit::FindBatchOptions().max_batch(0)); },
+               "FindBatchOptions::max_batch must be positive, got 0");
+  const auto none = memfit::find_batch(net.ptr(), chain_loss, small, 1024);
+  EXPECT_EQ(none.plain.batch, 0);
+  EXPECT_NE(none.explain().find("not even a batch of 1 fits"), std::string::npos) << none.explain();
 }
 
 } // namespace

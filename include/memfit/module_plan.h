@@ -53,6 +53,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -104,9 +105,37 @@ StepProbe make_probe(std::shared_ptr<M> module, Loss loss,
   };
   return probe;
 }
+
+/// A probe whose steps read the first examples of a map-style torch::data
+/// data set (into host memory, as Trainer::fit reads them), so that steps of
+/// up to `examples` examples can run; it keeps a pointer to `dataset`.
+template <class M, class Loss, class Dataset>
+StepProbe make_dataset_probe(std::shared_ptr<M> module, Loss loss, Dataset& dataset, int64_t examples) {
+  using Batch = typename LossTraits<Loss>::Batch;
+  static_assert(std::is_same<Batch, typename Dataset::BatchType>::value,
+                "find_batch: the loss must take the data set's BatchType");
+  StepProbe probe;
+  probe.module = module;
+  probe.examples = examples;
+  probe.make_trainer = [module, loss](const TrainerOptions& options) {
+    return Trainer(module, loss, options);
+  };
+  probe.step = [data = &dataset](Trainer& trainer, int64_t n) {
+    std::vector<size_t> indices(static_cast<size_t>(n));
+    for (size_t i = 0; i < indices.size(); ++i) indices[i] = i;
+    const Batch batch = [&] {
+      UntrackedGuard host;  // like the data set, the batch is host memory until staged
+      return data->get_batch(indices);
+    }();
+    return trainer.train_step(batch);
+  };
+  return probe;
+}
 } // namespace detail
 
 struct ModulePlan;
+struct ModuleBatchSearch;
+struct ModuleProfile;
 
 /// The cost model of a user's training step (see the file comment).
 class ModuleStepModel {
@@ -141,6 +170,9 @@ class ModuleStepModel {
 
  private:
   friend ModulePlan plan(const ModuleStepModel& model, int64_t budget);
+  friend ModuleProfile profile(const ModuleStepModel& model);
+  friend ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget,
+                                      const FindBatchOptions& options);
   std::unique_ptr<Impl> impl_;
 };
 
@@ -200,6 +232,137 @@ ModulePlan plan(std::shared_ptr<M> module, Loss loss, const typename detail::Los
   ModuleStepModel model(detail::make_probe(std::move(module), std::move(loss), sample), std::move(options),
                         std::move(base));
   return plan(model, budget);
+}
+
+/// What profile() measured on a user's module: its plain training step as
+/// the Trainer runs it, and each chain's layers.
+struct ModuleProfile {
+  int64_t batch = 0;                 ///< Examples in the step: the sample's.
+  Precision precision = Precision::kFP32;  ///< The precision profiled (PlanOptions::precisions' first).
+  std::vector<std::string> chains;   ///< The chains' names, in the module's order.
+  /// Each chain's layers at `batch` examples: bytes kept and times, scaled
+  /// linearly from PlanOptions::profile_batch and half of it.
+  std::vector<ChainProfile> layers;
+  StepPrediction predicted;          ///< The plain step as ModuleStepModel predicts it.
+  StepMemory step;                   ///< The real plain step's peak by category (the third of three).
+  std::vector<PhaseMemory> timeline; ///< That step, phase by phase.
+  double step_seconds = 0;           ///< The faster of the second and third steps.
+
+  /// Each chain's layer table, then the predicted and the measured step.
+  std::string table() const;
+  /// {"batch", "precision", "chains": [{"name", "layers"}], "predicted_step_peak_bytes",
+  /// "predicted_step_seconds", "predicted_memory", "measured_step_peak_bytes",
+  /// "measured_memory", "measured_step_seconds"}.
+  std::string to_json() const;
+};
+
+/// Profiles the plain step of `model`'s sample: each chain's layers as the
+/// model measured them, scaled to the sample's batch, the model's
+/// prediction, and three real steps of the Trainer (the module put back
+/// afterwards). Sync points: those steps.
+ModuleProfile profile(const ModuleStepModel& model);
+
+/// Profiles `module`'s plain training step with `loss` on `sample`: what
+/// each chain's layers keep and cost, and the step's peak by category,
+/// predicted and measured. Leaves the module as it was. `options` says
+/// which precision (its first) and what else to measure; by default only
+/// the plain step.
+///
+/// Example:
+/// \code
+///   auto net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+///                                    torch::nn::Linear(64, 4));
+///   auto loss = [](torch::nn::SequentialImpl& m, const torch::data::Example<>& b) {
+///     return torch::nn::functional::cross_entropy(m.forward(b.data), b.target);
+///   };
+///   torch::data::Example<> sample(torch::randn({64, 32}), torch::zeros({64}, torch::kLong));
+///   auto p = memfit::profile(net.ptr(), loss, sample);
+///   assert(p.batch == 64 && p.step.peak > 0 && p.predicted.peak_bytes > 0);
+/// \endcode
+template <class M, class Loss>
+ModuleProfile profile(std::shared_ptr<M> module, Loss loss, const typename detail::LossTraits<Loss>::Batch& sample,
+                      PlanOptions options = PlanOptions().offload(false), TrainerOptions base = TrainerOptions()) {
+  ModuleStepModel model(detail::make_probe(std::move(module), std::move(loss), sample), std::move(options),
+                        std::move(base));
+  return profile(model);
+}
+
+/// A batch size found for a user's module: BatchFound's fields (its
+/// settings' schedule unused) and one schedule per chain.
+struct ModuleBatchFound : BatchFound {
+  std::vector<Schedule> schedules;  ///< One per chain (empty: plain).
+};
+
+/// The largest batches of a user's module that fit a budget in one pass
+/// (no micro-batching): plainly, and with checkpointing, offload and the
+/// allowed precisions.
+struct ModuleBatchSearch {
+  std::vector<std::string> chains;  ///< The chains' names, in the module's order.
+  ModuleBatchFound plain;           ///< The first allowed precision, nothing else.
+  ModuleBatchFound techniques;      ///< With the chains' schedules, offload and precision.
+
+  /// Sets every chain's schedule in `module` to `found`'s and returns `base`
+  /// with its batch size, precision and offloads.
+  TrainerOptions apply(const ModuleBatchFound& found, torch::nn::Module& module,
+                       TrainerOptions base = TrainerOptions()) const;
+  /// {"budget_bytes", "chains", "plain", "with_techniques"}: each found batch
+  /// with its precision, offload, checkpoint per chain, predicted and
+  /// measured peaks.
+  std::string to_json() const;
+  /// One line for each search.
+  std::string explain() const;
+  int64_t budget = 0;  ///< The budget searched for.
+};
+
+/// Finds the largest batches whose predicted step fits options.margin() ×
+/// `budget` in one pass, plainly and with the chains' schedules, offload and
+/// precision, by bisection on `model`'s predictions up to
+/// FindBatchOptions::max_batch (and, to verify, the examples `model`'s probe
+/// can read); then (FindBatchOptions::verify) runs three real steps of each
+/// answer under the budget, shrinking the batch by 10% after an
+/// out-of-memory error, which is caught. The module is left as it was.
+ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget,
+                             const FindBatchOptions& options = FindBatchOptions());
+
+/// Finds the largest batch of `dataset` (a map-style torch::data data set
+/// whose BatchType the loss takes) that `module` trains on in one pass under
+/// `budget` bytes, plainly and with memfit's techniques: the step is measured
+/// on the data set's first examples, and each answer is run on its first
+/// examples. Leaves the module as it was (apply a result to it). Sync
+/// points and extra memory: as plan()'s, and the verification's steps under
+/// the budget.
+///
+/// Example:
+/// \code
+///   struct Points : torch::data::datasets::Dataset<Points> {  // the user's data set
+///     torch::data::Example<> get(size_t i) override {
+///       return {torch::randn({32}), torch::tensor(static_cast<int64_t>(i % 4))};
+///     }
+///     torch::optional<size_t> size() const override { return 1000; }
+///   };
+///   auto data = Points().map(torch::data::transforms::Stack<>());
+///   auto net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+///                                    torch::nn::Linear(64, 4));
+///   auto loss = [](torch::nn::SequentialImpl& m, const torch::data::Example<>& b) {
+///     return torch::nn::functional::cross_entropy(m.forward(b.data), b.target);
+///   };
+///   auto found = memfit::find_batch(net.ptr(), loss, data, 1 << 20);
+///   assert(found.plain.verified && found.plain.measured_peak_bytes <= 1 << 20);
+///   memfit::Trainer trainer(net, loss, found.apply(found.plain, *net));
+/// \endcode
+template <class M, class Loss, class Dataset>
+ModuleBatchSearch find_batch(std::shared_ptr<M> module, Loss loss, Dataset& dataset, int64_t budget,
+                             FindBatchOptions options = FindBatchOptions(),
+                             PlanOptions plan_options = PlanOptions(), TrainerOptions base = TrainerOptions()) {
+  const auto size = dataset.size();
+  TORCH_CHECK(size.has_value() && *size >= 4, "find_batch reads a map-style data set of at least 4 examples "
+              "(it measures steps of two micro-batches at two sizes), got ",
+              size.has_value() ? std::to_string(*size) + " examples" : std::string("one without a size"));
+  TORCH_CHECK(options.max_batch() > 0, "FindBatchOptions::max_batch must be positive, got ", options.max_batch());
+  const auto examples = std::min<int64_t>(static_cast<int64_t>(*size), std::max<int64_t>(options.max_batch(), 4));
+  ModuleStepModel model(detail::make_dataset_probe(std::move(module), std::move(loss), dataset, examples),
+                        std::move(plan_options), std::move(base));
+  return find_batch(model, budget, options);
 }
 
 } // namespace memfit

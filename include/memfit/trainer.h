@@ -493,6 +493,8 @@ class Trainer {
   ParameterStream* parameter_stream() { return stream_.get(); }
   /// The last step's memory, phase by phase.
   const std::vector<PhaseMemory>& last_timeline() const;
+  /// The last step's peak by category, as TrainReport::step_memory counts it.
+  StepMemory last_step_memory() const;
 
  private:
   // The module and its loss, with the batch type erased.
