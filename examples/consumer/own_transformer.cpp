@@ -1,7 +1,8 @@
 // Bring your own model: a decoder-only language model of the user's own
 // (own_lm.h: embedding, a chain of hand-written transformer blocks, a head)
 // on the Jargon File, planned by memfit under 1/2, 1/4 and 1/8 of its plain
-// peak, each plan run under its budget beside its prediction.
+// peak, each plan run under its budget beside its prediction; then the
+// largest batch that fits 1/4 of it.
 #include "own_lm.h"
 
 #include <memfit/data.h>
@@ -76,6 +77,12 @@ int main() try {
                 100 * error, r.loss, r.loss - plain.loss, r.seconds / plain.seconds);
     ok = ok && r.peak <= budget && std::abs(error) <= 0.05 && std::abs(r.loss - plain.loss) <= 1e-5;
   }
+  // The largest batch of the data set one step takes under 1/4 of the plain
+  // peak, plainly and with memfit's techniques, each run under the budget.
+  auto windows = memfit::jargon_dataset(kContext, memfit::Split::kTrain);
+  const auto found = memfit::find_batch(lm, next_token_loss, windows, plain.peak / 4);
+  std::printf("%s", found.explain().c_str());
+  ok = ok && found.plain.verified && found.techniques.verified && found.techniques.batch > found.plain.batch;
   std::printf("%s\n", ok ? "own transformer planned under 1/2, 1/4 and 1/8 of its peak" : "FAILED");
   return ok ? 0 : 1;
 } catch (const c10::Error& e) {
