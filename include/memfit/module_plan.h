@@ -31,7 +31,9 @@
 /// leave; it keeps the fastest plan whose predicted peak fits (times within
 /// 3% are a tie, won by the plan without recomputation, then with less
 /// offload, then with fewer micro-batches), after running the best
-/// candidates under the budget (PlanOptions::verify). Parameter streaming is
+/// candidates under the budget (PlanOptions::verify). find_batch() bisects
+/// the same predictions for the largest batch one pass fits, and profile()
+/// reports the plain step, predicted and measured. Parameter streaming is
 /// for Sequential classifiers only (plan.h's StepModel).
 ///
 /// Thread safety: one model or plan at a time per module. Sync points: every
