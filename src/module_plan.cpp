@@ -288,6 +288,7 @@ struct ModuleStepModel::Impl {
   PlanOptions options;
   TrainerOptions base;
   std::vector<FoundChain> chains;
+  std::optional<std::string> batch_statistics;  // the module's first BatchNorm
   int64_t m_small = 0, m_large = 0;
   int64_t parameter_bytes = 0, gradient_bytes = 0;
   std::vector<Measurement> measured;
@@ -354,7 +355,8 @@ Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
   Capture small, large;
   out.small = measure_at(s, m_small, profile_chains ? &small : nullptr, nullptr);
   out.large = measure_at(s, m_large, profile_chains ? &large : nullptr, &out.state_bytes);
-  if (m_small > 1) out.one = measure_at(s, 1, nullptr, nullptr);
+  // Micro-batches of 1, for times; not with batch statistics (BatchNorm1d refuses one example).
+  if (m_small > 1 && !batch_statistics) out.one = measure_at(s, 1, nullptr, nullptr);
   TORCH_CHECK(same_marks(out.small, out.large), "plan: steps of micro-batches of ", m_small, " and ",
               m_large, " passed different points; the planner needs a step whose control flow does "
               "not depend on the batch size");
@@ -404,6 +406,7 @@ ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, T
   im.options = std::move(options);
   im.base = std::move(base);
   im.chains = find_chains(*im.probe.module);
+  im.batch_statistics = batch_statistics_layer(*im.probe.module);
   im.m_large = std::min(im.options.profile_batch(), im.probe.examples / 2);
   im.m_small = im.m_large / 2;
   for (const auto& p : im.probe.module->parameters()) {
@@ -697,7 +700,10 @@ Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int
   const auto& chains = im.chains;
   const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
   std::vector<int64_t> micro = {batch};
-  while (micro_batching && micro.back() > 1) micro.push_back((micro.back() + 1) / 2);
+  const int64_t smallest = im.batch_statistics ? 2 : 1;  // batch statistics need two examples
+  while (micro_batching && (micro.back() + 1) / 2 >= smallest && micro.back() > 1) {
+    micro.push_back((micro.back() + 1) / 2);
+  }
   Search out;
   for (const auto& measured : model.measured_settings()) {
     for (int64_t m : micro) {
@@ -765,7 +771,8 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   const auto plain = model.predict(batch, StepSettings().precision(o.precisions().front()), {});
   out.plain_peak_bytes = plain.peak_bytes;
   out.plain_seconds = plain.seconds;
-  auto found = search(model, *model.impl_, batch, budget, o.micro_batching());
+  const bool micro_batching = detail::may_micro_batch(o, model.impl_->batch_statistics);
+  auto found = search(model, *model.impl_, batch, budget, micro_batching);
   out.candidates = found.candidates;
   std::string precisions;
   for (auto p : o.precisions()) precisions += (precisions.empty() ? "" : ", ") + to_string(p);
@@ -806,10 +813,11 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   }
   TORCH_CHECK(best.has_value(), "plan: nothing fits ", format_bytes(budget), " (", format_bytes(limit),
               " after PlanOptions::margin) for a batch of ", batch, ": tried micro-batches of ", batch, " down to ",
-              o.micro_batching() ? 1 : batch, ", precision ", precisions, ", offload ", offloads,
+              micro_batching ? (model.impl_->batch_statistics ? 2 : 1) : batch, ", precision ", precisions, ", offload ", offloads,
               o.checkpointing() && !chains.empty() ? ", checkpoint schedules for every chain" : "",
               "; the closest predicted peak is ", format_bytes(found.closest->predicted.peak_bytes), " (",
               settings_text(found.closest->settings, batch), ")",
+              detail::unlock_text(o, model.impl_->batch_statistics),
               chains.empty() ? ". The module has no chain: hold its repeated blocks in a "
                                "memfit::CheckpointedSequential and the plan can checkpoint them"
                              : "");
@@ -826,6 +834,8 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
                                 out.measured_peak_bytes > 0
                                     ? "; its steps peaked at " + format_bytes(out.measured_peak_bytes)
                                     : std::string()));
+  out.why.push_back(detail::micro_batch_text(o, model.impl_->batch_statistics, best->settings.micro_batch(),
+                                     best->predicted.accumulation_steps, batch));
   return out;
 }
 

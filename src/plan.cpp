@@ -170,6 +170,7 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
   for (auto p : options_.precisions()) check_precision_supported(p, device_);
   memory_allocated(device_);  // starts tracking
 
+  batch_statistics_ = batch_statistics_layer(*chain);
   example_bytes_ = static_cast<int64_t>(example.numel() * example.element_size()) +
                    static_cast<int64_t>(sizeof(int64_t));  // the label
   std::vector<torch::Tensor> persistent = chain->parameters();
@@ -616,6 +617,13 @@ bool better(const StepPrediction& a, const StepSettings& sa, const StepPredictio
 
 } // namespace
 
+std::optional<std::string> batch_statistics_layer(const torch::nn::Module& module) {
+  for (const auto& item : module.named_modules()) {
+    if (item.value()->name().find("BatchNorm") != std::string::npos) return item.key();
+  }
+  return std::nullopt;
+}
+
 namespace {
 Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int64_t budget);
 } // namespace
@@ -660,7 +668,7 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
   std::vector<int64_t> micro;
   for (int64_t m = batch;; m = (m + 1) / 2) {
     micro.push_back(m);
-    if (m == 1 || !o.micro_batching()) break;
+    if (m == 1 || !detail::may_micro_batch(o, model.batch_statistics())) break;
   }
   const auto offloads = offload_choices(model, o);
   // (precision, selective, micro-batch) that fit with coarser tiles: finer ones only add calls.
@@ -723,7 +731,7 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
               ", of which parameters, gradients and optimizer state take ",
               format_bytes(frugal.memory.parameters + frugal.memory.gradients +
                            frugal.memory.optimizer_state),
-              "; raise the budget, or shrink the model");
+              "; raise the budget, or shrink the model", detail::unlock_text(o, model.batch_statistics()));
 
   const auto& s = best.settings;
   const auto& p = best.predicted;
@@ -745,11 +753,7 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
                          : fmt::format("precision {}: autocast lowers activation bytes and time "
                                        "(numerics change within autocast's tolerance)",
                                        to_string(s.precision())));
-  best.why.push_back(p.accumulation_steps > 1
-                         ? fmt::format("micro-batches of {} ({} per batch of {}): one micro-batch "
-                                       "of activations at a time, the same gradient",
-                                       s.micro_batch(), p.accumulation_steps, batch)
-                         : std::string("no micro-batching: the whole batch at once"));
+  best.why.push_back(detail::micro_batch_text(o, model.batch_statistics(), s.micro_batch(), p.accumulation_steps, batch));
   if (model.selective_choices().back()) {
     best.why.push_back(s.selective_recompute()
                            ? std::string("selective recomputation: each block's attention scores, softmax and "

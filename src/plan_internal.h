@@ -4,6 +4,9 @@
 
 #include "memfit/compat.h"
 #include "memfit/memory.h"
+#include "memfit/plan.h"
+
+#include <fmt/format.h>
 
 #include <torch/nn/module.h>
 #include <torch/types.h>
@@ -11,6 +14,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace memfit {
@@ -37,6 +42,42 @@ inline int64_t largest_fitting(int64_t top, const std::function<bool(int64_t)>& 
     (fits(mid) ? lo : hi) = mid;
   }
   return lo;
+}
+
+// Whether a plan may split the batch of a model whose first layer with batch
+// statistics is `layer` (nullopt: none).
+inline bool may_micro_batch(const PlanOptions& o, const std::optional<std::string>& layer) {
+  return o.micro_batching() && (!layer || o.batch_statistics() == BatchStatistics::kPerMicroBatch);
+}
+
+// The plan's line on micro-batching: how many, and whether the math changes.
+inline std::string micro_batch_text(const PlanOptions& o, const std::optional<std::string>& layer,
+                                    int64_t micro, int64_t steps, int64_t batch) {
+  if (steps > 1 && layer) {
+    return fmt::format("micro-batches of {} ({} per batch of {}): one micro-batch of activations at a time; "
+                       "the math changes: BatchNorm layer '{}' (and any other) normalises each micro-batch of {} "
+                       "with its own statistics, not the batch of {} (allowed by PlanOptions::batch_statistics(kPerMicroBatch))",
+                       micro, steps, batch, *layer, micro, batch);
+  }
+  if (steps > 1) {
+    return fmt::format("micro-batches of {} ({} per batch of {}): one micro-batch of activations at a time, "
+                       "the same gradient", micro, steps, batch);
+  }
+  if (layer && o.micro_batching() && !may_micro_batch(o, layer)) {
+    return fmt::format("no micro-batching: the whole batch at once, as BatchNorm layer '{}' needs for the "
+                       "batch's statistics (PlanOptions::batch_statistics(kPerMicroBatch) lets micro-batches "
+                       "change them)", *layer);
+  }
+  return "no micro-batching: the whole batch at once";
+}
+
+// What a plan that found nothing could still be allowed: ", or allow ..." or "".
+inline std::string unlock_text(const PlanOptions& o, const std::optional<std::string>& layer) {
+  if (layer && o.micro_batching() && !may_micro_batch(o, layer)) {
+    return fmt::format("; micro-batches were not tried because BatchNorm layer '{}' would normalise each with "
+                       "its own statistics: PlanOptions::batch_statistics(kPerMicroBatch) allows them", *layer);
+  }
+  return "";
 }
 
 // A module's parameters, buffers and gradients and the CPU RNG, copied to

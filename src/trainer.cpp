@@ -1,5 +1,7 @@
 #include "memfit/trainer.h"
 
+#include "memfit/plan.h"
+
 #include "memfit/compat.h"
 #include "memfit/freeze.h"
 #include "memfit/state.h"
@@ -271,14 +273,12 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
     options_.pipeline(pipeline_->options());
   }
   if (options_.micro_batch_size() > 0 && options_.micro_batch_size() < options_.batch_size()) {
-    for (const auto& item : module_->named_modules()) {
-      if (item.value()->name().find("BatchNorm") == std::string::npos) continue;
-      TORCH_WARN("micro-batching: BatchNorm layers (the first is '", item.key(),
+    if (const auto layer = batch_statistics_layer(*module_)) {
+      TORCH_WARN("micro-batching: BatchNorm layers (the first is '", *layer,
                  "') normalise each micro-batch of ", options_.micro_batch_size(),
                  " examples with its own statistics, not the batch of ", options_.batch_size(),
                  "; gradients equal the full batch's only without batch statistics "
                  "(GroupNorm or LayerNorm do)");
-      break;
     }
   }
   if (options_.offload_parameters() == Offload::kHost) {

@@ -276,21 +276,29 @@ check launcher-sigterm-leaves-no-orphans test "$(pgrep -fc 'sleep 3017')" -eq 0
 # The planner.
 expect plan-help 0 'budget' out -- plan --help
 expect plan-needs-budget 2 'budget' err -- plan --model mlp
-expect plan-fits 0 '"fits": true' out -- plan --model resnet --width 4 --depth 1 --batch 64 --budget 3MiB --json
-expect plan-explains 0 'predicted peak .* per batch' out -- plan --model resnet --width 4 --depth 1 --batch 64 --budget 3MiB
+expect plan-fits 0 '"fits": true' out -- plan --model resnet --width 4 --depth 1 --batch 64 --budget 3MiB --json \
+  --batch-statistics per-micro-batch
+expect plan-explains 0 'predicted peak .* per batch' out -- plan --model resnet --width 4 --depth 1 --batch 64 --budget 3MiB \
+  --batch-statistics per-micro-batch
+expect plan-says-the-math-changes 0 "the math changes: BatchNorm layer 'stem_bn'.*--batch-statistics per-micro-batch" out -- \
+  plan --model resnet --width 4 --depth 1 --batch 64 --budget 3MiB --batch-statistics per-micro-batch
+expect plan-keeps-batch-statistics 1 "micro-batches were not tried because BatchNorm layer 'stem_bn'.*--batch-statistics per-micro-batch allows them" err -- \
+  plan --model resnet --width 4 --depth 1 --batch 64 --budget 3MiB
+expect plan-batch-statistics-domain 2 'batch-statistics' err -- plan --model mlp --budget 1MiB --batch-statistics sometimes
 expect plan-nothing-fits 1 'most frugal needs about .* of which parameters, gradients and optimizer state take' err -- \
   plan --model mlp --batch 64 --budget 16KiB
 expect profile-table 0 'measured plain training step: peak' out -- profile --model mlp --width 32 --depth 1 --batch 16
 expect profile-json 0 '"predicted_step_peak_bytes"' out -- profile --model mlp --width 32 --depth 1 --batch 16 --json
 expect find-batch 0 'plainly: batch [0-9]+ .*measured.*verification run' out -- \
-  find-batch --model resnet --width 4 --depth 1 --budget 4MiB --batch 512
+  find-batch --model resnet --width 4 --depth 1 --budget 4MiB --batch 512 --batch-statistics per-micro-batch
 expect find-batch-json 0 '"with_techniques"' out -- \
   find-batch --model resnet --width 4 --depth 1 --budget 4MiB --no-verify --json
 expect find-batch-needs-budget 2 'budget' err -- find-batch --model mlp
 expect report-needs-run 2 'run' err -- report -o "$tmp/x.html"
 expect report-missing-run 2 'does not exist|not exist' err -- report "$tmp/none.json" -o "$tmp/x.html"
 expect train-plans 0 'the plan predicted' out -- \
-  train --model resnet --width 4 --depth 1 --batch 128 --steps 2 --budget 4MiB --no-eval -q --report "$tmp/planned.json"
+  train --model resnet --width 4 --depth 1 --batch 128 --steps 2 --budget 4MiB --batch-statistics per-micro-batch \
+  --no-eval -q --report "$tmp/planned.json"
 check train-report-holds-plan grep -q '"predicted_peak_bytes"' "$tmp/planned.json"
 expect train-plan-by-hand 0 'plan: none' out -- \
   train --model mlp --width 32 --depth 1 --steps 1 --budget 64MiB --micro-batch 16 --no-eval -q

@@ -202,6 +202,41 @@ TEST_F(ModulePlanTest, ProfileMeasuresTheUsersStepAndEachChainsLayersAndPredicts
   EXPECT_NE(p.to_json().find("\"measured_step_peak_bytes\""), std::string::npos);
 }
 
+// A user's module with batch statistics outside its chain.
+struct NormNetImpl : torch::nn::Module {
+  NormNetImpl() {
+    in = register_module("in", torch::nn::Linear(16, 64));
+    norm = register_module("norm", torch::nn::BatchNorm1d(64));
+    torch::nn::Sequential blocks;
+    for (int i = 0; i < 8; ++i) blocks->push_back(torch::nn::Linear(64, 64)), blocks->push_back(torch::nn::Tanh());
+    body = register_module("body", memfit::CheckpointedSequential(blocks));
+    head = register_module("head", torch::nn::Linear(64, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head->forward(body->forward(norm->forward(in->forward(x)))); }
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+  memfit::CheckpointedSequential body{nullptr};
+};
+TORCH_MODULE(NormNet);
+torch::Tensor norm_loss(NormNetImpl& net, const torch::data::Example<>& b) { return cross_entropy_of(net, b); }
+
+TEST_F(ModulePlanTest, BatchStatisticsKeepTheBatchWholeUnlessTheUserLetsMicroBatchesChangeThem) {
+  NormNet net;
+  const auto batch = sample(256);
+  memfit::ModuleStepModel keep(memfit::detail::make_probe(net.ptr(), norm_loss, batch));
+  const int64_t plain = keep.predict(256, memfit::StepSettings(), {}).peak_bytes;
+  const auto kept = memfit::plan(keep, plain * 2 / 3);
+  EXPECT_EQ(kept.predicted.accumulation_steps, 1) << kept.explain();
+  EXPECT_NE(kept.explain().find("as BatchNorm layer 'norm' needs"), std::string::npos) << kept.explain();
+  const auto allowed = memfit::plan(net.ptr(), norm_loss, batch, plain / 4,
+                                    memfit::PlanOptions().batch_statistics(memfit::BatchStatistics::kPerMicroBatch));
+  EXPECT_GT(allowed.predicted.accumulation_steps, 1) << allowed.explain();
+  EXPECT_NE(allowed.explain().find("the math changes: BatchNorm layer 'norm'"), std::string::npos)
+      << allowed.explain();
+  expect_error([&] { memfit::plan(keep, 4096); },
+               "PlanOptions::batch_statistics(kPerMicroBatch) allows them");
+}
+
 // The user's data set: examples read one by one, never held whole.
 struct Points : torch::data::datasets::Dataset<Points> {
   explicit Points(size_t n) : n_(n) {}

@@ -94,7 +94,9 @@ TEST_F(Planner, PredictedPeakIsWithinTenPercentOnAGridOfSettings) {
 TEST_F(Planner, PlansFitTheirBudgetWhenRun) {
   for (const std::string kind : {"mlp", "resnet"}) {
     auto chain = make(kind);
-    StepModel model(chain, small_data().images.narrow(0, 0, 1));
+    // The ResNet's BatchNorm: micro-batches may change its statistics here (see the test below).
+    StepModel model(chain, small_data().images.narrow(0, 0, 1),
+                    PlanOptions().batch_statistics(BatchStatistics::kPerMicroBatch));
     const int64_t plain = model.predict(128, StepSettings()).peak_bytes;
     for (int divisor : {2, 4, 8}) {
       const int64_t budget = plain / divisor;
@@ -167,7 +169,8 @@ TEST_F(Planner, TiledStreamingIsPricedByItsMeasuredProducts) {
 
 TEST_F(Planner, PlanJsonHoldsTheKnobsAndPrediction) {
   auto chain = make("resnet");
-  StepModel model(chain, small_data().images.narrow(0, 0, 1));
+  StepModel model(chain, small_data().images.narrow(0, 0, 1),
+                  PlanOptions().batch_statistics(BatchStatistics::kPerMicroBatch));
   const auto p = plan(model, 64, model.predict(64, StepSettings()).peak_bytes / 3);
   const auto j = nlohmann::json::parse(p.to_json());
   for (const char* key : {"fits", "predicted_peak_bytes", "micro_batch", "accumulation_steps",
@@ -176,6 +179,31 @@ TEST_F(Planner, PlanJsonHoldsTheKnobsAndPrediction) {
   }
   EXPECT_TRUE(j["fits"].get<bool>());
   EXPECT_EQ(j["predicted_peak_bytes"].get<int64_t>(), p.predicted.peak_bytes);
+}
+
+TEST_F(Planner, AModelWithBatchStatisticsIsMicroBatchedOnlyWhenTheUserLetsTheMathChange) {
+  auto chain = make("resnet");  // BatchNorm after the stem and in every block
+  ASSERT_EQ(batch_statistics_layer(*chain), std::optional<std::string>("stem_bn"));
+  EXPECT_EQ(batch_statistics_layer(*make("mlp")), std::nullopt);
+  const auto example = small_data().images.narrow(0, 0, 1);
+  StepModel keep(chain, example);
+  const int64_t plain = keep.predict(64, StepSettings()).peak_bytes;
+  // Under 9/10 of the plain peak the plan keeps the batch whole and checkpoints or offloads instead.
+  const auto kept = plan(keep, 64, plain * 9 / 10);
+  ASSERT_TRUE(kept.fits);
+  EXPECT_EQ(kept.predicted.accumulation_steps, 1);
+  EXPECT_NE(kept.explain().find("as BatchNorm layer 'stem_bn' needs for the batch's statistics"), std::string::npos)
+      << kept.explain();
+  // Allowed, micro-batches are among the choices, and the text says the math changes.
+  StepModel allow(chain, example, PlanOptions().batch_statistics(BatchStatistics::kPerMicroBatch));
+  const auto micro = plan(allow, 64, plain / 8);
+  ASSERT_GT(micro.predicted.accumulation_steps, 1) << micro.explain();
+  EXPECT_NE(micro.explain().find("the math changes: BatchNorm layer 'stem_bn'"), std::string::npos)
+      << micro.explain();
+  // Below what the whole batch can reach, the error says what would allow less.
+  testing::expect_error([&] { plan(keep, 64, plain / 8); },
+               "micro-batches were not tried because BatchNorm layer 'stem_bn' would normalise each with its "
+               "own statistics: PlanOptions::batch_statistics(kPerMicroBatch) allows them");
 }
 
 TEST_F(Planner, FindBatchPredictsThenVerifiesUnderTheBudget) {

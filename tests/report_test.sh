@@ -10,7 +10,7 @@ trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$artifacts"
 fail() { echo "FAIL $*"; exit 1; }
 
-"$bin" train --model resnet --width 8 --depth 1 --batch 128 --steps 12 --budget 8MiB -q \
+"$bin" train --model resnet --width 8 --depth 1 --batch 128 --steps 12 --budget 8MiB --batch-statistics per-micro-batch -q \
   --report "$tmp/run.json" >"$tmp/train.log" 2>&1 || { cat "$tmp/train.log"; fail "train"; }
 "$bin" report "$tmp/run.json" -o "$tmp/report.html" >/dev/null || fail "report"
 echo "ok   report written"

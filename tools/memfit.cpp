@@ -56,6 +56,7 @@ struct ModelArgs {
   int64_t context = 128;
   double dropout = 0.0;
   bool selective_recompute = false;
+  std::string batch_statistics = "keep";
   std::string data = memfit::FashionMnistOptions().root();
   std::string text = memfit::JargonOptions().path();
   std::string torchscript;
@@ -155,6 +156,11 @@ void add_model_shape_options(CLI::App* cmd, ModelArgs& a) {
   cmd->add_flag("--selective-recompute", a.selective_recompute,
                 "GPT: recompute attention scores, softmax and attention dropout in backward "
                 "instead of keeping them (Korthikanti et al. 2022)");
+  cmd->add_option("--batch-statistics", a.batch_statistics,
+                  "Planning a model with BatchNorm: keep its batch statistics (no micro-batches), or "
+                  "let micro-batches change them (per-micro-batch)")
+      ->check(CLI::IsMember({"keep", "per-micro-batch"}))
+      ->capture_default_str();
   cmd->add_option("--data", a.data,
                   "Folder with Fashion-MNIST's *-ubyte.gz files (Debian: dataset-fashion-mnist)")
       ->capture_default_str();
@@ -552,6 +558,11 @@ void validate_train(const TrainArgs& a) {
   check_model_fits(a);
 }
 
+memfit::BatchStatistics batch_statistics(const ModelArgs& a) {
+  return a.batch_statistics == "per-micro-batch" ? memfit::BatchStatistics::kPerMicroBatch
+                                                 : memfit::BatchStatistics::kKeep;
+}
+
 // Every usage error of `memfit plan`, `profile` and `find-batch`.
 void validate_model_command(const PlanArgs& a) {
   check_device_and_precision(a.device, a.precision);
@@ -573,7 +584,8 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
   memfit::PlanOptions options;
   options.optimizer(memfit::parse_optimizer_kind(a.optimizer))
       .precisions(plan_precisions(a.precision, device))
-      .time_batch(a.batch);
+      .time_batch(a.batch)
+      .batch_statistics(batch_statistics(a));
   // --selective-recompute fixes it on; otherwise the planner may choose it
   // (profile measures the model as built).
   options.selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
@@ -695,7 +707,7 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
     line("  with checkpointing, offload and precision", found.techniques);
     if (logical) {
       fmt::print("any logical batch fits with micro-batching; for --batch {}:\n{}", a.batch,
-                 logical->explain());
+                 memfit::tools::with_flag_names(logical->explain()));
     }
     return found.plain.batch > 0 || found.techniques.batch > 0 ? 0 : 1;
   }
@@ -703,7 +715,7 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
   if (a.json) {
     fmt::print("{}\n", plan.to_json());
   } else {
-    fmt::print("{}", plan.explain());
+    fmt::print("{}", memfit::tools::with_flag_names(plan.explain()));
   }
   return 0;
 }
@@ -769,12 +781,13 @@ int run_train(const TrainArgs& a) {
             .optimizer(memfit::parse_optimizer_kind(a.optimizer))
             .precisions({precision})
             .time_batch(a.batch)
+            .batch_statistics(batch_statistics(a))
             .selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
                                                        : memfit::SelectiveRecompute::kChoose),
         device);
     plan = memfit::plan(step_model, a.batch, budget);
     memfit::set_selective_recompute(chain, plan->settings.selective_recompute());
-    fmt::print("{}", plan->explain());
+    fmt::print("{}", memfit::tools::with_flag_names(plan->explain()));
   } else if (budget > 0 && a.plan == "auto") {
     fmt::print("plan: none ({})\n", pipelined ? "the planner plans one process; a pipeline splits the model"
                                                : "micro-batch, checkpointing, offload or master weights set by hand");

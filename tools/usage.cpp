@@ -77,6 +77,7 @@ std::string with_flag_names(std::string message) {
       {"TrainerOptions::process_group", "memfit launch"},
       {"PlanOptions::precisions", "--precision"},
       {"PlanOptions::selective_recompute", "--selective-recompute"},
+      {"PlanOptions::batch_statistics(kPerMicroBatch)", "--batch-statistics per-micro-batch"},
   };
   for (const auto& [cpp, flag] : names) {
     for (auto at = message.find(cpp); at != std::string::npos; at = message.find(cpp, at)) {

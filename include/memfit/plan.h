@@ -56,6 +56,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -91,6 +92,25 @@ enum class SelectiveRecompute {
   kOn,      ///< Always (the model has such blocks, or StepModel refuses it).
 };
 
+/// Whether plans may micro-batch a model whose layers normalise with batch
+/// statistics (BatchNorm): each micro-batch is then normalised with its own
+/// statistics, which changes the math as lower precision does.
+enum class BatchStatistics {
+  kKeep,           ///< Never: such a model runs each batch in one pass.
+  kPerMicroBatch,  ///< Micro-batches may change them; the plan's text says so.
+};
+
+/// The path of the first layer of `module` that normalises with batch
+/// statistics (a BatchNorm; its path as named_modules() gives it, "" for
+/// the module itself), or nullopt when none does.
+///
+/// Example:
+/// \code
+///   torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
+///   assert(memfit::batch_statistics_layer(*net) == std::optional<std::string>("1"));
+/// \endcode
+std::optional<std::string> batch_statistics_layer(const torch::nn::Module& module);
+
 /// What the planner may choose and what the step it plans for looks like.
 struct PlanOptions {
   /// The optimizer the step uses (its state and temporaries).
@@ -117,6 +137,9 @@ struct PlanOptions {
   TORCH_ARG(double, margin) = 0.97;
   /// Whether the plan may split the batch into micro-batches.
   TORCH_ARG(bool, micro_batching) = true;
+  /// Whether it may also split the batch of a model with batch statistics
+  /// (see BatchStatistics): by default it keeps them, as the math is the user's.
+  TORCH_ARG(BatchStatistics, batch_statistics) = BatchStatistics::kKeep;
   /// Selective recomputation of attention (see SelectiveRecompute).
   TORCH_ARG(SelectiveRecompute, selective_recompute) = SelectiveRecompute::kChoose;
   /// Plans for a user's module (module_plan.h): run the best candidates'
@@ -201,6 +224,8 @@ class StepModel {
   /// The selective-recomputation settings profiled: {false}, {true} or
   /// {false, true} (options().selective_recompute() and what the model has).
   const std::vector<bool>& selective_choices() const { return selective_choices_; }
+  /// The chain's first layer with batch statistics (batch_statistics_layer).
+  const std::optional<std::string>& batch_statistics() const { return batch_statistics_; }
   /// The options, as checked.
   const PlanOptions& options() const { return options_; }
   /// The device profiled on.
@@ -248,6 +273,7 @@ class StepModel {
   torch::Device device_;
   std::map<std::pair<Precision, bool>, Profiled> profiles_;
   std::vector<bool> selective_choices_;
+  std::optional<std::string> batch_statistics_;
   int64_t example_bytes_ = 0;
   int64_t parameter_bytes_ = 0;
   int64_t trainable_bytes_ = 0;
