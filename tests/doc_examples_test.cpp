@@ -706,6 +706,11 @@ TEST_F(DocExamples, PlanAnyModule) {
   EXPECT_TRUE(p.fits);
 }
 
+TEST_F(DocExamples, BatchStatisticsLayer) {
+  torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
+  EXPECT_TRUE(memfit::batch_statistics_layer(*net) == std::optional<std::string>("1"));
+}
+
 TEST_F(DocExamples, ProfileAnyModule) {
   auto net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
                                    torch::nn::Linear(64, 4));
