@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -42,6 +43,30 @@ double median_round_seconds(const std::function<void()>& timed, const std::funct
     if (r > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
   return median(times);
+}
+
+// The first of `params` whose bytes times `factor` fit `budget` (all of
+// them for budget 0; the smallest alone where none fits), and the factor
+// that scales a time over them to all of `params`.
+std::pair<std::vector<torch::Tensor>, double> within_budget(const std::vector<torch::Tensor>& params,
+                                                            int64_t budget, int64_t factor) {
+  if (budget <= 0 || params.empty()) return {params, 1.0};
+  std::vector<torch::Tensor> part;
+  int64_t bytes = 0;
+  for (const auto& p : params) {
+    const int64_t b = p.numel() * static_cast<int64_t>(p.element_size());
+    if ((bytes + b) * factor > budget) continue;
+    part.push_back(p);
+    bytes += b;
+  }
+  if (part.empty()) {
+    part.push_back(*std::min_element(params.begin(), params.end(), [](const auto& a, const auto& b) {
+      return a.numel() * a.element_size() < b.numel() * b.element_size();
+    }));
+    bytes = part.front().numel() * static_cast<int64_t>(part.front().element_size());
+  }
+  const int64_t total = storage_bytes(params);
+  return {part, bytes > 0 ? double(total) / double(bytes) : 1.0};
 }
 
 // Times an optimizer step over copies of `params` with random gradients,
@@ -151,6 +176,28 @@ int64_t line_bytes(int64_t small, int64_t large, int64_t b_small, int64_t b_larg
 }
 
 
+// Bytes that profiling a batch allocates beyond the parameters' gradients,
+// from its profile: profile_chain's largest layer (its input held twice, its
+// forward's peak, its output's gradient and backward's temporaries) or the
+// recomputation calibration's plain pass (every layer's kept bytes and the
+// last backward's), with the batch itself.
+int64_t profiling_bytes(const ChainProfile& p) {
+  int64_t layer = 0, kept = 0, backward = 0;
+  for (const auto& l : p.layers) {
+    layer = std::max(layer, 2 * l.input_bytes + l.forward_peak_bytes + l.output_bytes + l.backward_overhead_bytes);
+    kept += l.kept_bytes;
+    backward = std::max(backward, l.output_bytes + l.backward_overhead_bytes);
+  }
+  return p.layers.front().input_bytes + std::max(layer, kept + backward);
+}
+
+// A profile's forward and backward seconds, summed over its layers.
+double chain_seconds(const ChainProfile& p) {
+  double s = 0;
+  for (const auto& l : p.layers) s += l.forward_seconds + l.backward_seconds;
+  return s;
+}
+
 } // namespace
 
 StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& example,
@@ -164,6 +211,10 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
               options_.time_batch());
   TORCH_CHECK(options_.profile_batch() >= 2, "profile_batch must be at least 2, got ",
               options_.profile_batch());
+  TORCH_CHECK(options_.profile_budget() >= 0, "profile_budget must be >= 0 bytes (0: no limit), got ",
+              options_.profile_budget());
+  TORCH_CHECK(options_.saturation_seconds() >= 0, "saturation_seconds must be >= 0, got ",
+              options_.saturation_seconds());
   TORCH_CHECK(options_.margin() > 0 && options_.margin() <= 1,
               "margin must be in (0, 1], got ", options_.margin());
   TORCH_CHECK(!options_.precisions().empty(), "PlanOptions needs at least one precision");
@@ -215,21 +266,26 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
       break;
   }
 
-  const int64_t large = options_.profile_batch(), small = large / 2;
-  // Times are also measured below `small` (profile_batch / 8, 2 and 1) and,
-  // up to options.time_batch(), at 4× steps above `large`, so that
-  // micro-batches are priced from measurements rather than extrapolated
-  // (the smallest, where fixed per-call costs dominate, least of all).
-  std::vector<int64_t> timed_batches = {small, large};
-  if (large >= 16) timed_batches.push_back(large / 8);
-  const int64_t smallest = *std::min_element(timed_batches.begin(), timed_batches.end());
-  for (int64_t b : {int64_t{2}, int64_t{1}}) {
-    if (b < smallest) timed_batches.push_back(b);
-  }
-  for (int64_t b = 4 * large; b <= options_.time_batch(); b *= 4) timed_batches.push_back(b);
-  if (options_.time_batch() > large && timed_batches.back() != options_.time_batch()) {
-    timed_batches.push_back(options_.time_batch());
-  }
+  profile_layers(chain, example);
+  // The optimizer is timed on copies of the parameters with gradients and
+  // state: within a profile budget, on as many of them as fit (6 times their
+  // bytes, 3 offloaded, 1 for gradients), its time scaled by bytes.
+  const auto resident = within_budget(trainable, options_.profile_budget(), 6);
+  step_seconds_ = time_optimizer_step(options_, resident.first, false) * resident.second;
+  // Offloading only adds copies: where timing noise says otherwise, the resident step's time stands.
+  const auto offloaded = within_budget(trainable, options_.profile_budget(), 3);
+  offloaded_step_seconds_ =
+      options_.offload()
+          ? std::max(step_seconds_, time_optimizer_step(options_, offloaded.first, true) * offloaded.second)
+          : 0;
+  const auto gradients = within_budget(trainable, options_.profile_budget(), 1);
+  gradient_offload_seconds_ = options_.offload() ? time_gradient_offload(gradients.first) * gradients.second : 0;
+  stream_seconds_ = options_.offload() ? time_stream(chain->parameters()) : 0;
+}
+
+// Profiles the chain's layers (see PlanOptions::profile_batch, time_batch,
+// profile_budget and saturation_seconds) and calibrates recomputation.
+void StepModel::profile_layers(const torch::nn::Sequential& chain, const torch::Tensor& example) {
   auto batch_of = [&](int64_t n) {
     std::vector<int64_t> sizes(example.sizes().begin(), example.sizes().end());
     sizes[0] = n;
@@ -257,51 +313,100 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
     bool selective;
     ~Restore() { set_selective_recompute(chain, selective); }
   } restore{chain, was_selective};
+  // The first profile's first pass runs ascending from 1 example, doubling
+  // to options.profile_batch() while profiling fits options.profile_budget():
+  // bytes are linear in the batch, so the two largest batches measured say
+  // what the next one needs.
+  std::map<int64_t, ChainProfile> first;
+  auto fits = [&](int64_t b) {
+    if (options_.profile_budget() <= 0) return true;
+    auto hi = std::prev(first.lower_bound(b)), lo = std::prev(hi);
+    return line_bytes(profiling_bytes(lo->second), profiling_bytes(hi->second), lo->first, hi->first, b) <=
+           options_.profile_budget();
+  };
+  set_selective_recompute(chain, selective_choices_.front());
+  auto profile_at = [&](int64_t b, Precision precision) {
+    AutocastGuard autocast(device_, precision);  // one cast cache per profile
+    auto profiled = profile_chain(chain, batch_of(b), ProfileOptions().repeats(3));
+    workspace_bytes_ = std::max(workspace_bytes_, profiled.workspace_bytes);
+    return profiled;
+  };
+  for (int64_t b : {int64_t{1}, int64_t{2}}) first.emplace(b, profile_at(b, options_.precisions().front()));
+  large_batch_ = 2;
+  for (int64_t b = 4; large_batch_ < options_.profile_batch(); b *= 2) {
+    b = std::min(b, options_.profile_batch());
+    if (!fits(b)) break;
+    first.emplace(b, profile_at(b, options_.precisions().front()));
+    large_batch_ = b;
+  }
+  const int64_t large = large_batch_, small = large / 2;
+  if (first.count(small) == 0) first.emplace(small, profile_at(small, options_.precisions().front()));
+  // Times are measured at those batches and, up to options.time_batch(), at
+  // 4× steps above `large` while the batch fits the profile budget and the
+  // device is not yet busy: a batch whose forward and backward take
+  // options.saturation_seconds() is the last timed, and larger ones are
+  // extrapolated linearly. Micro-batches are thus priced from measurements
+  // (the smallest, where fixed per-call costs dominate, most of all), and
+  // planning a large batch costs little more than planning a small one.
+  std::vector<int64_t> timed_batches;
+  for (const auto& [b, _] : first) timed_batches.push_back(b);
+  std::vector<int64_t> above;
+  for (int64_t b = 4 * large; b <= options_.time_batch(); b *= 4) above.push_back(b);
+  if (options_.time_batch() > large && (above.empty() || above.back() != options_.time_batch())) {
+    above.push_back(options_.time_batch());
+  }
+  bool extended = false;
   for (auto precision : options_.precisions()) {
     for (bool selective : selective_choices_) {
       set_selective_recompute(chain, selective);
       Profiled p;
-      // Two passes over the batches, the second in reverse order, each
-      // layer's time the faster of the two: a machine that slows down for a
-      // while (a shared one does) then slows no batch size more than another.
-      std::vector<int64_t> order = timed_batches;
-      for (int pass = 0; pass < 2; ++pass) {
-        for (int64_t b : order) {
-          const auto x = batch_of(b);
-          AutocastGuard autocast(device_, precision);  // one cast cache per profile
-          auto profiled = profile_chain(chain, x, ProfileOptions().repeats(3));
-          workspace_bytes_ = std::max(workspace_bytes_, profiled.workspace_bytes);
-          auto it = p.timed.find(b);
-          if (it == p.timed.end()) {
-            p.timed.emplace(b, std::move(profiled));
-            continue;
-          }
-          auto& layers = it->second.layers;
-          for (size_t i = 0; i < layers.size(); ++i) {
-            layers[i].forward_seconds = std::min(layers[i].forward_seconds, profiled.layers[i].forward_seconds);
-            layers[i].backward_seconds = std::min(layers[i].backward_seconds, profiled.layers[i].backward_seconds);
-          }
+      // Each layer's time is the faster of two passes over the batches, the
+      // second in reverse order: a machine that slows down for a while (a
+      // shared one does) then slows no batch size more than another.
+      auto time_at = [&](int64_t b) {
+        auto profiled = profile_at(b, precision);
+        auto it = p.timed.find(b);
+        if (it == p.timed.end()) {
+          p.timed.emplace(b, std::move(profiled));
+          return;
         }
-        std::reverse(order.begin(), order.end());
+        auto& layers = it->second.layers;
+        for (size_t i = 0; i < layers.size(); ++i) {
+          layers[i].forward_seconds = std::min(layers[i].forward_seconds, profiled.layers[i].forward_seconds);
+          layers[i].backward_seconds = std::min(layers[i].backward_seconds, profiled.layers[i].backward_seconds);
+        }
+      };
+      if (!extended) {  // the first profile: its first pass is done; the batches above `large` are chosen now
+        extended = true;
+        p.timed = first;
+        for (int64_t b : above) {
+          if (!fits(b) || chain_seconds(p.timed.rbegin()->second) >= options_.saturation_seconds()) break;
+          time_at(b);
+          first.emplace(b, p.timed.at(b));
+          timed_batches.push_back(b);
+        }
+      } else {
+        for (int64_t b : timed_batches) time_at(b);
       }
+      for (auto it = timed_batches.rbegin(); it != timed_batches.rend(); ++it) time_at(*it);
       p.large = p.timed.at(large);
       p.small = p.timed.at(small);
       profiles_.emplace(std::make_pair(precision, selective), std::move(p));
     }
   }
+  timed_batches_ = timed_batches;
+  std::sort(timed_batches_.begin(), timed_batches_.end());
   set_selective_recompute(chain, selective_choices_.front());
   recompute_factor_ = calibrate_recomputation(chain, batch_of(large), options_.precisions().front());
-  step_seconds_ = time_optimizer_step(options_, trainable, false);
-  // Offloading only adds copies: where timing noise says otherwise, the resident step's time stands.
-  offloaded_step_seconds_ =
-      options_.offload() ? std::max(step_seconds_, time_optimizer_step(options_, trainable, true)) : 0;
-  gradient_offload_seconds_ = options_.offload() ? time_gradient_offload(trainable) : 0;
-  stream_seconds_ = options_.offload() ? time_stream(chain->parameters()) : 0;
 }
 
 double StepModel::tile_seconds(int64_t micro_batch, int64_t tile_bytes) const {
   TORCH_CHECK(micro_batch > 0, "tile_seconds: micro_batch must be positive, got ", micro_batch);
   if (tile_bytes <= 0) return 0.0;
+  // Above the largest timed batch the products' extra time grows linearly
+  // with the batch, as the layers' times are extrapolated.
+  const int64_t largest = timed_batches_.back();
+  if (micro_batch > largest) return tile_seconds(largest, tile_bytes) * double(micro_batch) / double(largest);
   const auto key = std::make_pair(micro_batch, tile_bytes);
   if (const auto it = tile_seconds_.find(key); it != tile_seconds_.end()) return it->second;
   const auto options = torch::TensorOptions().device(device_).dtype(torch::kFloat);
@@ -381,7 +486,7 @@ ChainProfile StepModel::scaled_profile(Precision precision, int64_t micro_batch,
   auto it = find_profile(profiles_, precision, selective_recompute);
   const auto& big = it->second.large;
   const auto& little = it->second.small;
-  const int64_t bl = options_.profile_batch(), bs = bl / 2;
+  const int64_t bl = large_batch_, bs = bl / 2;
   ChainProfile scaled = big;
   for (size_t i = 0; i < scaled.layers.size(); ++i) {
     auto& l = scaled.layers[i];
@@ -650,6 +755,17 @@ Plan plan(const StepModel& model, int64_t batch, int64_t budget) {
 }
 
 namespace {
+// What profiling measured, and what it extrapolates.
+std::string profiling_text(const StepModel& model) {
+  const auto& timed = model.timed_batches();
+  return fmt::format("profiled one layer at a time: bytes at batches {} and {} (linear in the batch), "
+                     "times at batches {}{}", model.profile_batch() / 2, model.profile_batch(),
+                     fmt::join(timed, ", "),
+                     timed.back() < model.options().time_batch()
+                         ? ", larger micro-batches extrapolated linearly from the largest two"
+                         : "");
+}
+
 Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int64_t budget) {
   TORCH_CHECK(batch > 0, "plan: batch must be positive, got ", batch);
   TORCH_CHECK(budget > 0, "plan: budget must be positive, got ", budget);
@@ -744,6 +860,7 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
                                  format_bytes(best.plain_peak_bytes),
                                  best.plain_peak_bytes <= limit ? "fits" : "exceeds",
                                  format_bytes(limit), 100 * o.margin(), format_bytes(budget)));
+  best.why.push_back(profiling_text(model));
   if (model.workspace_bytes() > 0) {
     best.why.push_back(fmt::format("device workspaces (cuBLAS, held by every step): {}",
                                    format_bytes(model.workspace_bytes())));

@@ -376,12 +376,62 @@ TEST_F(PlannerGpt, OffersTheChoiceOnlyWhereTheModelHasBlocks) {
   testing::expect_error([&] { off.costs(Precision::kFP32, 4, true); }, "not profiled in fp32 with selective recomputation");
 }
 
+TEST_F(Planner, ProfilingStaysWithinTheBudgetPlannedForBeyondTheParametersGradients) {
+  auto chain = make("resnet");
+  const int64_t budget = 2 << 20;
+  const int64_t gradients = storage_bytes(chain->parameters());
+  const auto image = torch::zeros({1, 1, 28, 28});
+  const auto options = PlanOptions().batch_statistics(BatchStatistics::kPerMicroBatch);
+  int64_t unbounded = 0;
+  {
+    PeakMeter meter;
+    StepModel model(chain, image, options);  // profiles at 16 and 32 examples
+    unbounded = meter.peak_delta();
+  }
+  EXPECT_GT(unbounded, budget + gradients) << "profiling at 32 examples needs more than the budget";
+  PeakMeter meter;
+  StepModel model(chain, image, PlanOptions(options).time_batch(256).profile_budget(budget).saturation_seconds(1e9));
+  EXPECT_LE(meter.peak_delta(), budget + gradients);
+  EXPECT_LT(model.profile_batch(), 32);
+  EXPECT_LT(model.timed_batches().back(), 256) << "only the budget stops timing here";
+  const auto p = plan(model, 256, budget);
+  ASSERT_TRUE(p.fits) << p.explain();
+  EXPECT_LE(measured_peak("resnet", 256, p.settings, budget), budget) << p.explain();
+}
+
+TEST_F(Planner, TimesLargerBatchesOnlyUntilTheDeviceIsBusyAndExtrapolatesAboveThem) {
+  auto chain = make("mlp");
+  const auto image = torch::zeros({1, 1, 28, 28});
+  StepModel idle(chain, image, PlanOptions().time_batch(512).saturation_seconds(1e9));
+  EXPECT_EQ(idle.timed_batches(), (std::vector<int64_t>{1, 2, 4, 8, 16, 32, 128, 512}));
+  StepModel busy(chain, image, PlanOptions().time_batch(4096).saturation_seconds(0));
+  EXPECT_EQ(busy.timed_batches(), (std::vector<int64_t>{1, 2, 4, 8, 16, 32}))
+      << "with every batch counted busy, nothing above profile_batch is timed";
+  auto seconds = [&](int64_t m) {
+    const auto c = busy.costs(Precision::kFP32, m);
+    double s = 0;
+    for (size_t i = 0; i < c.forward.size(); ++i) s += c.forward[i] + c.backward[i];
+    return s;
+  };
+  EXPECT_NEAR(seconds(4096) - seconds(2048), 2 * (seconds(2048) - seconds(1024)), 1e-9 * seconds(4096))
+      << "above the largest timed batch, time is linear in the batch";
+  const auto p = plan(busy, 4096, 64 << 20);
+  EXPECT_NE(p.explain().find("times at batches 1, 2, 4, 8, 16, 32, larger micro-batches extrapolated linearly"),
+            std::string::npos)
+      << p.explain();
+}
+
 TEST_F(Planner, BadArgumentsAreRefused) {
   auto chain = make("mlp");
   EXPECT_THROW(StepModel(chain, torch::zeros({2, 1, 28, 28})), c10::Error) << "one example";
   EXPECT_THROW(StepModel(chain, torch::zeros({1, 1, 28, 28}), PlanOptions().profile_batch(1)), c10::Error);
   testing::expect_error([&] { StepModel(chain, torch::zeros({1, 1, 28, 28}), PlanOptions().time_batch(-1)); },
                         "time_batch must be >= 0");
+  testing::expect_error([&] { StepModel(chain, torch::zeros({1, 1, 28, 28}), PlanOptions().profile_budget(-1)); },
+                        "profile_budget must be >= 0 bytes (0: no limit), got -1");
+  testing::expect_error(
+      [&] { StepModel(chain, torch::zeros({1, 1, 28, 28}), PlanOptions().saturation_seconds(-1)); },
+      "saturation_seconds must be >= 0, got -1");
   StepModel model(chain, torch::zeros({1, 1, 28, 28}));
   EXPECT_THROW(plan(model, 0, 1 << 20), c10::Error);
   EXPECT_THROW(model.costs(Precision::kBF16, 8), c10::Error) << "bf16 was not profiled";

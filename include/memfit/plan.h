@@ -126,12 +126,25 @@ struct PlanOptions {
   /// Whether the plan may keep the optimizer state, then the gradients, then
   /// the parameters (streamed, stream.h; fp32 only) on the host.
   TORCH_ARG(bool, offload) = true;
-  /// The larger of the two batch sizes profiled (the other is half of it).
+  /// The larger of the two batch sizes profiled (the other is half of it);
+  /// halved while profiling it would exceed profile_budget (to 2 at least).
   TORCH_ARG(int64_t, profile_batch) = 32;
   /// Times are measured up to this micro-batch (at 4× steps above
   /// profile_batch and at it), not extrapolated; set it to the batch planned
-  /// for. Profiling runs one layer at a time at these batches. 0: profile_batch.
+  /// for. Profiling runs one layer at a time at these batches. Timing stops
+  /// early at a batch that would exceed profile_budget, and after the first
+  /// that takes saturation_seconds. 0: profile_batch.
   TORCH_ARG(int64_t, time_batch) = 0;
+  /// Bytes profiling may allocate on the device beyond the parameters and
+  /// their gradients (0: no limit); set it to the budget planned for. Bytes
+  /// are linear in the batch: measured at 1 and 2 examples, they say which
+  /// batches fit, and larger ones are extrapolated.
+  TORCH_ARG(int64_t, profile_budget) = 0;
+  /// A timed batch whose forward and backward take this long keeps the device
+  /// busy: time grows linearly above it, so larger batches are extrapolated
+  /// rather than timed, and planning a large batch costs little more than
+  /// planning a small one.
+  TORCH_ARG(double, saturation_seconds) = 0.02;
   /// Plans must fit in this fraction of the budget (room for what the model
   /// does not see: allocator rounding, the data loader's indices).
   TORCH_ARG(double, margin) = 0.97;
@@ -219,8 +232,13 @@ class StepModel {
   /// The chain's costs at `micro_batch` examples in `precision`, with or
   /// without selective recomputation.
   ChainCosts costs(Precision precision, int64_t micro_batch, bool selective_recompute = false) const;
-  /// The profile at options.profile_batch() in `precision`.
+  /// The profile at profile_batch() in `precision`.
   const ChainProfile& profile(Precision precision, bool selective_recompute = false) const;
+  /// The larger batch profiled: options().profile_batch(), halved while it
+  /// exceeded options().profile_budget(). Bytes are linear through it and its half.
+  int64_t profile_batch() const { return large_batch_; }
+  /// The batches timed, ascending; times of larger micro-batches are extrapolated.
+  const std::vector<int64_t>& timed_batches() const { return timed_batches_; }
   /// The selective-recomputation settings profiled: {false}, {true} or
   /// {false, true} (options().selective_recompute() and what the model has).
   const std::vector<bool>& selective_choices() const { return selective_choices_; }
@@ -260,6 +278,7 @@ class StepModel {
   double tile_seconds(int64_t micro_batch, int64_t tile_bytes) const;
 
  private:
+  void profile_layers(const torch::nn::Sequential& chain, const torch::Tensor& example);
   double calibrate_recomputation(const torch::nn::Sequential& chain, const torch::Tensor& x,
                                  Precision precision) const;
   // The profile's layers scaled to `micro_batch` examples.
@@ -274,6 +293,8 @@ class StepModel {
   std::map<std::pair<Precision, bool>, Profiled> profiles_;
   std::vector<bool> selective_choices_;
   std::optional<std::string> batch_statistics_;
+  int64_t large_batch_ = 0;
+  std::vector<int64_t> timed_batches_;
   int64_t example_bytes_ = 0;
   int64_t parameter_bytes_ = 0;
   int64_t trainable_bytes_ = 0;
