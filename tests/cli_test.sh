@@ -285,6 +285,12 @@ expect plan-says-the-math-changes 0 "the math changes: BatchNorm layer 'stem_bn'
 expect plan-keeps-batch-statistics 1 "micro-batches were not tried because BatchNorm layer 'stem_bn'.*--batch-statistics per-micro-batch allows them" err -- \
   plan --model resnet --width 4 --depth 1 --batch 64 --budget 3MiB
 expect plan-batch-statistics-domain 2 'batch-statistics' err -- plan --model mlp --budget 1MiB --batch-statistics sometimes
+expect plan-batch-beyond-data 2 '^memfit plan: error: --batch 60001 is larger than the training set \(60000 Fashion-MNIST images\): use --batch 60000 or less \(see' err -- \
+  plan --model mlp --budget 1MiB --batch 60001
+expect train-batch-beyond-data 2 'batch 70000 is larger than the training set \(60000 Fashion-MNIST images\)' err -- \
+  train --model mlp --batch 70000 --steps 1 --budget 64MiB
+expect plan-says-what-it-timed 0 'profiled one layer at a time: bytes at batches 16 and 32 \(linear in the batch\), times at batches 1, 2, 4, 8, 16, 32' out -- \
+  plan --model mlp --width 32 --depth 1 --batch 4096 --budget 1MiB
 expect plan-nothing-fits 1 'most frugal needs about .* of which parameters, gradients and optimizer state take' err -- \
   plan --model mlp --batch 64 --budget 16KiB
 expect profile-table 0 'measured plain training step: peak' out -- profile --model mlp --width 32 --depth 1 --batch 16

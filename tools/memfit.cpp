@@ -214,6 +214,14 @@ Workload load_workload(const ModelArgs& a, bool with_test) {
   return w;
 }
 
+// A batch larger than the training set is refused before any profiling or training.
+void check_batch_within_data(int64_t batch, const Workload& w) {
+  memfit::tools::usage_check(batch <= w.train.size(), "--batch ", batch, " is larger than the training set (",
+                             w.train.size(),
+                             w.kind == memfit::ModelKind::kGpt ? " windows of the Jargon File" : " Fashion-MNIST images",
+                             "): use --batch ", w.train.size(), " or less");
+}
+
 void add_train_command(CLI::App& app, TrainArgs& a) {
   auto* train = app.add_subcommand(
       "train", "Train a model on Fashion-MNIST or the Jargon File and report loss, test accuracy and peak memory");
@@ -578,6 +586,7 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
   print_warning(set_threads(a.threads));
   torch::manual_seed(0);
   auto workload = load_workload(a, /*with_test=*/false);
+  if (command != ModelCommand::kProfile) check_batch_within_data(a.batch, workload);
   auto chain = workload.make();
   chain->to(device);
   const auto example = workload.train.images.narrow(0, 0, 1).to(device);  // one example, for profiling
@@ -585,6 +594,7 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
   options.optimizer(memfit::parse_optimizer_kind(a.optimizer))
       .precisions(plan_precisions(a.precision, device))
       .time_batch(a.batch)
+      .profile_budget(a.budget.empty() ? 0 : memfit::parse_memory_size(a.budget))
       .batch_statistics(batch_statistics(a));
   // --selective-recompute fixes it on; otherwise the planner may choose it
   // (profile measures the model as built).
@@ -627,8 +637,8 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
       return 0;
     }
     fmt::print("profile of {} at batch {} ({}; measured at batches {} and {}, scaled linearly):\n{}",
-               a.model, a.batch, memfit::to_string(precision), options.profile_batch() / 2,
-               options.profile_batch(), profile.table());
+               a.model, a.batch, memfit::to_string(precision), model.profile_batch() / 2,
+               model.profile_batch(), profile.table());
     if (model.workspace_bytes() > 0) {
       fmt::print("device workspaces held by every step (cuBLAS, allocated on first use): {}\n",
                  memfit::format_bytes(model.workspace_bytes()));
@@ -749,6 +759,7 @@ int run_train(const TrainArgs& a) {
   const std::string blas_warning = set_threads(a.threads, world.rank == 0);  // printed after the resume check
 
   const auto workload = load_workload(a, /*with_test=*/!a.no_eval);
+  check_batch_within_data(a.batch, workload);
   const auto& train_data = workload.train;
   const auto& test_data = workload.test;
 
@@ -781,6 +792,7 @@ int run_train(const TrainArgs& a) {
             .optimizer(memfit::parse_optimizer_kind(a.optimizer))
             .precisions({precision})
             .time_batch(a.batch)
+            .profile_budget(budget)
             .batch_statistics(batch_statistics(a))
             .selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
                                                        : memfit::SelectiveRecompute::kChoose),
