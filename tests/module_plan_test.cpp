@@ -286,6 +286,10 @@ TEST_F(ModulePlanTest, FindBatchIsBoundedByTheDataSetAndRefusesWhatItCannotSearc
   const auto found = memfit::find_batch(net.ptr(), chain_loss, small, 1 << 30);
   EXPECT_EQ(found.plain.batch, 64);  // all of it fits: the data set bounds the search
   EXPECT_TRUE(found.plain.verified);
+  const auto predicted = memfit::find_batch(net.ptr(), chain_loss, small, 1 << 30, memfit::FindBatchOptions().verify(false));
+  EXPECT_EQ(predicted.plain.batch, 64) << "unverified answers are bounded by the data set too";
+  EXPECT_EQ(predicted.techniques.batch, 64);
+  EXPECT_FALSE(predicted.plain.verified);
   auto tiny = Points(3).map(torch::data::transforms::Stack<>());
   expect_error([&] { memfit::find_batch(net.ptr(), chain_loss, tiny, 1 << 30); },
                "find_batch reads a map-style data set of at least 4 examples");

@@ -362,6 +362,7 @@ ModuleBatchSearch find_batch(std::shared_ptr<M> module, Loss loss, Dataset& data
               size.has_value() ? std::to_string(*size) + " examples" : std::string("one without a size"));
   TORCH_CHECK(options.max_batch() > 0, "FindBatchOptions::max_batch must be positive, got ", options.max_batch());
   const auto examples = std::min<int64_t>(static_cast<int64_t>(*size), std::max<int64_t>(options.max_batch(), 4));
+  options.max_batch(std::min<int64_t>(options.max_batch(), static_cast<int64_t>(*size)));  // verified or not
   ModuleStepModel model(detail::make_dataset_probe(std::move(module), std::move(loss), dataset, examples),
                         std::move(plan_options), std::move(base));
   return find_batch(model, budget, options);
