@@ -345,6 +345,46 @@ void BM_Own(benchmark::State& state, const std::string& name, int64_t divisor) {
                          next_token_loss, batch, memfit::TrainerOptions(), divisor);
 }
 
+// cost/{mlp,resnet,gpt}: what planning costs, as `memfit plan` plans (the
+// StepModel timed up to the batch planned for, the profile budget the budget
+// planned for, then plan()), at batch 64 and at batch 4096 side by side:
+// batch4096_vs_batch64 is the median ratio of their times (the target is 2 at
+// most); profiling_peak_4096 is the peak the planning at 4096 added, less the
+// parameters' gradients, against budget (the target is within it).
+//
+//   build/bench/memfit_plan_bench --benchmark_filter=cost
+void BM_Cost(benchmark::State& state, const std::string& kind, int64_t budget) {
+  torch::nn::Sequential chain;
+  torch::Tensor example;
+  if (kind == "gpt") {
+    const auto corpus = memfit::load_jargon_file();
+    memfit::UntrackedGuard host;
+    example = memfit::text_windows(corpus, 128, memfit::Split::kTrain).images.narrow(0, 0, 1).clone();
+    torch::manual_seed(0);
+    chain = memfit::make_gpt(memfit::ModelOptions().num_classes(corpus.vocab_size()));
+  } else {
+    chain = make(kind);
+    example = data().images.narrow(0, 0, 1);
+  }
+  auto planning = [&](int64_t batch) {
+    memfit::StepModel model(chain, example,
+                            memfit::PlanOptions().time_batch(batch).profile_budget(budget).batch_statistics(
+                                memfit::BatchStatistics::kPerMicroBatch));
+    return memfit::plan(model, batch, budget);
+  };
+  int64_t peak = 0;
+  {
+    memfit::PeakMeter meter;
+    const auto p = planning(4096);
+    peak = meter.peak_delta() - memfit::storage_bytes(chain->parameters());
+    std::cerr << "cost/" << kind << " at 4096 under " << memfit::format_bytes(budget) << ":\n" << p.explain();
+  }
+  memfit::bench::side_by_side(state, {{"batch64", [&] { planning(64); }},
+                                      {"batch4096", [&] { planning(4096); }}});
+  state.counters["profiling_peak_4096_MiB"] = double(peak) / (1 << 20);
+  state.counters["budget_MiB"] = double(budget) / (1 << 20);
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -355,6 +395,11 @@ int main(int argc, char** argv) {
       ->Unit(benchmark::kSecond)->Iterations(1);
   benchmark::RegisterBenchmark("plan/mlp/batch256", BM_Plan, std::string("mlp"), int64_t(256))
       ->Unit(benchmark::kSecond)->Iterations(1);
+  for (const auto& [kind, budget] : std::vector<std::pair<std::string, int64_t>>{
+           {"mlp", int64_t{1} << 20}, {"resnet", int64_t{8} << 20}, {"gpt", int64_t{40} << 20}}) {
+    benchmark::RegisterBenchmark(("cost/" + kind).c_str(), BM_Cost, kind, budget)
+        ->Unit(benchmark::kSecond)->Iterations(3);
+  }
   for (const std::string kind : {"mlp", "resnet"}) {
     benchmark::RegisterBenchmark(("accuracy/" + kind).c_str(), BM_Accuracy, kind)
         ->Unit(benchmark::kSecond)->Iterations(1);

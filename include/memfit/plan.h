@@ -3,9 +3,8 @@
 /// The planner: a cost model of a training step's peak memory and time, and
 /// the search for the fastest combination of techniques that fits a budget.
 ///
-/// StepModel profiles the model's chain (profile.h) at two batch sizes in each
-/// precision it may use, and fits every layer's bytes and times as linear
-/// functions of the batch. A step's peak is then predicted as the larger of
+/// StepModel profiles the model's chain (profile.h) in each precision it may
+/// use, and fits every layer's bytes and times as functions of the batch. A step's peak is then predicted as the larger of
 /// two phases:
 ///   - forward and backward of one micro-batch: parameters and buffers, the
 ///     optimizer state (unless offloaded), the micro-batch itself, the
@@ -17,10 +16,13 @@
 ///     the state offloaded, parameters and gradients only; with the gradients
 ///     offloaded too, parameters only (and during backward one layer's
 ///     gradients instead of all of them).
-/// Bytes are linear in the batch; times are fitted piecewise through more
-/// measured batches (1, 2, profile_batch / 8 and, up to PlanOptions::time_batch,
-/// 4× steps above profile_batch), so that micro-batches are priced from
-/// measurements rather than extrapolated. Every batch is timed in two passes,
+/// Bytes are linear in the batch, through profile_batch and its half; times
+/// are fitted piecewise through every measured batch (1, 2, 4, … doubling to
+/// profile_batch and, up to PlanOptions::time_batch, 4× steps above it until
+/// one takes PlanOptions::saturation_seconds), so that micro-batches are
+/// priced from measurements and larger ones extrapolated linearly where the
+/// device is busy. Within PlanOptions::profile_budget, profiling runs only
+/// the batches whose bytes the smaller ones say fit. Every batch is timed in two passes,
 /// the second in reverse order, and each layer keeps its faster time. With
 /// streamed parameters (StepSettings::offload_parameters) layers other than
 /// Linear are simulated as checkpoints of their own, each Linear adds one
@@ -41,7 +43,9 @@
 ///
 /// Thread safety: a StepModel is a value after construction. Sync points: the
 /// profiling runs. Extra memory: profiling runs one layer at a time at the
-/// profile batch; the model's buffers and the RNG are restored afterwards.
+/// batches above, and the whole chain's step once at profile_batch; with a
+/// profile budget, within it beyond the parameters' gradients. The model's
+/// buffers and the RNG are restored afterwards.
 
 #include "memfit/memory.h"
 #include "memfit/precision.h"
@@ -137,8 +141,11 @@ struct PlanOptions {
   TORCH_ARG(int64_t, time_batch) = 0;
   /// Bytes profiling may allocate on the device beyond the parameters and
   /// their gradients (0: no limit); set it to the budget planned for. Bytes
-  /// are linear in the batch: measured at 1 and 2 examples, they say which
-  /// batches fit, and larger ones are extrapolated.
+  /// are linear in the batch: profiling starts at 1 and 2 examples and
+  /// doubles while the two largest batches measured say the next fits; larger
+  /// batches are extrapolated. StepModel only, as are time_batch and
+  /// saturation_seconds: the module planner (module_plan.h) profiles its
+  /// sample's first examples.
   TORCH_ARG(int64_t, profile_budget) = 0;
   /// A timed batch whose forward and backward take this long keeps the device
   /// busy: time grows linearly above it, so larger batches are extrapolated
