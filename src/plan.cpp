@@ -694,6 +694,15 @@ std::string schedule_text(const StepSettings& s) {
   return s.schedule().segments.empty() ? "none" : s.schedule().to_string();
 }
 
+// The settings of the most frugal combination, for the message that nothing fits.
+std::string frugal_text(const StepSettings& s, int64_t batch, const PlanOptions& o) {
+  return fmt::format("{}, {}, offload {}, {}", to_string(s.precision()),
+                     s.micro_batch() > 0 && s.micro_batch() < batch
+                         ? fmt::format("micro-batches of {}", s.micro_batch())
+                         : std::string("the whole batch"),
+                     offload_text(s), o.checkpointing() ? "the most frugal checkpoint schedule" : "no checkpointing");
+}
+
 // Predicted times this close are a tie: the time model's run-to-run noise
 // on a shared machine (ResNet plans at 1/4 of the plain peak: micro-batches
 // of 64 with a checkpoint predicted 2% slower than micro-batches of 32 without,
@@ -792,6 +801,7 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
 
   int64_t frugal_need = std::numeric_limits<int64_t>::max();
   StepPrediction frugal;
+  StepSettings frugal_settings;
   for (auto precision : o.precisions()) {
     for (bool selective : model.selective_choices()) {
       for (const auto& offload : offloads) {
@@ -815,6 +825,7 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
           if (need < frugal_need) {
             frugal_need = need;
             frugal = p;
+            frugal_settings = s;
           }
           if (p.peak_bytes > limit && o.checkpointing()) {
             const int64_t room = limit - fixed;
@@ -842,8 +853,8 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
               o.checkpointing() ? ", checkpointing" : "",
               o.offload() ? ", offload (optimizer state, gradients, parameters)" : "",
               " and precision (", o.precisions().size(), " allowed) fits ", format_bytes(budget),
-              " for a batch of ", batch, ": the most frugal needs about ",
-              format_bytes(static_cast<int64_t>(std::ceil(double(frugal_need) / o.margin()))),
+              " for a batch of ", batch, ": the most frugal (", frugal_text(frugal_settings, batch, o),
+              ") needs about ", format_bytes(static_cast<int64_t>(std::ceil(double(frugal_need) / o.margin()))),
               ", of which parameters, gradients and optimizer state take ",
               format_bytes(frugal.memory.parameters + frugal.memory.gradients +
                            frugal.memory.optimizer_state),

@@ -7,6 +7,7 @@
 #include "memfit/plan.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <torch/nn/module.h>
 #include <torch/types.h>
@@ -73,11 +74,20 @@ inline std::string micro_batch_text(const PlanOptions& o, const std::optional<st
 
 // What a plan that found nothing could still be allowed: ", or allow ..." or "".
 inline std::string unlock_text(const PlanOptions& o, const std::optional<std::string>& layer) {
+  std::string text;
   if (layer && o.micro_batching() && !may_micro_batch(o, layer)) {
-    return fmt::format("; micro-batches were not tried because BatchNorm layer '{}' would normalise each with "
-                       "its own statistics: PlanOptions::batch_statistics(kPerMicroBatch) allows them", *layer);
+    text += fmt::format("; micro-batches were not tried because BatchNorm layer '{}' would normalise each with "
+                        "its own statistics: PlanOptions::batch_statistics(kPerMicroBatch) allows them", *layer);
   }
-  return "";
+  const bool lower = std::any_of(o.precisions().begin(), o.precisions().end(),
+                                 [](Precision p) { return p != Precision::kFP32; });
+  std::vector<std::string> more;
+  if (!lower) more.push_back("PlanOptions::precisions({kFP32, kBF16}) (bf16 changes the math)");
+  if (!o.micro_batching()) more.push_back("PlanOptions::micro_batching(true)");
+  if (!o.checkpointing()) more.push_back("PlanOptions::checkpointing(true)");
+  if (!o.offload()) more.push_back("PlanOptions::offload(true)");
+  if (!more.empty()) text += fmt::format("; less may fit with {}", fmt::join(more, ", "));
+  return text;
 }
 
 // A module's parameters, buffers and gradients and the CPU RNG, copied to

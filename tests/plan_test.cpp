@@ -122,8 +122,29 @@ TEST_F(Planner, NothingFitsNamesTheSmallestBudgetAndWhatDominates) {
     FAIL() << "8 KiB cannot hold one example and one tile of the first layer";
   } catch (const c10::Error& e) {
     const std::string msg = e.msg();
-    EXPECT_NE(msg.find("fits 8.00 KiB for a batch of 64: the most frugal needs about"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("fits 8.00 KiB for a batch of 64: the most frugal (fp32, micro-batches of 1, offload "
+                       "optimizer, gradients, parameters, the most frugal checkpoint schedule) needs about"),
+              std::string::npos)
+        << msg;
     EXPECT_NE(msg.find("of which parameters, gradients and optimizer state take"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("; less may fit with PlanOptions::precisions({kFP32, kBF16}) (bf16 changes the math)"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << "one line";
+  }
+  StepModel fixed(chain, small_data().images.narrow(0, 0, 1),
+                  PlanOptions().precisions({Precision::kFP32, Precision::kBF16}).offload(false).micro_batching(false));
+  try {
+    plan(fixed, 64, 8 * 1024);
+    FAIL() << "8 KiB holds no batch of 64";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.msg();
+    EXPECT_NE(msg.find("the most frugal (fp32, the whole batch, offload none, the most frugal checkpoint schedule)"),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("; less may fit with PlanOptions::micro_batching(true), PlanOptions::offload(true)"),
+              std::string::npos)
+        << msg;
   }
 }
 

@@ -75,6 +75,7 @@ std::string with_flag_names(std::string message) {
       {"TrainerOptions::micro_batch_size", "--micro-batch"},
       {"TrainerOptions::offload_parameters", "--offload parameters"},
       {"TrainerOptions::process_group", "memfit launch"},
+      {"PlanOptions::precisions({kFP32, kBF16})", "--precision any"},
       {"PlanOptions::precisions", "--precision"},
       {"PlanOptions::selective_recompute", "--selective-recompute"},
       {"PlanOptions::batch_statistics(kPerMicroBatch)", "--batch-statistics per-micro-batch"},
