@@ -568,8 +568,6 @@ StepPrediction ModuleStepModel::predict(int64_t batch, const StepSettings& setti
 
 namespace {
 
-constexpr double kTimeTie = 0.03;  // as plan.h's: predicted times this close are a tie
-
 struct Candidate {
   StepSettings settings;
   std::vector<Schedule> schedules;
@@ -577,19 +575,6 @@ struct Candidate {
 };
 
 bool any_recompute(const std::vector<Schedule>& s) { return std::any_of(s.begin(), s.end(), recomputes); }
-
-bool better(const Candidate& a, const Candidate& b) {
-  const double ta = a.predicted.seconds, tb = b.predicted.seconds;
-  if (std::abs(ta - tb) > kTimeTie * std::min(ta, tb)) return ta < tb;
-  const std::pair<int, int> ra{any_recompute(a.schedules), offload_rank(a.settings)};
-  const std::pair<int, int> rb{any_recompute(b.schedules), offload_rank(b.settings)};
-  if (ra != rb) return ra < rb;
-  if (a.predicted.accumulation_steps != b.predicted.accumulation_steps) {
-    return a.predicted.accumulation_steps < b.predicted.accumulation_steps;
-  }
-  if (ta != tb) return ta < tb;
-  return a.predicted.peak_bytes < b.predicted.peak_bytes;
-}
 
 // The optimal schedule within `bound` bytes, at the solver's default
 // resolution or, where its units are too coarse to find one, a finer one.
@@ -723,16 +708,24 @@ Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int
   return out;
 }
 
-// The best of `fitting` whose prediction, scaled by `correction`, fits
-// `limit`: a scan, not a sort (the 3% tie band makes `better` intransitive,
-// which sorting forbids); end() when none.
+// The one of `fitting` to choose (detail::choose) among those whose
+// prediction, scaled by `correction`, fits `limit`; end() when none.
 std::vector<Candidate>::iterator best_fitting(std::vector<Candidate>& fitting, double correction, int64_t limit) {
-  auto it = fitting.end();
+  std::vector<detail::Ranked> ranked;
+  std::vector<std::vector<Candidate>::iterator> at;
   for (auto c = fitting.begin(); c != fitting.end(); ++c) {
     if (double(c->predicted.peak_bytes) * correction > double(limit)) continue;
-    if (it == fitting.end() || better(*c, *it)) it = c;
+    detail::Ranked r;
+    r.seconds = c->predicted.seconds;
+    r.recomputes = any_recompute(c->schedules) ? 1 : 0;
+    r.offload = offload_rank(c->settings);
+    r.micro_batches = c->predicted.accumulation_steps;
+    r.peak_bytes = c->predicted.peak_bytes;
+    ranked.push_back(r);
+    at.push_back(c);
   }
-  return it;
+  const int64_t chosen = detail::choose(ranked);
+  return chosen < 0 ? fitting.end() : at[static_cast<size_t>(chosen)];
 }
 
 // The peak of real steps of `batch` examples with `settings` and `schedules`

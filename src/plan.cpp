@@ -703,30 +703,18 @@ std::string frugal_text(const StepSettings& s, int64_t batch, const PlanOptions&
                      offload_text(s), o.checkpointing() ? "the most frugal checkpoint schedule" : "no checkpointing");
 }
 
-// Predicted times this close are a tie: the time model's run-to-run noise
-// on a shared machine (ResNet plans at 1/4 of the plain peak: micro-batches
-// of 64 with a checkpoint predicted 2% slower than micro-batches of 32 without,
-// measured 7.6% slower side by side).
-constexpr double kTimeTie = 0.03;
-
-// How much a plan leans on techniques that cost time beyond the model's
-// sight (recomputation, then host copies): fewer wins a tie.
-std::pair<int, int> technique_rank(const StepSettings& s) {
-  bool recomputes = false;
-  for (const auto& segment : s.schedule().segments) recomputes = recomputes || segment.checkpointed;
-  const int offload = s.offload_parameters() == Offload::kHost   ? 3
-                      : s.offload_gradients() == Offload::kHost  ? 2
-                      : s.offload_optimizer() == Offload::kHost  ? 1
-                                                                 : 0;
-  return {recomputes ? 1 : 0, offload};
-}
-
-bool better(const StepPrediction& a, const StepSettings& sa, const StepPrediction& b, const StepSettings& sb) {
-  if (std::abs(a.seconds - b.seconds) > kTimeTie * std::min(a.seconds, b.seconds)) return a.seconds < b.seconds;
-  const auto ra = technique_rank(sa), rb = technique_rank(sb);
-  if (ra != rb) return ra < rb;
-  if (a.seconds != b.seconds) return a.seconds < b.seconds;
-  return a.peak_bytes < b.peak_bytes;
+// How the choice sees a plan (detail::choose).
+detail::Ranked ranked(const StepSettings& s, const StepPrediction& p) {
+  detail::Ranked r;
+  r.seconds = p.seconds;
+  for (const auto& segment : s.schedule().segments) r.recomputes = r.recomputes || segment.checkpointed;
+  r.offload = s.offload_parameters() == Offload::kHost   ? 3
+              : s.offload_gradients() == Offload::kHost  ? 2
+              : s.offload_optimizer() == Offload::kHost  ? 1
+                                                         : 0;
+  r.micro_batches = p.accumulation_steps;
+  r.peak_bytes = p.peak_bytes;
+  return r;
 }
 
 } // namespace
@@ -802,6 +790,7 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
   int64_t frugal_need = std::numeric_limits<int64_t>::max();
   StepPrediction frugal;
   StepSettings frugal_settings;
+  std::vector<std::pair<StepSettings, StepPrediction>> fitting;
   for (auto precision : o.precisions()) {
     for (bool selective : model.selective_choices()) {
       for (const auto& offload : offloads) {
@@ -840,14 +829,17 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
           }
           if (p.peak_bytes > limit) continue;
           if (streamed) streamed_fits.insert({precision, selective, m});
-          if (!best.fits || better(p, s, best.predicted, best.settings)) {
-            best.fits = true;
-            best.settings = s;
-            best.predicted = p;
-          }
+          fitting.emplace_back(s, p);
         }
       }
     }
+  }
+  std::vector<detail::Ranked> candidates;
+  for (const auto& [settings, prediction] : fitting) candidates.push_back(ranked(settings, prediction));
+  if (const int64_t chosen = detail::choose(candidates); chosen >= 0) {
+    best.fits = true;
+    best.settings = fitting[static_cast<size_t>(chosen)].first;
+    best.predicted = fitting[static_cast<size_t>(chosen)].second;
   }
   TORCH_CHECK(best.fits, "no combination of micro-batching",
               o.checkpointing() ? ", checkpointing" : "",

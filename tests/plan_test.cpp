@@ -1,12 +1,16 @@
 #include "memfit/plan.h"
+#include "plan_internal.h"
 
 #include "memfit/models.h"
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
+#include <random>
+#include <set>
 
 namespace memfit {
 namespace {
@@ -440,6 +444,53 @@ TEST_F(Planner, TimesLargerBatchesOnlyUntilTheDeviceIsBusyAndExtrapolatesAboveTh
   EXPECT_NE(p.explain().find("times at batches 1, 2, 4, 8, 16, 32, larger micro-batches extrapolated linearly"),
             std::string::npos)
       << p.explain();
+}
+
+// A deterministic timing source: each run's predictions are the true times
+// with seeded noise of ±1%, in a shuffled order, as five runs of `memfit plan`
+// on a shared machine would see them.
+TEST(PlanChoice, PlansTheTimeModelCannotTellApartAreChosenByWhatTheyDoNotByNoise) {
+  struct Truth {
+    const char* name;
+    detail::Ranked r;
+  };
+  auto make = [](double seconds, int recomputes, int offload, int64_t micro_batches) {
+    detail::Ranked r;
+    r.seconds = seconds;
+    r.recomputes = recomputes;
+    r.offload = offload;
+    r.micro_batches = micro_batches;
+    r.peak_bytes = 1000 / micro_batches;
+    return r;
+  };
+  // The plain step, micro-batches of 32 and 16, optimizer offload and a
+  // checkpoint, all within 0.3% of one another, and a slower plan.
+  const std::vector<Truth> truth = {{"plain", make(1.000, 0, 0, 1)},       {"micro32", make(0.999, 0, 0, 4)},
+                                    {"micro16", make(0.998, 0, 0, 8)},     {"offload", make(0.997, 0, 1, 1)},
+                                    {"checkpoint", make(0.998, 1, 0, 1)}, {"slow", make(1.200, 0, 0, 2)}};
+  std::set<std::string> chosen, fastest;
+  for (unsigned seed = 1; seed <= 5; ++seed) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<double> noise(-0.01, 0.01);
+    std::vector<Truth> run = truth;
+    std::shuffle(run.begin(), run.end(), rng);
+    std::vector<detail::Ranked> candidates;
+    for (auto& c : run) {
+      c.r.seconds *= 1 + noise(rng);
+      candidates.push_back(c.r);
+    }
+    const auto pick = detail::choose(candidates);
+    ASSERT_GE(pick, 0);
+    chosen.insert(run[static_cast<size_t>(pick)].name);
+    fastest.insert(std::min_element(run.begin(), run.end(), [](const Truth& a, const Truth& b) {
+                     return a.r.seconds < b.r.seconds;
+                   })->name);
+  }
+  EXPECT_GT(fastest.size(), 1u) << "the noise decides which plan times fastest";
+  EXPECT_EQ(chosen, std::set<std::string>{"plain"}) << "5 of 5 runs choose the same plan";
+  // A plan faster beyond the tie band wins whatever it does.
+  EXPECT_EQ(detail::choose({make(1.0, 0, 0, 1), make(0.9, 1, 2, 8)}), 1);
+  EXPECT_EQ(detail::choose({}), -1);
 }
 
 TEST_F(Planner, BadArgumentsAreRefused) {

@@ -28,9 +28,9 @@
 /// plan() searches precision × offload (none; the optimizer state; the state
 /// and the gradients) × micro-batch (the batch, halved down to 1), and for
 /// each solves every chain's optimal schedule for the memory its windows
-/// leave; it keeps the fastest plan whose predicted peak fits (times within
-/// 3% are a tie, won by the plan without recomputation, then with less
-/// offload, then with fewer micro-batches), after running the best
+/// leave; it keeps the fastest plan whose predicted peak fits (plans within
+/// 3% of the fastest are a tie, won by the plan without recomputation, then
+/// with less offload, then with fewer micro-batches), after running the best
 /// candidates under the budget (PlanOptions::verify). find_batch() bisects
 /// the same predictions for the largest batch one pass fits, and profile()
 /// reports the plain step, predicted and measured. Parameter streaming is

@@ -37,9 +37,11 @@
 /// micro-batch size (the batch, halved down to 1), and for each the
 /// schedule: none when it fits, else the optimal checkpoint schedule for the
 /// memory left; it keeps the fitting plan with the least predicted time.
-/// Predicted times within 3% of each other are a tie (the time model's noise
+/// Plans predicted within 3% of the fastest are a tie (the time model's noise
 /// on a shared machine), which the plan without recomputation, then with
-/// less offload, wins.
+/// less offload, then with fewer micro-batches wins: what a plan does settles
+/// it, not which of them timing noise put ahead, so the same model, batch
+/// and budget give the same plan from run to run.
 ///
 /// Thread safety: a StepModel is a value after construction. Sync points: the
 /// profiling runs. Extra memory: profiling runs one layer at a time at the
@@ -366,8 +368,9 @@ struct Plan {
 std::vector<StepSettings> offload_choices(const StepModel& model, const PlanOptions& options);
 
 /// The plan with the least predicted time per logical batch of `batch` whose
-/// predicted peak fits options.margin() × `budget` (times within 3% are a
-/// tie, won by the plan without recomputation, then with less offload).
+/// predicted peak fits options.margin() × `budget` (plans within 3% of the
+/// fastest are a tie, won by the plan without recomputation, then with less
+/// offload, then with fewer micro-batches).
 ///
 /// Throws c10::Error when nothing fits, giving the smallest budget that the
 /// most frugal combination needs and the part that dominates it.
