@@ -649,11 +649,6 @@ std::optional<std::vector<Schedule>> solve_chains(const ModuleStepModel& model, 
   return std::nullopt;
 }
 
-std::string settings_text(const StepSettings& s, int64_t batch) {
-  const int64_t m = s.micro_batch() > 0 ? s.micro_batch() : batch;
-  return fmt::format("micro-batch {}, {}, offload {}", m, to_string(s.precision()), offload_text(s));
-}
-
 // Each chain's name and schedule.
 std::string schedules_text(const std::vector<std::string>& chains, const std::vector<Schedule>& s) {
   if (chains.empty()) return "none (no chain)";
@@ -798,7 +793,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
       correction = std::max(correction * 1.01, double(measured >= 0 ? measured : budget) /
                                                    double(c.predicted.peak_bytes) * (measured >= 0 ? 1.0 : 1.02));
       out.why.push_back(fmt::format("{} with checkpoint {}: predicted {}, but its steps {}",
-                                    settings_text(c.settings, batch), schedules_text(out.chains, c.schedules),
+                                    detail::settings_text(c.settings, batch), schedules_text(out.chains, c.schedules),
                                     format_bytes(c.predicted.peak_bytes),
                                     measured >= 0 ? "peaked at " + format_bytes(measured)
                                                   : std::string("ran out of memory under the budget")));
@@ -809,7 +804,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
               micro_batching ? (model.impl_->batch_statistics ? 2 : 1) : batch, ", precision ", precisions, ", offload ", offloads,
               o.checkpointing() && !chains.empty() ? ", checkpoint schedules for every chain" : "",
               "; the closest predicted peak is ", format_bytes(found.closest->predicted.peak_bytes), " (",
-              settings_text(found.closest->settings, batch), ")",
+              detail::settings_text(found.closest->settings, batch), ")",
               detail::unlock_text(o, model.impl_->batch_statistics),
               chains.empty() ? ". The module has no chain: hold its repeated blocks in a "
                                "memfit::CheckpointedSequential and the plan can checkpoint them"
@@ -818,7 +813,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   out.settings = best->settings;
   out.schedules = best->schedules;
   out.predicted = best->predicted;
-  out.why.push_back(fmt::format("chosen: {} ({} step(s)); checkpoint {}", settings_text(best->settings, batch),
+  out.why.push_back(fmt::format("chosen: {} ({} step(s)); checkpoint {}", detail::settings_text(best->settings, batch),
                                 best->predicted.accumulation_steps, schedules_text(out.chains, best->schedules)));
   out.why.push_back(fmt::format("predicted peak {} of {} ({} phase), {:.4f} s per batch ({:.2f}x plain){}",
                                 format_bytes(best->predicted.peak_bytes), format_bytes(budget),

@@ -45,9 +45,9 @@ double median_round_seconds(const std::function<void()>& timed, const std::funct
   return median(times);
 }
 
-// The first of `params` whose bytes times `factor` fit `budget` (all of
-// them for budget 0; the smallest alone where none fits), and the factor
-// that scales a time over them to all of `params`.
+// Those of `params`, taken in order while their bytes together times
+// `factor` fit `budget` (all of them for budget 0; the smallest alone where
+// none fits), and the factor that scales a time over them to all of `params`.
 std::pair<std::vector<torch::Tensor>, double> within_budget(const std::vector<torch::Tensor>& params,
                                                             int64_t budget, int64_t factor) {
   if (budget <= 0 || params.empty()) return {params, 1.0};
@@ -694,15 +694,6 @@ std::string schedule_text(const StepSettings& s) {
   return s.schedule().segments.empty() ? "none" : s.schedule().to_string();
 }
 
-// The settings of the most frugal combination, for the message that nothing fits.
-std::string frugal_text(const StepSettings& s, int64_t batch, const PlanOptions& o) {
-  return fmt::format("{}, {}, offload {}, {}", to_string(s.precision()),
-                     s.micro_batch() > 0 && s.micro_batch() < batch
-                         ? fmt::format("micro-batches of {}", s.micro_batch())
-                         : std::string("the whole batch"),
-                     offload_text(s), o.checkpointing() ? "the most frugal checkpoint schedule" : "no checkpointing");
-}
-
 // How the choice sees a plan (detail::choose).
 detail::Ranked ranked(const StepSettings& s, const StepPrediction& p) {
   detail::Ranked r;
@@ -845,8 +836,8 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
               o.checkpointing() ? ", checkpointing" : "",
               o.offload() ? ", offload (optimizer state, gradients, parameters)" : "",
               " and precision (", o.precisions().size(), " allowed) fits ", format_bytes(budget),
-              " for a batch of ", batch, ": the most frugal (", frugal_text(frugal_settings, batch, o),
-              ") needs about ", format_bytes(static_cast<int64_t>(std::ceil(double(frugal_need) / o.margin()))),
+              " for a batch of ", batch, ": the most frugal (", detail::settings_text(frugal_settings, batch),
+              o.checkpointing() ? ", the most frugal checkpoint schedule" : ", no checkpointing", ") needs about ", format_bytes(static_cast<int64_t>(std::ceil(double(frugal_need) / o.margin()))),
               ", of which parameters, gradients and optimizer state take ",
               format_bytes(frugal.memory.parameters + frugal.memory.gradients +
                            frugal.memory.optimizer_state),

@@ -91,6 +91,12 @@ inline std::string unlock_text(const PlanOptions& o, const std::optional<std::st
   return text;
 }
 
+// A plan's micro-batch, precision and offload, in a line of text.
+inline std::string settings_text(const StepSettings& s, int64_t batch) {
+  const int64_t m = s.micro_batch() > 0 ? s.micro_batch() : batch;
+  return fmt::format("micro-batch {}, {}, offload {}", m, to_string(s.precision()), offload_text(s));
+}
+
 // Predicted times this close to the fastest are a tie: the time model's
 // run-to-run noise on a shared machine (ResNet plans at 1/4 of the plain
 // peak: micro-batches of 64 with a checkpoint predicted 2% slower than

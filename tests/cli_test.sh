@@ -159,7 +159,7 @@ expect good-data-after-bad 0 'final loss' out -- train --model mlp --width 8 --d
 unset MEMFIT_CACHE_DIR
 expect over-budget 1 'out of memory.*tried to allocate' err -- \
   train --model mlp --budget 1MiB --steps 2 --no-eval -q --plan none
-expect over-budget-plan 1 'no combination of micro-batching.*parameters.*fits 16.00 KiB.*most frugal \(fp32, micro-batches of 1, .*\) needs about.*less may fit with --precision any' err -- \
+expect over-budget-plan 1 'no combination of micro-batching.*parameters.*fits 16.00 KiB.*most frugal \(micro-batch 1, fp32, .*\) needs about.*less may fit with --precision any' err -- \
   train --model mlp --budget 16KiB --steps 2 --no-eval -q
 # The default MLP's 2.55 MiB of parameters train in 1 MiB: streamed from the host in tiles.
 expect streamed-plan 0 'peak memory .* of budget 1.00 MiB' out -- train --model mlp --budget 1MiB --steps 2 --no-eval

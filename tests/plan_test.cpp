@@ -126,7 +126,7 @@ TEST_F(Planner, NothingFitsNamesTheSmallestBudgetAndWhatDominates) {
     FAIL() << "8 KiB cannot hold one example and one tile of the first layer";
   } catch (const c10::Error& e) {
     const std::string msg = e.msg();
-    EXPECT_NE(msg.find("fits 8.00 KiB for a batch of 64: the most frugal (fp32, micro-batches of 1, offload "
+    EXPECT_NE(msg.find("fits 8.00 KiB for a batch of 64: the most frugal (micro-batch 1, fp32, offload "
                        "optimizer, gradients, parameters, the most frugal checkpoint schedule) needs about"),
               std::string::npos)
         << msg;
@@ -143,7 +143,7 @@ TEST_F(Planner, NothingFitsNamesTheSmallestBudgetAndWhatDominates) {
     FAIL() << "8 KiB holds no batch of 64";
   } catch (const c10::Error& e) {
     const std::string msg = e.msg();
-    EXPECT_NE(msg.find("the most frugal (fp32, the whole batch, offload none, the most frugal checkpoint schedule)"),
+    EXPECT_NE(msg.find("the most frugal (micro-batch 64, fp32, offload none, the most frugal checkpoint schedule)"),
               std::string::npos)
         << msg;
     EXPECT_NE(msg.find("; less may fit with PlanOptions::micro_batching(true), PlanOptions::offload(true)"),
