@@ -583,10 +583,11 @@ enum class ModelCommand { kPlan, kProfile, kFindBatch };
 int run_model_command(const PlanArgs& a, ModelCommand command) {
   const torch::Device device = parse_device(a.device);
   memfit::memory_allocated(device);
-  print_warning(set_threads(a.threads));
+  const std::string blas_warning = set_threads(a.threads);  // printed once the usage checks pass
   torch::manual_seed(0);
   auto workload = load_workload(a, /*with_test=*/false);
   if (command != ModelCommand::kProfile) check_batch_within_data(a.batch, workload);
+  print_warning(blas_warning);
   auto chain = workload.make();
   chain->to(device);
   const auto example = workload.train.images.narrow(0, 0, 1).to(device);  // one example, for profiling
