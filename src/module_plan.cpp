@@ -245,14 +245,6 @@ ChainProfile scale_profile(const ChainProfile& a, const ChainProfile& b, int64_t
   return out;
 }
 
-bool recomputes(const Schedule& s) {
-  return std::any_of(s.segments.begin(), s.segments.end(), [](const Segment& g) { return g.checkpointed; });
-}
-
-int offload_rank(const StepSettings& s) {
-  return s.offload_gradients() == Offload::kHost ? 2 : s.offload_optimizer() == Offload::kHost ? 1 : 0;
-}
-
 } // namespace
 
 // What a warm-up and a measured step saw of the chains: each one's input,
@@ -574,7 +566,7 @@ struct Candidate {
   StepPrediction predicted;
 };
 
-bool any_recompute(const std::vector<Schedule>& s) { return std::any_of(s.begin(), s.end(), recomputes); }
+bool any_recompute(const std::vector<Schedule>& s) { return std::any_of(s.begin(), s.end(), detail::recomputes); }
 
 // The optimal schedule within `bound` bytes, at the solver's default
 // resolution or, where its units are too coarse to find one, a finer one.
@@ -656,7 +648,7 @@ std::string schedules_text(const std::vector<std::string>& chains, const std::ve
   for (size_t c = 0; c < chains.size(); ++c) {
     if (!out.empty()) out += "; ";
     const auto name = chains[c].empty() ? std::string("(the module)") : chains[c];
-    out += name + ": " + (c < s.size() && recomputes(s[c]) ? s[c].to_string() : std::string("none"));
+    out += name + ": " + (c < s.size() && detail::recomputes(s[c]) ? s[c].to_string() : std::string("none"));
   }
   return out;
 }
@@ -710,13 +702,7 @@ std::vector<Candidate>::iterator best_fitting(std::vector<Candidate>& fitting, d
   std::vector<std::vector<Candidate>::iterator> at;
   for (auto c = fitting.begin(); c != fitting.end(); ++c) {
     if (double(c->predicted.peak_bytes) * correction > double(limit)) continue;
-    detail::Ranked r;
-    r.seconds = c->predicted.seconds;
-    r.recomputes = any_recompute(c->schedules) ? 1 : 0;
-    r.offload = offload_rank(c->settings);
-    r.micro_batches = c->predicted.accumulation_steps;
-    r.peak_bytes = c->predicted.peak_bytes;
-    ranked.push_back(r);
+    ranked.push_back(detail::ranked(c->settings, c->predicted, any_recompute(c->schedules)));
     at.push_back(c);
   }
   const int64_t chosen = detail::choose(ranked);
@@ -847,7 +833,7 @@ std::string checkpoint_json(const std::vector<std::string>& chains, const std::v
   auto out = nlohmann::json::array();
   for (size_t c = 0; c < chains.size(); ++c) {
     out.push_back({{"name", chains[c]},
-                   {"checkpoint", c < schedules.size() && recomputes(schedules[c]) ? schedules[c].to_string()
+                   {"checkpoint", c < schedules.size() && detail::recomputes(schedules[c]) ? schedules[c].to_string()
                                                                                   : std::string("none")}});
   }
   return out.dump();

@@ -694,20 +694,6 @@ std::string schedule_text(const StepSettings& s) {
   return s.schedule().segments.empty() ? "none" : s.schedule().to_string();
 }
 
-// How the choice sees a plan (detail::choose).
-detail::Ranked ranked(const StepSettings& s, const StepPrediction& p) {
-  detail::Ranked r;
-  r.seconds = p.seconds;
-  for (const auto& segment : s.schedule().segments) r.recomputes = r.recomputes || segment.checkpointed;
-  r.offload = s.offload_parameters() == Offload::kHost   ? 3
-              : s.offload_gradients() == Offload::kHost  ? 2
-              : s.offload_optimizer() == Offload::kHost  ? 1
-                                                         : 0;
-  r.micro_batches = p.accumulation_steps;
-  r.peak_bytes = p.peak_bytes;
-  return r;
-}
-
 } // namespace
 
 std::optional<std::string> batch_statistics_layer(const torch::nn::Module& module) {
@@ -826,7 +812,9 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
     }
   }
   std::vector<detail::Ranked> candidates;
-  for (const auto& [settings, prediction] : fitting) candidates.push_back(ranked(settings, prediction));
+  for (const auto& [settings, prediction] : fitting) {
+    candidates.push_back(detail::ranked(settings, prediction, detail::recomputes(settings.schedule())));
+  }
   if (const int64_t chosen = detail::choose(candidates); chosen >= 0) {
     best.fits = true;
     best.settings = fitting[static_cast<size_t>(chosen)].first;

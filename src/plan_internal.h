@@ -73,7 +73,8 @@ inline std::string micro_batch_text(const PlanOptions& o, const std::optional<st
   return "no micro-batching: the whole batch at once";
 }
 
-// What a plan that found nothing could still be allowed: ", or allow ..." or "".
+// What a plan that found nothing could still be allowed: "; ..." clauses naming the
+// options, or "".
 inline std::string unlock_text(const PlanOptions& o, const std::optional<std::string>& layer) {
   std::string text;
   if (layer && o.micro_batching() && !may_micro_batch(o, layer)) {
@@ -111,6 +112,32 @@ struct Ranked {
   int64_t micro_batches = 1;
   int64_t peak_bytes = 0;
 };
+
+// Whether `s` recomputes some segment.
+inline bool recomputes(const Schedule& s) {
+  return std::any_of(s.segments.begin(), s.segments.end(), [](const Segment& g) { return g.checkpointed; });
+}
+
+// How much a plan keeps on the host: 0 nothing, 1 the optimizer state, 2 and
+// the gradients, 3 and the parameters.
+inline int offload_rank(const StepSettings& s) {
+  return s.offload_parameters() == Offload::kHost   ? 3
+         : s.offload_gradients() == Offload::kHost  ? 2
+         : s.offload_optimizer() == Offload::kHost  ? 1
+                                                    : 0;
+}
+
+// How the choice sees a plan with `settings` (which recomputes, or not) and
+// its prediction.
+inline Ranked ranked(const StepSettings& settings, const StepPrediction& predicted, bool recomputes) {
+  Ranked r;
+  r.seconds = predicted.seconds;
+  r.recomputes = recomputes ? 1 : 0;
+  r.offload = offload_rank(settings);
+  r.micro_batches = predicted.accumulation_steps;
+  r.peak_bytes = predicted.peak_bytes;
+  return r;
+}
 
 // The index of the plan to choose among `candidates` (-1: none): of those
 // predicted within kTimeTie of the fastest, the one without recomputation,
