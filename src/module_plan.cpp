@@ -297,6 +297,7 @@ std::vector<Event> ModuleStepModel::Impl::measure_at(const StepSettings& s, int6
   detail::ModuleStateGuard restore(*probe.module);
   auto rec = std::make_shared<Recorder>(base.device(), chains.size());
   ChainTaps taps(chains, rec);
+  compat::WarningCapture quiet;  // micro-batches of a model with batch statistics: the plan says so
   auto trainer = probe.make_trainer(
       trainer_options(StepSettings(s).micro_batch(m), base).batch_size(2 * m).save_dir(""));
   trainer.add_component(std::make_shared<RecordStep>(rec));
@@ -390,6 +391,7 @@ ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, T
   TORCH_CHECK(!options.precisions().empty(), "PlanOptions::precisions must name at least one precision");
   TORCH_CHECK(options.margin() > 0 && options.margin() <= 1, "PlanOptions::margin must be in (0, 1], got ",
               options.margin());
+  detail::check_measure_options(options);
   TORCH_CHECK(base.process_group() == nullptr, "plan measures one process's step; plan without "
               "TrainerOptions::process_group and give each rank the plan");
   TORCH_CHECK(base.offload_parameters() == Offload::kNone, "plan for a module chooses the optimizer and "
@@ -709,25 +711,63 @@ std::vector<Candidate>::iterator best_fitting(std::vector<Candidate>& fitting, d
   return chosen < 0 ? fitting.end() : at[static_cast<size_t>(chosen)];
 }
 
-// The peak of real steps of `batch` examples with `settings` and `schedules`
-// under `budget` (the steady step's), or -1 when one ran out of memory under it.
-int64_t run_plan(const ModuleStepModel::Impl& im, const StepSettings& settings,
-                 const std::vector<Schedule>& schedules, int64_t batch, int64_t budget) {
+// Three real steps of `batch` examples with `settings` and `schedules` under
+// `budget`: the steady steps' peak and the faster one's time (seconds 0 and
+// peak -1 when one ran out of memory under it).
+detail::StepTiming run_plan(const ModuleStepModel::Impl& im, const StepSettings& settings,
+                            const std::vector<Schedule>& schedules, int64_t batch, int64_t budget) {
   detail::ModuleStateGuard restore(*im.probe.module);
+  compat::WarningCapture quiet;  // the Trainer's warnings repeat what the plan says
   ChainSchedules scheduled(im.chains, schedules);
   auto trainer = im.probe.make_trainer(trainer_options(settings, im.base).batch_size(batch).save_dir(""));
   const int64_t outer = memory_budget(im.base.device());  // a caller's lower budget stays
   BudgetGuard scope(im.base.device(), outer > 0 ? std::min(outer, budget) : budget);
-  int64_t peak = 0;
+  detail::StepTiming out;
   try {
     for (int k = 0; k < 3; ++k) {  // the first creates the optimizer's state
       const auto rec = im.probe.step(trainer, batch);
-      if (k > 0) peak = std::max(peak, rec.peak_bytes);
+      if (k == 0) continue;
+      out.peak_bytes = std::max(out.peak_bytes, rec.peak_bytes);
+      out.seconds = k == 1 ? rec.seconds : std::min(out.seconds, rec.seconds);
     }
   } catch (const c10::OutOfMemoryError&) {
-    return -1;
+    return {0, -1};
   }
-  return peak;
+  return out;
+}
+
+// The fastest measured of the candidates PlanOptions::measure_candidates
+// names (detail::to_time), recorded in `out`; nullopt when none ran within
+// the budget.
+std::optional<Candidate> measured_choice(const ModuleStepModel::Impl& im, const std::vector<Candidate>& fitting,
+                                         int64_t batch, int64_t budget, ModulePlan& out) {
+  std::vector<detail::Ranked> ranked;
+  std::vector<int64_t> group;
+  for (const auto& c : fitting) {
+    ranked.push_back(detail::ranked(c.settings, c.predicted, any_recompute(c.schedules)));
+    group.push_back(c.settings.micro_batch() * 16 + static_cast<int64_t>(c.settings.precision()));
+  }
+  const auto& o = im.options;
+  const auto order = detail::to_time(ranked, group, o.measure_within(), o.measure_candidates());
+  std::vector<detail::StepTiming> timings;
+  const int64_t chosen = detail::choose_measured(
+      ranked, order, [&](size_t i) { return run_plan(im, fitting[i].settings, fitting[i].schedules, batch, budget); },
+      &timings);
+  std::vector<std::string> names;
+  std::vector<double> predictions;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const auto& c = fitting[order[k]];
+    out.timed.push_back({c.settings, c.schedules, c.predicted.seconds, timings[k].seconds,
+                         std::max<int64_t>(timings[k].peak_bytes, 0)});
+    names.push_back(detail::settings_text(c.settings, batch) + "; checkpoint " + schedules_text(out.chains, c.schedules));
+    predictions.push_back(c.predicted.seconds);
+    if (static_cast<int64_t>(order[k]) != chosen) continue;
+    out.measured_seconds = timings[k].seconds;
+    out.measured_peak_bytes = timings[k].peak_bytes;
+  }
+  out.why.push_back(detail::timed_text(names, predictions, timings, chosen >= 0));
+  if (chosen < 0) return std::nullopt;
+  return fitting[static_cast<size_t>(chosen)];
 }
 
 } // namespace
@@ -761,6 +801,9 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   // scales every later prediction by how far it was off.
   double correction = 1.0;
   std::optional<Candidate> best;
+  if (o.verify() && o.measure_candidates() > 0 && !found.fitting.empty()) {
+    best = measured_choice(*model.impl_, found.fitting, batch, budget, out);
+  }
   for (int attempts = 0; !found.fitting.empty() && !best && attempts < kVerifyAttempts;) {
     const auto it = best_fitting(found.fitting, correction, limit);  // still fits after the correction
     if (it == found.fitting.end()) break;
@@ -771,7 +814,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
       break;
     }
     ++attempts;
-    const int64_t measured = run_plan(*model.impl_, c.settings, c.schedules, batch, budget);
+    const int64_t measured = run_plan(*model.impl_, c.settings, c.schedules, batch, budget).peak_bytes;
     if (measured >= 0 && measured <= budget) {
       best = c;
       out.measured_peak_bytes = measured;
@@ -877,7 +920,7 @@ ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget, const
       found.predicted_peak_bytes = c.predicted.peak_bytes;
       if (!options.verify() || found.attempts >= options.attempts()) return;
       ++found.attempts;
-      const int64_t peak = run_plan(im, c.settings, c.schedules, found.batch, budget);
+      const int64_t peak = run_plan(im, c.settings, c.schedules, found.batch, budget).peak_bytes;
       if (peak >= 0 && peak <= budget) {
         found.verified = true;
         found.measured_peak_bytes = peak;

@@ -215,6 +215,7 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
               options_.profile_budget());
   TORCH_CHECK(options_.saturation_seconds() >= 0, "saturation_seconds must be >= 0, got ",
               options_.saturation_seconds());
+  detail::check_measure_options(options_);
   TORCH_CHECK(options_.margin() > 0 && options_.margin() <= 1,
               "margin must be in (0, 1], got ", options_.margin());
   TORCH_CHECK(!options_.precisions().empty(), "PlanOptions needs at least one precision");
@@ -704,7 +705,14 @@ std::optional<std::string> batch_statistics_layer(const torch::nn::Module& modul
 }
 
 namespace {
-Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int64_t budget);
+// Real steps of a candidate's settings (plan with make_model and data).
+using StepRunner = std::function<detail::StepTiming(const StepSettings&)>;
+Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int64_t budget,
+               const StepRunner* run = nullptr);
+std::optional<std::vector<StepRecord>> run_steps(const std::function<torch::nn::Sequential()>& make_model,
+                                                 const ImageDataset& data, int64_t batch, const StepSettings& s,
+                                                 int64_t budget, const PlanOptions& o, const torch::Device& device,
+                                                 int64_t steps);
 } // namespace
 
 std::vector<StepSettings> offload_choices(const StepModel& model, const PlanOptions& options) {
@@ -728,6 +736,23 @@ Plan plan(const StepModel& model, int64_t batch, int64_t budget) {
   return plan_with(model, model.options(), batch, budget);
 }
 
+Plan plan(const StepModel& model, const std::function<torch::nn::Sequential()>& make_model,
+          const ImageDataset& data, int64_t batch, int64_t budget) {
+  TORCH_CHECK(make_model, "plan: make_model is empty; pass a function that builds the model planned for");
+  TORCH_CHECK(data.size() >= batch, "plan: the data has ", data.size(), " examples, fewer than the batch of ",
+              batch, "; plan a batch of ", data.size(), " or less");
+  detail::RngStateGuard rng;  // the caller's random stream is untouched by the timed steps
+  const StepRunner run = [&](const StepSettings& s) {
+    detail::StepTiming out;
+    const auto steps = run_steps(make_model, data, batch, s, budget, model.options(), model.device(), 3);
+    if (!steps) return out;  // ran out of memory under the budget
+    out.seconds = std::min((*steps)[1].seconds, (*steps)[2].seconds);  // the first warms up
+    for (const auto& r : *steps) out.peak_bytes = std::max(out.peak_bytes, r.peak_bytes);
+    return out;
+  };
+  return plan_with(model, model.options(), batch, budget, &run);
+}
+
 namespace {
 // What profiling measured, and what it extrapolates.
 std::string profiling_text(const StepModel& model) {
@@ -740,7 +765,40 @@ std::string profiling_text(const StepModel& model) {
                          : "");
 }
 
-Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int64_t budget) {
+// A candidate's knobs in a line of text: settings_text, with its tiles and checkpoint.
+std::string candidate_text(const StepSettings& s, int64_t batch) {
+  return detail::settings_text(s, batch) + (s.tile_bytes() > 0 ? ", tiles of " + format_bytes(s.tile_bytes()) : "") +
+         (detail::recomputes(s.schedule()) ? ", checkpoint " + s.schedule().to_string() : "");
+}
+
+// Times the candidates of `fitting` that PlanOptions::measure_candidates
+// names with `run`, records them in `plan` and returns the index chosen
+// (`predicted`, the prediction's choice, when none ran).
+int64_t choose_by_measurement(const std::vector<std::pair<StepSettings, StepPrediction>>& fitting,
+                              const std::vector<detail::Ranked>& candidates, int64_t predicted,
+                              const PlanOptions& o, const StepRunner& run, Plan& plan) {
+  std::vector<int64_t> group;
+  for (const auto& [settings, prediction] : fitting) {
+    group.push_back(settings.micro_batch() * 16 + static_cast<int64_t>(settings.precision()));
+  }
+  const auto order = detail::to_time(candidates, group, o.measure_within(), o.measure_candidates());
+  std::vector<detail::StepTiming> timings;
+  const int64_t chosen =
+      detail::choose_measured(candidates, order, [&](size_t i) { return run(fitting[i].first); }, &timings);
+  std::vector<std::string> names;
+  std::vector<double> predictions;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const auto& [settings, prediction] = fitting[order[k]];
+    plan.timed.push_back({settings, {}, prediction.seconds, timings[k].seconds, timings[k].peak_bytes});
+    if (static_cast<int64_t>(order[k]) == chosen) plan.measured_seconds = timings[k].seconds;
+    names.push_back(candidate_text(settings, plan.batch));
+    predictions.push_back(prediction.seconds);
+  }
+  plan.why.push_back(detail::timed_text(names, predictions, timings, chosen >= 0));
+  return chosen >= 0 ? chosen : predicted;
+}
+
+Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int64_t budget, const StepRunner* run) {
   TORCH_CHECK(batch > 0, "plan: batch must be positive, got ", batch);
   TORCH_CHECK(budget > 0, "plan: budget must be positive, got ", budget);
   const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
@@ -815,7 +873,8 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
   for (const auto& [settings, prediction] : fitting) {
     candidates.push_back(detail::ranked(settings, prediction, detail::recomputes(settings.schedule())));
   }
-  if (const int64_t chosen = detail::choose(candidates); chosen >= 0) {
+  if (int64_t chosen = detail::choose(candidates); chosen >= 0) {
+    if (run && o.measure_candidates() > 0) chosen = choose_by_measurement(fitting, candidates, chosen, o, *run, best);
     best.fits = true;
     best.settings = fitting[static_cast<size_t>(chosen)].first;
     best.predicted = fitting[static_cast<size_t>(chosen)].second;
@@ -885,21 +944,26 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
         1e3 * model.stream_seconds()));
   }
   best.why.push_back(fmt::format("predicted peak {} ({} phase), {:.1f} ms per batch, {:.2f}x the "
-                                 "plain step's time",
+                                 "plain step's time{}",
                                  format_bytes(p.peak_bytes), p.phase, 1e3 * p.seconds,
-                                 best.plain_seconds > 0 ? p.seconds / best.plain_seconds : 0.0));
+                                 best.plain_seconds > 0 ? p.seconds / best.plain_seconds : 0.0,
+                                 best.measured_seconds > 0 ? fmt::format("; measured {:.1f} ms", 1e3 * best.measured_seconds)
+                                                           : std::string()));
   return best;
 }
 } // namespace
 
 namespace {
 
-// Two real steps with `s` under `budget` bytes beyond what is allocated now.
-bool verify_step(const std::function<torch::nn::Sequential()>& make_model, const ImageDataset& data,
-                 int64_t batch, const StepSettings& s, int64_t budget, const PlanOptions& o,
-                 const torch::Device& device, int64_t* peak) {
+// `steps` real steps of a fresh `make_model()` with `s` under `budget` bytes
+// beyond what is allocated now: their records (peaks beyond that), or
+// nullopt when one ran out of memory under it.
+std::optional<std::vector<StepRecord>> run_steps(const std::function<torch::nn::Sequential()>& make_model,
+                                                 const ImageDataset& data, int64_t batch, const StepSettings& s,
+                                                 int64_t budget, const PlanOptions& o, const torch::Device& device,
+                                                 int64_t steps) {
   const int64_t base = memory_allocated(device);
-  bool ok = false;
+  compat::WarningCapture quiet;  // the Trainer's warnings repeat what the plan says
   std::optional<BudgetGuard> budget_scope;  // the caller's budget comes back, also after a throw
   try {
     auto chain = make_model();
@@ -908,20 +972,18 @@ bool verify_step(const std::function<torch::nn::Sequential()>& make_model, const
     if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
     Trainer trainer(torch::nn::Sequential(model), trainer_options(s, TrainerOptions()
                                                                          .batch_size(batch)
-                                                                         .steps(2)
+                                                                         .steps(steps)
                                                                          .optimizer(o.optimizer())
                                                                          .momentum(o.momentum())
                                                                          .weight_decay(o.weight_decay())
                                                                          .device(device)));
     budget_scope.emplace(device, base + budget);
-    const auto report = trainer.fit(data);
-    *peak = 0;
-    for (const auto& r : report.steps) *peak = std::max(*peak, r.peak_bytes - base);
-    ok = true;
+    auto report = trainer.fit(data);
+    for (auto& r : report.steps) r.peak_bytes -= base;
+    return report.steps;
   } catch (const c10::OutOfMemoryError&) {
-    ok = false;
+    return std::nullopt;
   }
-  return ok;
 }
 
 // The plan for one pass of `batch` examples, or nothing when none fits.
@@ -957,11 +1019,9 @@ BatchSearch find_batch(const StepModel& model,
       found.predicted_peak_bytes = model.predict(found.batch, found.settings).peak_bytes;
       if (!options.verify() || found.attempts >= options.attempts()) return;
       ++found.attempts;
-      int64_t peak = 0;
-      if (verify_step(make_model, data, found.batch, found.settings, budget, o,
-                      model.device(), &peak)) {
+      if (const auto steps = run_steps(make_model, data, found.batch, found.settings, budget, o, model.device(), 2)) {
         found.verified = true;
-        found.measured_peak_bytes = peak;
+        for (const auto& r : *steps) found.measured_peak_bytes = std::max(found.measured_peak_bytes, r.peak_bytes);
         return;
       }
       found.batch = std::max<int64_t>(0, static_cast<int64_t>(double(found.batch) * 0.9));
@@ -1012,7 +1072,26 @@ ModelProfile profile(const torch::nn::Sequential& model, const torch::Tensor& sa
   return out;
 }
 
+namespace {
+// Each chain's schedule, "; "-separated ("none" for a plain one).
+std::string chains_text(const std::vector<Schedule>& schedules) {
+  std::vector<std::string> out;
+  for (const auto& s : schedules) out.push_back(detail::recomputes(s) ? s.to_string() : std::string("none"));
+  return fmt::format("{}", fmt::join(out, "; "));
+}
+} // namespace
+
 std::string Plan::to_json() const {
+  nlohmann::json timed_json = nlohmann::json::array();
+  for (const auto& t : timed) {
+    timed_json.push_back({{"micro_batch", t.settings.micro_batch() > 0 ? t.settings.micro_batch() : batch},
+                          {"precision", to_string(t.settings.precision())},
+                          {"offload", offload_text(t.settings)},
+                          {"checkpoint", t.schedules.empty() ? schedule_text(t.settings) : chains_text(t.schedules)},
+                          {"predicted_seconds", t.predicted_seconds},
+                          {"measured_seconds", t.measured_seconds},
+                          {"measured_peak_bytes", t.measured_peak_bytes}});
+  }
   nlohmann::json j = {{"fits", fits},
                       {"budget_bytes", budget},
                       {"batch", batch},
@@ -1029,6 +1108,8 @@ std::string Plan::to_json() const {
                       {"plain_peak_bytes", plain_peak_bytes},
                       {"plain_seconds", plain_seconds},
                       {"candidates", candidates},
+                      {"measured_seconds", measured_seconds},
+                      {"timed", timed_json},
                       {"predicted_memory", nlohmann::json::parse(predicted.memory.to_json())},
                       {"why", why}};
   return j.dump(2);

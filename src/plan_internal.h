@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -157,6 +158,98 @@ inline int64_t choose(const std::vector<Ranked>& candidates) {
     if (best < 0 || key(candidates[i]) < key(candidates[static_cast<size_t>(best)])) best = static_cast<int64_t>(i);
   }
   return best;
+}
+
+// Which of `candidates` to time with real steps (PlanOptions::measure_candidates):
+// choose()'s pick, then the pick of each group (group[i]: candidate i's
+// micro-batch and precision), those predicted within (1 + within) × the
+// fastest prediction, fastest predicted first, at most `count` of them.
+inline std::vector<size_t> to_time(const std::vector<Ranked>& candidates, const std::vector<int64_t>& group,
+                                   double within, int64_t count) {
+  std::vector<size_t> picks;
+  if (candidates.empty() || count <= 0) return picks;
+  std::map<int64_t, std::vector<size_t>> members;
+  for (size_t i = 0; i < candidates.size(); ++i) members[group[i]].push_back(i);
+  for (const auto& [g, at] : members) {
+    std::vector<Ranked> sub;
+    for (size_t i : at) sub.push_back(candidates[i]);
+    picks.push_back(at[static_cast<size_t>(choose(sub))]);
+  }
+  const double fastest = std::min_element(candidates.begin(), candidates.end(), [](const Ranked& a, const Ranked& b) {
+                           return a.seconds < b.seconds;
+                         })->seconds;
+  picks.erase(std::remove_if(picks.begin(), picks.end(),
+                             [&](size_t i) { return candidates[i].seconds > fastest * (1 + within); }),
+              picks.end());
+  std::sort(picks.begin(), picks.end(), [&](size_t a, size_t b) {
+    return std::make_pair(candidates[a].seconds, a) < std::make_pair(candidates[b].seconds, b);
+  });
+  const auto predicted = static_cast<size_t>(choose(candidates));
+  picks.erase(std::remove(picks.begin(), picks.end(), predicted), picks.end());
+  picks.insert(picks.begin(), predicted);
+  if (static_cast<int64_t>(picks.size()) > count) picks.resize(static_cast<size_t>(count));
+  return picks;
+}
+
+// Checks PlanOptions::measure_candidates and measure_within (both planners).
+inline void check_measure_options(const PlanOptions& o) {
+  TORCH_CHECK(o.measure_candidates() >= 0, "PlanOptions::measure_candidates must be >= 0 (0: choose by prediction "
+              "alone), got ", o.measure_candidates());
+  TORCH_CHECK(o.measure_within() >= 0, "PlanOptions::measure_within must be >= 0, got ", o.measure_within());
+}
+
+// What real steps of a candidate measured: seconds per logical batch (0: a
+// step ran out of memory under the budget) and their peak.
+struct StepTiming {
+  double seconds = 0;
+  int64_t peak_bytes = 0;
+};
+
+// Times candidates `order` with `run` and returns choose()'s pick among those
+// that ran, with measured times in place of predicted ones (-1: none ran);
+// `timed` gets each one's timing, in `order`.
+inline int64_t choose_measured(const std::vector<Ranked>& candidates, const std::vector<size_t>& order,
+                               const std::function<StepTiming(size_t)>& run, std::vector<StepTiming>* timed) {
+  std::vector<Ranked> ran;
+  std::vector<size_t> at;
+  for (size_t i : order) {
+    timed->push_back(run(i));
+    if (timed->back().seconds <= 0) continue;
+    ran.push_back(candidates[i]);
+    ran.back().seconds = timed->back().seconds;
+    at.push_back(i);
+  }
+  const int64_t chosen = choose(ran);
+  return chosen < 0 ? -1 : static_cast<int64_t>(at[static_cast<size_t>(chosen)]);
+}
+
+// The CPU random generator's state, put back on destruction: planning's
+// real steps draw from it (initialisation, dropout, shuffling).
+class RngStateGuard {
+ public:
+  RngStateGuard() : rng_(compat::get_rng_state({})) {}
+  ~RngStateGuard() { compat::set_rng_state(rng_); }
+  RngStateGuard(const RngStateGuard&) = delete;
+  RngStateGuard& operator=(const RngStateGuard&) = delete;
+
+ private:
+  compat::RngState rng_;
+};
+
+// The plan's line on the candidates timed: each one's `names` entry with its
+// predicted and measured time, in the order timed, and what was chosen.
+inline std::string timed_text(const std::vector<std::string>& names, const std::vector<double>& predicted,
+                              const std::vector<StepTiming>& timings, bool chosen) {
+  std::vector<std::string> lines;
+  for (size_t k = 0; k < names.size(); ++k) {
+    lines.push_back(fmt::format("{}: predicted {:.1f} ms, {}", names[k], 1e3 * predicted[k],
+                                timings[k].seconds > 0 ? fmt::format("measured {:.1f} ms", 1e3 * timings[k].seconds)
+                                                       : std::string("ran out of memory under the budget")));
+  }
+  return fmt::format("timed the {} closest candidate(s) with three real steps each under the budget (the faster "
+                     "of the last two counts; times within {:.0f}% are a tie): {}; {}",
+                     names.size(), 100 * kTimeTie, fmt::join(lines, "; "),
+                     chosen ? "chose the fastest measured" : "none ran, so the prediction chooses");
 }
 
 // A module's parameters, buffers and gradients and the CPU RNG, copied to

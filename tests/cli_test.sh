@@ -129,6 +129,7 @@ mkfifo "$tmp/fifo"
 usage report-to-fifo 'it is a FIFO' report /etc/hostname -o "$tmp/fifo"
 check fifo-is-still-a-fifo test -p "$tmp/fifo"
 usage plan-device 'invalid device' plan --model mlp --budget 1GiB --device tpu
+usage plan-measure-candidates '--measure-candidates must be an integer from 0 to 64, got -1' plan --model mlp --budget 1GiB --measure-candidates -1
 # A report written through a symbolic link replaces the link's target and keeps the link.
 echo old >"$tmp/target.json"
 ln -s target.json "$tmp/link.json"
@@ -291,6 +292,11 @@ expect train-batch-beyond-data 2 'batch 70000 is larger than the training set \(
   train --model mlp --batch 70000 --steps 1 --budget 64MiB
 expect plan-says-what-it-timed 0 'profiled one layer at a time: bytes at batches 16 and 32 \(linear in the batch\), times at batches 1, 2, 4, 8, 16, 32' out -- \
   plan --model mlp --width 32 --depth 1 --batch 4096 --budget 1MiB
+expect plan-times-close-candidates 0 'timed the [0-9] closest candidate\(s\) with three real steps each under the budget.*: predicted [0-9.]+ ms, measured [0-9.]+ ms.*chose the fastest measured' out -- \
+  plan --model mlp --width 32 --depth 1 --batch 256 --budget 1MiB
+expect plan-by-prediction 0 'predicted peak' out -- \
+  plan --model mlp --width 32 --depth 1 --batch 256 --budget 1MiB --measure-candidates 0
+check plan-by-prediction-times-nothing lacks 'timed the' "$tmp/out"
 expect plan-nothing-fits 1 'most frugal \(.*\) needs about .* of which parameters, gradients and optimizer state take' err -- \
   plan --model mlp --batch 64 --budget 16KiB
 expect profile-table 0 'measured plain training step: peak' out -- profile --model mlp --width 32 --depth 1 --batch 16

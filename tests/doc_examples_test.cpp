@@ -450,6 +450,8 @@ TEST_F(DocExamples, PlanHeader) {
   memfit::StepModel model(make(), data.images.narrow(0, 0, 1));
   auto found = memfit::find_batch(model, make, data, 4 << 20);
   EXPECT_TRUE(found.plain.verified && found.plain.measured_peak_bytes <= 4 << 20);
+  auto p = memfit::plan(model, make, data, 256, 4 << 20);
+  EXPECT_TRUE(p.fits && !p.timed.empty() && p.measured_seconds > 0);
 }
 
 TEST_F(DocExamples, DataAndTrainerHeaders) {

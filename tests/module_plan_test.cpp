@@ -165,6 +165,32 @@ TEST_F(ModulePlanTest, TheChosenPlanRanUnderTheBudgetBeforeItWasReturnedUnlessVe
   EXPECT_TRUE(unverified.fits);
   EXPECT_EQ(unverified.measured_peak_bytes, 0);
   EXPECT_LE(unverified.predicted.peak_bytes, static_cast<int64_t>(0.97 * (1 << 20)));
+  EXPECT_TRUE(unverified.timed.empty()) << "nothing is timed without verification";
+}
+
+TEST_F(ModulePlanTest, ChoosesTheFastestMeasuredOfTheClosestCandidatesUnderTheBudget) {
+  ChainNet net(64, 8);
+  const auto batch = sample(256);
+  const auto p = memfit::plan(net.ptr(), chain_loss, batch, 1 << 20, memfit::PlanOptions().measure_candidates(3));
+  ASSERT_TRUE(p.fits);
+  ASSERT_FALSE(p.timed.empty());
+  EXPECT_LE(p.timed.size(), 3u);
+  bool chosen_timed = false;
+  for (const auto& t : p.timed) {
+    if (t.measured_seconds == 0) continue;  // ran out of memory under the budget
+    EXPECT_LE(t.measured_peak_bytes, 1 << 20);
+    EXPECT_LE(p.measured_seconds, t.measured_seconds * 1.03) << "the fastest measured, up to the tie band";
+    chosen_timed |= t.settings.micro_batch() == p.settings.micro_batch() && t.schedules.size() == p.schedules.size() &&
+                    t.measured_seconds == p.measured_seconds && t.measured_peak_bytes == p.measured_peak_bytes;
+  }
+  EXPECT_TRUE(chosen_timed) << p.explain();
+  EXPECT_NE(p.explain().find("chose the fastest measured"), std::string::npos) << p.explain();
+  const auto predicted = memfit::plan(net.ptr(), chain_loss, batch, 1 << 20, memfit::PlanOptions().measure_candidates(0));
+  EXPECT_TRUE(predicted.timed.empty());
+  EXPECT_GT(predicted.measured_peak_bytes, 0) << "the chosen plan is still verified";
+  memfit::testing::expect_error(
+      [&] { memfit::plan(net.ptr(), chain_loss, batch, 1 << 20, memfit::PlanOptions().measure_within(-1)); },
+      "PlanOptions::measure_within must be >= 0, got -1");
 }
 
 TEST_F(ModulePlanTest, APlanAppliesOnlyToTheModuleItWasMadeFor) {

@@ -493,6 +493,89 @@ TEST(PlanChoice, PlansTheTimeModelCannotTellApartAreChosenByWhatTheyDoNotByNoise
   EXPECT_EQ(detail::choose({}), -1);
 }
 
+// A deterministic timing source for choosing by measurement: the
+// predictions put the wrong plan first, the real steps the right one.
+TEST(PlanChoice, RealStepsDecideWherePredictionsCannotTell) {
+  auto make = [](double seconds, int offload, int64_t micro_batches) {
+    detail::Ranked r;
+    r.seconds = seconds;
+    r.offload = offload;
+    r.micro_batches = micro_batches;
+    return r;
+  };
+  // Micro-batches of 64, 32 (with and without offload), 16 and 8; the
+  // prediction favours 8, the truth 64, as on the ResNet at 96 MiB.
+  const std::vector<detail::Ranked> predicted = {make(0.30, 0, 2), make(0.25, 0, 4), make(0.26, 1, 4),
+                                                 make(0.22, 0, 8), make(0.20, 0, 16), make(0.50, 0, 32)};
+  const std::vector<int64_t> group = {64, 32, 32, 16, 8, 4};
+  const std::vector<double> truth = {0.175, 0.19, 0.21, 0.40, 0.0 /* out of memory */, 1.1};
+  EXPECT_EQ(detail::choose(predicted), 4) << "the prediction alone picks micro-batches of 8";
+
+  const auto order = detail::to_time(predicted, group, 1.0, 4);
+  EXPECT_EQ(order, (std::vector<size_t>{4, 3, 1, 0}))
+      << "the prediction's pick first, then one per group, fastest predicted first; within 2x; at most 4";
+  EXPECT_EQ(detail::to_time(predicted, group, 1.0, 10).size(), 4u) << "the offloaded 32 shares its group";
+  EXPECT_EQ(detail::to_time(predicted, group, 0.2, 10), (std::vector<size_t>{4, 3}))
+      << "only those predicted within 20% of the fastest";
+  EXPECT_TRUE(detail::to_time(predicted, group, 1.0, 0).empty());
+
+  std::vector<size_t> ran;
+  std::vector<detail::StepTiming> timed;
+  const auto run = [&](size_t i) {
+    ran.push_back(i);
+    return detail::StepTiming{truth[i], 1000};
+  };
+  EXPECT_EQ(detail::choose_measured(predicted, order, run, &timed), 0) << "the measured fastest";
+  EXPECT_EQ(ran, order);
+  ASSERT_EQ(timed.size(), order.size());
+  EXPECT_EQ(timed[0].seconds, 0.0) << "the prediction's pick ran out of memory and is dropped";
+  // Measured times within 3% are a tie, settled as predicted ones are.
+  timed.clear();
+  const auto tie = [&](size_t i) { return detail::StepTiming{i == 0 ? 0.180 : 0.176, 0}; };
+  EXPECT_EQ(detail::choose_measured(predicted, {1, 0}, tie, &timed), 0)
+      << "2 micro-batches within 3% of 4 win by being fewer";
+  timed.clear();
+  EXPECT_EQ(detail::choose_measured(predicted, {4}, run, &timed), -1) << "none ran";
+}
+
+TEST_F(Planner, ChoosesTheFastestMeasuredOfTheClosestCandidatesWithinTheBudget) {
+  auto chain = make("mlp");
+  const int64_t budget = 3 << 20;
+  StepModel model(chain, small_data().images.narrow(0, 0, 1), PlanOptions().time_batch(256));
+  const auto predicted = plan(model, 256, budget);
+  torch::manual_seed(7);
+  const auto expected_draw = torch::rand({4});
+  torch::manual_seed(7);
+  const auto p = plan(model, [] { return make("mlp"); }, small_data(), 256, budget);
+  EXPECT_TRUE(torch::equal(torch::rand({4}), expected_draw)) << "the caller's random stream is put back";
+  ASSERT_TRUE(p.fits);
+  ASSERT_FALSE(p.timed.empty());
+  EXPECT_LE(p.timed.size(), 4u) << "PlanOptions::measure_candidates";
+  EXPECT_EQ(p.timed.front().settings.micro_batch(), predicted.settings.micro_batch())
+      << "the prediction's pick is timed first";
+  bool chosen_timed = false;
+  for (const auto& t : p.timed) {
+    EXPECT_LE(t.predicted_seconds, 2 * predicted.predicted.seconds + 1e-12) << "within measure_within";
+    if (t.measured_seconds == 0) continue;  // ran out of memory under the budget
+    EXPECT_LE(t.measured_peak_bytes, budget);
+    EXPECT_LE(p.measured_seconds, t.measured_seconds * 1.03) << "the fastest measured, up to the tie band";
+    chosen_timed |= t.settings.micro_batch() == p.settings.micro_batch() &&
+                    offload_text(t.settings) == offload_text(p.settings) && t.measured_seconds == p.measured_seconds;
+  }
+  EXPECT_TRUE(chosen_timed) << p.explain();
+  EXPECT_NE(p.explain().find("timed the"), std::string::npos) << p.explain();
+  const auto j = nlohmann::json::parse(p.to_json());
+  EXPECT_EQ(j["timed"].size(), p.timed.size());
+  EXPECT_DOUBLE_EQ(j["measured_seconds"].get<double>(), p.measured_seconds);
+
+  StepModel untimed(chain, small_data().images.narrow(0, 0, 1), PlanOptions().time_batch(256).measure_candidates(0));
+  const auto by_prediction = plan(untimed, [] { return make("mlp"); }, small_data(), 256, budget);
+  EXPECT_TRUE(by_prediction.timed.empty());
+  EXPECT_EQ(by_prediction.measured_seconds, 0.0);
+  testing::expect_error([&] { plan(model, [] { return make("mlp"); }, small_data(), 513, budget); },
+                        "plan: the data has 512 examples, fewer than the batch of 513; plan a batch of 512 or less");
+}
+
 TEST_F(Planner, BadArgumentsAreRefused) {
   auto chain = make("mlp");
   EXPECT_THROW(StepModel(chain, torch::zeros({2, 1, 28, 28})), c10::Error) << "one example";
@@ -504,6 +587,11 @@ TEST_F(Planner, BadArgumentsAreRefused) {
   testing::expect_error(
       [&] { StepModel(chain, torch::zeros({1, 1, 28, 28}), PlanOptions().saturation_seconds(-1)); },
       "saturation_seconds must be >= 0, got -1");
+  testing::expect_error(
+      [&] { StepModel(chain, torch::zeros({1, 1, 28, 28}), PlanOptions().measure_candidates(-1)); },
+      "PlanOptions::measure_candidates must be >= 0 (0: choose by prediction alone), got -1");
+  testing::expect_error([&] { StepModel(chain, torch::zeros({1, 1, 28, 28}), PlanOptions().measure_within(-1)); },
+                        "PlanOptions::measure_within must be >= 0, got -1");
   StepModel model(chain, torch::zeros({1, 1, 28, 28}));
   EXPECT_THROW(plan(model, 0, 1 << 20), c10::Error);
   EXPECT_THROW(model.costs(Precision::kBF16, 8), c10::Error) << "bf16 was not profiled";

@@ -57,6 +57,7 @@ struct ModelArgs {
   double dropout = 0.0;
   bool selective_recompute = false;
   std::string batch_statistics = "keep";
+  int64_t measure_candidates = memfit::PlanOptions().measure_candidates();
   std::string data = memfit::FashionMnistOptions().root();
   std::string text = memfit::JargonOptions().path();
   std::string torchscript;
@@ -160,6 +161,11 @@ void add_model_shape_options(CLI::App* cmd, ModelArgs& a) {
                   "Planning a model with BatchNorm: keep its batch statistics (no micro-batches), or "
                   "let micro-batches change them (per-micro-batch)")
       ->check(CLI::IsMember({"keep", "per-micro-batch"}))
+      ->capture_default_str();
+  cmd->add_option("--measure-candidates", a.measure_candidates,
+                  "Planning: time this many of the closest candidates with three real steps each under the "
+                  "budget, and choose the fastest measured (0: choose by prediction alone)")
+      ->check(memfit::tools::integer(0, 64))
       ->capture_default_str();
   cmd->add_option("--data", a.data,
                   "Folder with Fashion-MNIST's *-ubyte.gz files (Debian: dataset-fashion-mnist)")
@@ -596,7 +602,8 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
       .precisions(plan_precisions(a.precision, device))
       .time_batch(a.batch)
       .profile_budget(a.budget.empty() ? 0 : memfit::parse_memory_size(a.budget))
-      .batch_statistics(batch_statistics(a));
+      .batch_statistics(batch_statistics(a))
+      .measure_candidates(a.measure_candidates);
   // --selective-recompute fixes it on; otherwise the planner may choose it
   // (profile measures the model as built).
   options.selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
@@ -654,18 +661,19 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
     }
     return 0;
   }
+  chain = nullptr;  // only fresh models run from here on
+  const auto make = [&] {
+    torch::manual_seed(0);
+    return workload.make();
+  };
   if (command == ModelCommand::kFindBatch) {
     const int64_t budget = memfit::parse_memory_size(a.budget);
-    chain = nullptr;  // only fresh models run from here on
-    const auto make = [&] {
-      torch::manual_seed(0);
-      return workload.make();
-    };
     const auto found = memfit::find_batch(model, make, workload.train, budget,
                                           memfit::FindBatchOptions().verify(!a.no_verify));
     std::optional<memfit::Plan> logical;
     try {
-      logical = memfit::plan(model, a.batch, budget);
+      logical = a.no_verify ? memfit::plan(model, a.batch, budget)
+                            : memfit::plan(model, make, workload.train, a.batch, budget);
     } catch (const c10::Error& e) {
       fmt::print(stderr, "memfit find-batch: {}\n", e.msg());
     }
@@ -722,7 +730,7 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
     }
     return found.plain.batch > 0 || found.techniques.batch > 0 ? 0 : 1;
   }
-  const auto plan = memfit::plan(model, a.batch, memfit::parse_memory_size(a.budget));
+  const auto plan = memfit::plan(model, make, workload.train, a.batch, memfit::parse_memory_size(a.budget));
   if (a.json) {
     fmt::print("{}\n", plan.to_json());
   } else {
@@ -795,10 +803,11 @@ int run_train(const TrainArgs& a) {
             .time_batch(a.batch)
             .profile_budget(budget)
             .batch_statistics(batch_statistics(a))
+            .measure_candidates(a.measure_candidates)
             .selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
                                                        : memfit::SelectiveRecompute::kChoose),
         device);
-    plan = memfit::plan(step_model, a.batch, budget);
+    plan = memfit::plan(step_model, [&] { return workload.make(); }, train_data, a.batch, budget);
     memfit::set_selective_recompute(chain, plan->settings.selective_recompute());
     fmt::print("{}", memfit::tools::with_flag_names(plan->explain()));
   } else if (budget > 0 && a.plan == "auto") {

@@ -167,6 +167,17 @@ struct PlanOptions {
   /// Plans for a user's module (module_plan.h): run the best candidates'
   /// real steps under the budget before choosing one. StepModel ignores it.
   TORCH_ARG(bool, verify) = true;
+  /// How many candidates plan() times with real steps before choosing, as
+  /// autotuners do, where it can run steps (given make_model and data, or
+  /// the module planner with verify): the fastest predicted of each
+  /// micro-batch and precision, fastest predicted first, and only those
+  /// within measure_within of the fastest prediction. The measured fastest
+  /// is chosen (times within 3% of it are a tie, settled as predictions'
+  /// are). 0: choose by prediction alone.
+  TORCH_ARG(int64_t, measure_candidates) = 4;
+  /// Candidates predicted to take at most (1 + measure_within) times the
+  /// fastest prediction are timed (the time model errs most between micro-batch sizes).
+  TORCH_ARG(double, measure_within) = 1.0;
 };
 
 /// The knobs of one training step.
@@ -330,6 +341,16 @@ class StepModel {
   mutable std::map<std::pair<int64_t, int64_t>, double> tile_seconds_;  // by (micro-batch, tile bytes)
 };
 
+/// A candidate plan timed with real steps before the choice
+/// (PlanOptions::measure_candidates).
+struct TimedCandidate {
+  StepSettings settings;              ///< Its knobs.
+  std::vector<Schedule> schedules;    ///< Module plans: each chain's schedule (StepModel plans keep it in settings).
+  double predicted_seconds = 0;       ///< Predicted time per logical batch.
+  double measured_seconds = 0;        ///< The faster of two timed steps (0: ran out of memory under the budget).
+  int64_t measured_peak_bytes = 0;    ///< The timed steps' peak.
+};
+
 /// A plan: the knobs, what they are predicted to cost, and why.
 struct Plan {
   bool fits = false;                 ///< Whether a combination fits the budget.
@@ -340,12 +361,16 @@ struct Plan {
   double plain_seconds = 0;          ///< The plain step's predicted time.
   int64_t plain_peak_bytes = 0;      ///< The plain step's predicted peak.
   int64_t candidates = 0;            ///< Combinations considered.
+  std::vector<TimedCandidate> timed; ///< Those timed with real steps, fastest predicted first.
+  double measured_seconds = 0;       ///< The chosen plan's measured time (0: not timed).
   std::vector<std::string> why;      ///< One line per choice.
 
   /// {"fits", "budget_bytes", "predicted_peak_bytes", "predicted_seconds",
   /// "plain_peak_bytes", "plain_seconds", "batch", "micro_batch",
   /// "accumulation_steps", "precision", "checkpoint", "selective_recompute",
-  /// "offload", "tile_bytes", "why"}.
+  /// "offload", "tile_bytes", "measured_seconds", "timed" (each candidate's
+  /// "micro_batch", "precision", "offload", "checkpoint",
+  /// "predicted_seconds", "measured_seconds", "measured_peak_bytes"), "why"}.
   std::string to_json() const;
   /// The plan and its reasons as text.
   std::string explain() const;
@@ -383,6 +408,26 @@ std::vector<StepSettings> offload_choices(const StepModel& model, const PlanOpti
 ///   assert(p.fits && p.predicted.peak_bytes <= 4 << 20);
 /// \endcode
 Plan plan(const StepModel& model, int64_t batch, int64_t budget);
+
+/// plan(), then choosing by measurement where prediction cannot tell: the
+/// candidates PlanOptions::measure_candidates names each run three steps of
+/// a fresh `make_model()` on `data`'s first batches under `budget` (the first
+/// warms up; the faster of the other two counts), and the measured fastest
+/// fitting one is chosen. A candidate that runs out of memory under the
+/// budget is dropped; when every one does, the choice is the prediction's.
+/// Plan::timed lists what ran; the CPU random generator is put back. Extra time: about 3 × measure_candidates
+/// steps; extra memory: none beyond `budget`. The caller's budget is restored.
+///
+/// Example:
+/// \code
+///   auto data = memfit::load_fashion_mnist(memfit::Split::kTest);
+///   auto make = [] { return memfit::make_mlp(memfit::ModelOptions().width(64).depth(1)); };
+///   memfit::StepModel model(make(), data.images.narrow(0, 0, 1));
+///   auto p = memfit::plan(model, make, data, 256, 4 << 20);
+///   assert(p.fits && !p.timed.empty() && p.measured_seconds > 0);
+/// \endcode
+Plan plan(const StepModel& model, const std::function<torch::nn::Sequential()>& make_model,
+          const ImageDataset& data, int64_t batch, int64_t budget);
 
 /// How find_batch searches.
 struct FindBatchOptions {
