@@ -73,11 +73,14 @@ TEST(PipelineBalance, IsTheBestSplitThatEnumerationFinds) {
 }
 
 TEST(PipelineBalance, ByTimeGivesTheSlowLayersAStageOfTheirOwn) {
-  // One wide layer costs far more than the three narrow ones together.
-  torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::Linear(8, 8), torch::nn::Linear(8, 1024),
-                            torch::nn::Linear(1024, 1024));
-  const auto b = balance_by_time(net, torch::randn({64, 8}), 2);
-  EXPECT_EQ(b, std::vector<int64_t>({3, 1}));
+  // One wide layer costs about 250x the three narrow ones together. Times
+  // are noisy on a shared machine (a preempted narrow layer once measured
+  // slower under CI's load), so two of three balances must give it a stage.
+  torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::Linear(8, 8), torch::nn::Linear(8, 2048),
+                            torch::nn::Linear(2048, 2048));
+  int agree = 0;
+  for (int run = 0; run < 3; ++run) agree += balance_by_time(net, torch::randn({64, 8}), 2) == std::vector<int64_t>({3, 1});
+  EXPECT_GE(agree, 2);
 }
 
 // 7 layers; with the balances below, rank 1 of 2 and rank 2 of 3 begin with

@@ -40,8 +40,16 @@
 /// Plans predicted within 3% of the fastest are a tie (the time model's noise
 /// on a shared machine), which the plan without recomputation, then with
 /// less offload, then with fewer micro-batches wins: what a plan does settles
-/// it, not which of them timing noise put ahead, so the same model, batch
-/// and budget give the same plan from run to run.
+/// it, not which of them timing noise put ahead.
+///
+/// The prediction errs most between micro-batch sizes (large ones are
+/// extrapolated; a busy machine skews the small timings), by more than the
+/// tie band. So plan(model, make_model, data, ...) and the module planner
+/// then choose by measurement, as autotuners do: the closest candidates
+/// (PlanOptions::measure_candidates, one per micro-batch and precision) each
+/// run three real steps under the budget, and the measured fastest wins,
+/// with the same tie band and rule. Those steps cost a few seconds, need no
+/// memory beyond the budget, and also verify that the plan fits.
 ///
 /// Thread safety: a StepModel is a value after construction. Sync points: the
 /// profiling runs. Extra memory: profiling runs one layer at a time at the
