@@ -711,11 +711,12 @@ std::vector<Candidate>::iterator best_fitting(std::vector<Candidate>& fitting, d
   return chosen < 0 ? fitting.end() : at[static_cast<size_t>(chosen)];
 }
 
-// Three real steps of `batch` examples with `settings` and `schedules` under
-// `budget`: the steady steps' peak and the faster one's time (seconds 0 and
-// peak -1 when one ran out of memory under it).
+// `steps` real steps of `batch` examples with `settings` and `schedules`
+// under `budget`: the steady steps' peak and the faster one's time (seconds 0
+// and peak -1 when one ran out of memory under it). The first step creates
+// the optimizer's state and is not counted.
 detail::StepTiming run_plan(const ModuleStepModel::Impl& im, const StepSettings& settings,
-                            const std::vector<Schedule>& schedules, int64_t batch, int64_t budget) {
+                            const std::vector<Schedule>& schedules, int64_t batch, int64_t budget, int steps = 3) {
   detail::ModuleStateGuard restore(*im.probe.module);
   compat::WarningCapture quiet;  // the Trainer's warnings repeat what the plan says
   ChainSchedules scheduled(im.chains, schedules);
@@ -724,7 +725,7 @@ detail::StepTiming run_plan(const ModuleStepModel::Impl& im, const StepSettings&
   BudgetGuard scope(im.base.device(), outer > 0 ? std::min(outer, budget) : budget);
   detail::StepTiming out;
   try {
-    for (int k = 0; k < 3; ++k) {  // the first creates the optimizer's state
+    for (int k = 0; k < steps; ++k) {
       const auto rec = im.probe.step(trainer, batch);
       if (k == 0) continue;
       out.peak_bytes = std::max(out.peak_bytes, rec.peak_bytes);
@@ -751,7 +752,7 @@ std::optional<Candidate> measured_choice(const ModuleStepModel::Impl& im, const 
   const auto order = detail::to_time(ranked, group, o.measure_within(), o.measure_candidates());
   std::vector<detail::StepTiming> timings;
   const int64_t chosen = detail::choose_measured(
-      ranked, order, [&](size_t i) { return run_plan(im, fitting[i].settings, fitting[i].schedules, batch, budget); },
+      ranked, order, [&](size_t i) { return run_plan(im, fitting[i].settings, fitting[i].schedules, batch, budget, 2); },
       &timings);
   std::vector<std::string> names;
   std::vector<double> predictions;

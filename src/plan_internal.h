@@ -205,22 +205,51 @@ struct StepTiming {
   int64_t peak_bytes = 0;
 };
 
-// Times candidates `order` with `run` and returns choose()'s pick among those
-// that ran, with measured times in place of predicted ones (-1: none ran);
-// `timed` gets each one's timing, in `order`.
+// Times candidates `order` with `run` in two passes, the second in reverse
+// order (drift on a shared machine then weighs on all alike), and returns
+// choose()'s pick among those that ran, with each one's faster measured time
+// in place of its prediction (-1: none ran); `timed` gets each one's timing,
+// in `order`. A candidate that runs out of memory is not run again.
 inline int64_t choose_measured(const std::vector<Ranked>& candidates, const std::vector<size_t>& order,
                                const std::function<StepTiming(size_t)>& run, std::vector<StepTiming>* timed) {
+  timed->assign(order.size(), StepTiming{});
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t n = 0; n < order.size(); ++n) {
+      const size_t k = pass == 0 ? n : order.size() - 1 - n;
+      auto& t = (*timed)[k];
+      if (pass > 0 && t.seconds <= 0) continue;  // ran out of memory
+      const auto r = run(order[k]);
+      t.seconds = r.seconds <= 0 ? 0 : pass == 0 ? r.seconds : std::min(t.seconds, r.seconds);
+      t.peak_bytes = std::max(t.peak_bytes, r.peak_bytes);
+    }
+  }
   std::vector<Ranked> ran;
   std::vector<size_t> at;
-  for (size_t i : order) {
-    timed->push_back(run(i));
-    if (timed->back().seconds <= 0) continue;
-    ran.push_back(candidates[i]);
-    ran.back().seconds = timed->back().seconds;
-    at.push_back(i);
+  for (size_t k = 0; k < order.size(); ++k) {
+    if ((*timed)[k].seconds <= 0) continue;
+    ran.push_back(candidates[order[k]]);
+    ran.back().seconds = (*timed)[k].seconds;
+    at.push_back(order[k]);
   }
   const int64_t chosen = choose(ran);
   return chosen < 0 ? -1 : static_cast<int64_t>(at[static_cast<size_t>(chosen)]);
+}
+
+// The plan's line on the candidates timed: each one's `names` entry with its
+// predicted and measured time, in the order timed, and what was chosen.
+inline std::string timed_text(const std::vector<std::string>& names, const std::vector<double>& predicted,
+                              const std::vector<StepTiming>& timings, bool chosen) {
+  std::vector<std::string> lines;
+  for (size_t k = 0; k < names.size(); ++k) {
+    lines.push_back(fmt::format("{}: predicted {:.1f} ms, {}", names[k], 1e3 * predicted[k],
+                                timings[k].seconds > 0 ? fmt::format("measured {:.1f} ms", 1e3 * timings[k].seconds)
+                                                       : std::string("ran out of memory under the budget")));
+  }
+  return fmt::format("timed the {} closest candidate(s) with real steps under the budget, in two passes, the "
+                     "second in reverse order (each pass a warm-up step and a timed one; the faster timed step "
+                     "counts; times within {:.0f}% are a tie): {}; {}",
+                     names.size(), 100 * kTimeTie, fmt::join(lines, "; "),
+                     chosen ? "chose the fastest measured" : "none ran, so the prediction chooses");
 }
 
 // The CPU random generator's state, put back on destruction: planning's
@@ -235,22 +264,6 @@ class RngStateGuard {
  private:
   compat::RngState rng_;
 };
-
-// The plan's line on the candidates timed: each one's `names` entry with its
-// predicted and measured time, in the order timed, and what was chosen.
-inline std::string timed_text(const std::vector<std::string>& names, const std::vector<double>& predicted,
-                              const std::vector<StepTiming>& timings, bool chosen) {
-  std::vector<std::string> lines;
-  for (size_t k = 0; k < names.size(); ++k) {
-    lines.push_back(fmt::format("{}: predicted {:.1f} ms, {}", names[k], 1e3 * predicted[k],
-                                timings[k].seconds > 0 ? fmt::format("measured {:.1f} ms", 1e3 * timings[k].seconds)
-                                                       : std::string("ran out of memory under the budget")));
-  }
-  return fmt::format("timed the {} closest candidate(s) with three real steps each under the budget (the faster "
-                     "of the last two counts; times within {:.0f}% are a tie): {}; {}",
-                     names.size(), 100 * kTimeTie, fmt::join(lines, "; "),
-                     chosen ? "chose the fastest measured" : "none ran, so the prediction chooses");
-}
 
 // A module's parameters, buffers and gradients and the CPU RNG, copied to
 // the host and put back on destruction: planning trains the module itself.

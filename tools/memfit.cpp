@@ -163,8 +163,8 @@ void add_model_shape_options(CLI::App* cmd, ModelArgs& a) {
       ->check(CLI::IsMember({"keep", "per-micro-batch"}))
       ->capture_default_str();
   cmd->add_option("--measure-candidates", a.measure_candidates,
-                  "Planning: time this many of the closest candidates with three real steps each under the "
-                  "budget, and choose the fastest measured (0: choose by prediction alone)")
+                  "Planning: time this many of the closest candidates with real steps under the budget, "
+                  "and choose the fastest measured (0: choose by prediction alone)")
       ->check(memfit::tools::integer(0, 64))
       ->capture_default_str();
   cmd->add_option("--data", a.data,

@@ -46,8 +46,9 @@
 /// extrapolated; a busy machine skews the small timings), by more than the
 /// tie band. So plan(model, make_model, data, ...) and the module planner
 /// then choose by measurement, as autotuners do: the closest candidates
-/// (PlanOptions::measure_candidates, one per micro-batch and precision) each
-/// run three real steps under the budget, and the measured fastest wins,
+/// (PlanOptions::measure_candidates, one per micro-batch and precision) run
+/// real steps under the budget in two passes, the second in reverse order,
+/// and the measured fastest wins,
 /// with the same tie band and rule. Those steps cost a few seconds, need no
 /// memory beyond the budget, and also verify that the plan fits.
 ///
@@ -418,13 +419,14 @@ std::vector<StepSettings> offload_choices(const StepModel& model, const PlanOpti
 Plan plan(const StepModel& model, int64_t batch, int64_t budget);
 
 /// plan(), then choosing by measurement where prediction cannot tell: the
-/// candidates PlanOptions::measure_candidates names each run three steps of
-/// a fresh `make_model()` on `data`'s first batches under `budget` (the first
-/// warms up; the faster of the other two counts), and the measured fastest
-/// fitting one is chosen. A candidate that runs out of memory under the
+/// candidates PlanOptions::measure_candidates names each train a fresh
+/// `make_model()` on `data` under `budget` for two steps (a warm-up and a
+/// timed one), in two passes over them, the second in reverse order; each
+/// one's faster timed step counts, and the measured fastest is chosen. A candidate that runs out of memory under the
 /// budget is dropped; when every one does, the choice is the prediction's.
-/// Plan::timed lists what ran; the CPU random generator is put back. Extra time: about 3 × measure_candidates
-/// steps; extra memory: none beyond `budget`. The caller's budget is restored.
+/// Plan::timed lists what ran; the CPU random generator is put back. Extra
+/// time: about 4 × measure_candidates steps; extra memory: none beyond
+/// `budget`. The caller's budget is restored.
 ///
 /// Example:
 /// \code
