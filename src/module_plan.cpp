@@ -751,9 +751,10 @@ std::optional<Candidate> measured_choice(const ModuleStepModel::Impl& im, const 
   const auto& o = im.options;
   const auto order = detail::to_time(ranked, group, o.measure_within(), o.measure_candidates());
   std::vector<detail::StepTiming> timings;
+  int passes = 0;
   const int64_t chosen = detail::choose_measured(
       ranked, order, [&](size_t i) { return run_plan(im, fitting[i].settings, fitting[i].schedules, batch, budget, 2); },
-      &timings);
+      &timings, &passes);
   std::vector<std::string> names;
   std::vector<double> predictions;
   for (size_t k = 0; k < order.size(); ++k) {
@@ -766,7 +767,7 @@ std::optional<Candidate> measured_choice(const ModuleStepModel::Impl& im, const 
     out.measured_seconds = timings[k].seconds;
     out.measured_peak_bytes = timings[k].peak_bytes;
   }
-  out.why.push_back(detail::timed_text(names, predictions, timings, chosen >= 0));
+  out.why.push_back(detail::timed_text(names, predictions, timings, passes, chosen >= 0));
   if (chosen < 0) return std::nullopt;
   return fitting[static_cast<size_t>(chosen)];
 }

@@ -783,8 +783,9 @@ int64_t choose_by_measurement(const std::vector<std::pair<StepSettings, StepPred
   }
   const auto order = detail::to_time(candidates, group, o.measure_within(), o.measure_candidates());
   std::vector<detail::StepTiming> timings;
+  int passes = 0;
   const int64_t chosen =
-      detail::choose_measured(candidates, order, [&](size_t i) { return run(fitting[i].first); }, &timings);
+      detail::choose_measured(candidates, order, [&](size_t i) { return run(fitting[i].first); }, &timings, &passes);
   std::vector<std::string> names;
   std::vector<double> predictions;
   for (size_t k = 0; k < order.size(); ++k) {
@@ -794,7 +795,7 @@ int64_t choose_by_measurement(const std::vector<std::pair<StepSettings, StepPred
     names.push_back(candidate_text(settings, plan.batch));
     predictions.push_back(prediction.seconds);
   }
-  plan.why.push_back(detail::timed_text(names, predictions, timings, chosen >= 0));
+  plan.why.push_back(detail::timed_text(names, predictions, timings, passes, chosen >= 0));
   return chosen >= 0 ? chosen : predicted;
 }
 

@@ -205,28 +205,60 @@ struct StepTiming {
   int64_t peak_bytes = 0;
 };
 
-// Times candidates `order` with `run` in two passes, the second in reverse
-// order (drift on a shared machine then weighs on all alike), and returns
-// choose()'s pick among those that ran, with each one's faster measured time
-// in place of its prediction (-1: none ran); `timed` gets each one's timing,
-// in `order`. A candidate that runs out of memory is not run again.
+// Passes over the candidates when choosing by measurement: at least two, and
+// more (up to the most) while a contender's two fastest steps differ by more
+// than the tie band (a busy machine's noise).
+constexpr int kMinPasses = 2;
+constexpr int kMaxPasses = 5;
+// Candidates measured within this of the fastest contend for the choice.
+constexpr double kContender = 0.10;
+
+// Whether the timings `samples` (per candidate; empty: ran out of memory)
+// settle the choice: every contender's two fastest agree within kTimeTie.
+inline bool settled(const std::vector<std::vector<double>>& samples) {
+  double best = 0;
+  for (const auto& v : samples) {
+    if (!v.empty()) best = best > 0 ? std::min(best, *std::min_element(v.begin(), v.end())) : *std::min_element(v.begin(), v.end());
+  }
+  for (auto v : samples) {
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    if (v.front() > best * (1 + kContender)) continue;
+    if (v.size() < 2 || v[1] > v[0] * (1 + kTimeTie)) return false;
+  }
+  return true;
+}
+
+// Times candidates `order` with `run` in passes, every other one in reverse
+// order (drift on a shared machine then weighs on all alike), kMinPasses to
+// kMaxPasses of them (see settled), and returns choose()'s pick among those
+// that ran, with each one's fastest measured time in place of its
+// prediction (-1: none ran); `timed` gets each one's timing, in `order`, and
+// `passes` how many ran. A candidate that runs out of memory is not run again.
 inline int64_t choose_measured(const std::vector<Ranked>& candidates, const std::vector<size_t>& order,
-                               const std::function<StepTiming(size_t)>& run, std::vector<StepTiming>* timed) {
+                               const std::function<StepTiming(size_t)>& run, std::vector<StepTiming>* timed,
+                               int* passes = nullptr) {
   timed->assign(order.size(), StepTiming{});
-  for (int pass = 0; pass < 2; ++pass) {
+  std::vector<std::vector<double>> samples(order.size());
+  std::vector<bool> out_of_memory(order.size(), false);
+  int pass = 0;
+  for (; pass < kMaxPasses && (pass < kMinPasses || !settled(samples)); ++pass) {
     for (size_t n = 0; n < order.size(); ++n) {
-      const size_t k = pass == 0 ? n : order.size() - 1 - n;
-      auto& t = (*timed)[k];
-      if (pass > 0 && t.seconds <= 0) continue;  // ran out of memory
+      const size_t k = pass % 2 == 0 ? n : order.size() - 1 - n;
+      if (out_of_memory[k]) continue;
       const auto r = run(order[k]);
-      t.seconds = r.seconds <= 0 ? 0 : pass == 0 ? r.seconds : std::min(t.seconds, r.seconds);
-      t.peak_bytes = std::max(t.peak_bytes, r.peak_bytes);
+      (*timed)[k].peak_bytes = std::max((*timed)[k].peak_bytes, r.peak_bytes);
+      out_of_memory[k] = r.seconds <= 0;
+      if (out_of_memory[k]) samples[k].clear();
+      else samples[k].push_back(r.seconds);
     }
   }
+  if (passes) *passes = pass;
   std::vector<Ranked> ran;
   std::vector<size_t> at;
   for (size_t k = 0; k < order.size(); ++k) {
-    if ((*timed)[k].seconds <= 0) continue;
+    if (samples[k].empty()) continue;
+    (*timed)[k].seconds = *std::min_element(samples[k].begin(), samples[k].end());
     ran.push_back(candidates[order[k]]);
     ran.back().seconds = (*timed)[k].seconds;
     at.push_back(order[k]);
@@ -238,17 +270,17 @@ inline int64_t choose_measured(const std::vector<Ranked>& candidates, const std:
 // The plan's line on the candidates timed: each one's `names` entry with its
 // predicted and measured time, in the order timed, and what was chosen.
 inline std::string timed_text(const std::vector<std::string>& names, const std::vector<double>& predicted,
-                              const std::vector<StepTiming>& timings, bool chosen) {
+                              const std::vector<StepTiming>& timings, int passes, bool chosen) {
   std::vector<std::string> lines;
   for (size_t k = 0; k < names.size(); ++k) {
     lines.push_back(fmt::format("{}: predicted {:.1f} ms, {}", names[k], 1e3 * predicted[k],
                                 timings[k].seconds > 0 ? fmt::format("measured {:.1f} ms", 1e3 * timings[k].seconds)
                                                        : std::string("ran out of memory under the budget")));
   }
-  return fmt::format("timed the {} closest candidate(s) with real steps under the budget, in two passes, the "
-                     "second in reverse order (each pass a warm-up step and a timed one; the faster timed step "
-                     "counts; times within {:.0f}% are a tie): {}; {}",
-                     names.size(), 100 * kTimeTie, fmt::join(lines, "; "),
+  return fmt::format("timed the {} closest candidate(s) with real steps under the budget, in {} passes, every "
+                     "other one in reverse order (each a warm-up step and a timed one; a candidate's fastest "
+                     "timed step counts; times within {:.0f}% are a tie): {}; {}",
+                     names.size(), passes, 100 * kTimeTie, fmt::join(lines, "; "),
                      chosen ? "chose the fastest measured" : "none ran, so the prediction chooses");
 }
 

@@ -527,15 +527,23 @@ TEST(PlanChoice, RealStepsDecideWherePredictionsCannotTell) {
   };
   EXPECT_EQ(detail::choose_measured(predicted, order, run, &timed), 0) << "the measured fastest";
   EXPECT_EQ(ran, (std::vector<size_t>{4, 3, 1, 0, 0, 1, 3}))
-      << "two passes, the second in reverse order, without what ran out of memory";
+      << "two passes, the second in reverse order, without what ran out of memory; steady times settle it";
   ASSERT_EQ(timed.size(), order.size());
   EXPECT_EQ(timed[0].seconds, 0.0) << "the prediction's pick ran out of memory and is dropped";
   // Each one's faster pass counts: a slow first pass does not decide.
   int calls = 0;
   const auto drift = [&](size_t i) { return detail::StepTiming{truth[i] * (calls++ < 4 ? 3.0 : 1.0), 0}; };
-  timed.clear();
-  EXPECT_EQ(detail::choose_measured(predicted, {1, 0, 3}, drift, &timed), 0);
+  int passes = 0;
+  EXPECT_EQ(detail::choose_measured(predicted, {1, 0, 3}, drift, &timed, &passes), 0);
   EXPECT_DOUBLE_EQ(timed[1].seconds, truth[0]);
+  EXPECT_EQ(passes, 3) << "a contender's two fastest steps disagreed after two passes";
+  // Noise that never settles stops at the most passes.
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<double> noise(1.0, 1.5);
+  const auto noisy = [&](size_t i) { return detail::StepTiming{truth[i] * noise(rng), 0}; };
+  EXPECT_GE(detail::choose_measured(predicted, {1, 0}, noisy, &timed, &passes), 0);
+  EXPECT_LE(passes, detail::kMaxPasses);
+  EXPECT_GT(passes, detail::kMinPasses);
   // Measured times within 3% are a tie, settled as predicted ones are.
   timed.clear();
   const auto tie = [&](size_t i) { return detail::StepTiming{i == 0 ? 0.180 : 0.176, 0}; };
