@@ -47,8 +47,9 @@
 /// tie band. So plan(model, make_model, data, ...) and the module planner
 /// then choose by measurement, as autotuners do: the closest candidates
 /// (PlanOptions::measure_candidates, one per micro-batch and precision) run
-/// real steps under the budget in two passes, the second in reverse order,
-/// and the measured fastest wins,
+/// real steps under the budget in passes, every other one in reverse order
+/// (two, and up to five while the contenders' fastest steps disagree by
+/// more than 3%), and the measured fastest wins,
 /// with the same tie band and rule. Those steps cost a few seconds, need no
 /// memory beyond the budget, and also verify that the plan fits.
 ///
@@ -356,7 +357,7 @@ struct TimedCandidate {
   StepSettings settings;              ///< Its knobs.
   std::vector<Schedule> schedules;    ///< Module plans: each chain's schedule (StepModel plans keep it in settings).
   double predicted_seconds = 0;       ///< Predicted time per logical batch.
-  double measured_seconds = 0;        ///< The faster of two timed steps (0: ran out of memory under the budget).
+  double measured_seconds = 0;        ///< Its fastest timed step (0: ran out of memory under the budget).
   int64_t measured_peak_bytes = 0;    ///< The timed steps' peak.
 };
 
@@ -421,12 +422,12 @@ Plan plan(const StepModel& model, int64_t batch, int64_t budget);
 /// plan(), then choosing by measurement where prediction cannot tell: the
 /// candidates PlanOptions::measure_candidates names each train a fresh
 /// `make_model()` on `data` under `budget` for two steps (a warm-up and a
-/// timed one), in two passes over them, the second in reverse order; each
-/// one's faster timed step counts, and the measured fastest is chosen. A candidate that runs out of memory under the
+/// timed one), in passes over them (see the file comment); each one's
+/// fastest timed step counts, and the measured fastest is chosen. A candidate that runs out of memory under the
 /// budget is dropped; when every one does, the choice is the prediction's.
 /// Plan::timed lists what ran; the CPU random generator is put back. Extra
-/// time: about 4 × measure_candidates steps; extra memory: none beyond
-/// `budget`. The caller's budget is restored.
+/// time: 4 × measure_candidates steps, up to 10 × on a noisy machine; extra
+/// memory: none beyond `budget`. The caller's budget is restored.
 ///
 /// Example:
 /// \code
