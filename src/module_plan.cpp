@@ -746,7 +746,7 @@ std::optional<Candidate> measured_choice(const ModuleStepModel::Impl& im, const 
   std::vector<int64_t> group;
   for (const auto& c : fitting) {
     ranked.push_back(detail::ranked(c.settings, c.predicted, any_recompute(c.schedules)));
-    group.push_back(c.settings.micro_batch() * 16 + static_cast<int64_t>(c.settings.precision()));
+    group.push_back(detail::timing_group(c.settings));
   }
   const auto& o = im.options;
   const auto order = detail::to_time(ranked, group, o.measure_within(), o.measure_candidates());

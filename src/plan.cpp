@@ -779,7 +779,7 @@ int64_t choose_by_measurement(const std::vector<std::pair<StepSettings, StepPred
                               const PlanOptions& o, const StepRunner& run, Plan& plan) {
   std::vector<int64_t> group;
   for (const auto& [settings, prediction] : fitting) {
-    group.push_back(settings.micro_batch() * 16 + static_cast<int64_t>(settings.precision()));
+    group.push_back(detail::timing_group(settings));
   }
   const auto order = detail::to_time(candidates, group, o.measure_within(), o.measure_candidates());
   std::vector<detail::StepTiming> timings;

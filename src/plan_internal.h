@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -191,6 +192,11 @@ inline std::vector<size_t> to_time(const std::vector<Ranked>& candidates, const 
   return picks;
 }
 
+// The group of a candidate with `s` for to_time: its micro-batch and precision.
+inline int64_t timing_group(const StepSettings& s) {
+  return s.micro_batch() * 16 + static_cast<int64_t>(s.precision());
+}
+
 // Checks PlanOptions::measure_candidates and measure_within (both planners).
 inline void check_measure_options(const PlanOptions& o) {
   TORCH_CHECK(o.measure_candidates() >= 0, "PlanOptions::measure_candidates must be >= 0 (0: choose by prediction "
@@ -216,9 +222,9 @@ constexpr double kContender = 0.10;
 // Whether the timings `samples` (per candidate; empty: ran out of memory)
 // settle the choice: every contender's two fastest agree within kTimeTie.
 inline bool settled(const std::vector<std::vector<double>>& samples) {
-  double best = 0;
+  double best = std::numeric_limits<double>::infinity();
   for (const auto& v : samples) {
-    if (!v.empty()) best = best > 0 ? std::min(best, *std::min_element(v.begin(), v.end())) : *std::min_element(v.begin(), v.end());
+    for (double x : v) best = std::min(best, x);
   }
   for (auto v : samples) {
     if (v.empty()) continue;
@@ -288,7 +294,10 @@ inline std::string timed_text(const std::vector<std::string>& names, const std::
 // real steps draw from it (initialisation, dropout, shuffling).
 class RngStateGuard {
  public:
-  RngStateGuard() : rng_(compat::get_rng_state({})) {}
+  RngStateGuard() {
+    UntrackedGuard host;  // host bookkeeping, not bytes of the step measured
+    rng_ = compat::get_rng_state({});
+  }
   ~RngStateGuard() { compat::set_rng_state(rng_); }
   RngStateGuard(const RngStateGuard&) = delete;
   RngStateGuard& operator=(const RngStateGuard&) = delete;
@@ -310,7 +319,6 @@ class ModuleStateGuard {
       saved_.push_back(t.detach().clone());
       grads_.push_back(t.grad());
     }
-    rng_ = compat::get_rng_state({});
   }
   ~ModuleStateGuard() {
     torch::NoGradGuard no_grad;
@@ -318,14 +326,13 @@ class ModuleStateGuard {
       tensors_[i].copy_(saved_[i]);
       tensors_[i].mutable_grad() = grads_[i];
     }
-    compat::set_rng_state(rng_);
   }
   ModuleStateGuard(const ModuleStateGuard&) = delete;
   ModuleStateGuard& operator=(const ModuleStateGuard&) = delete;
 
  private:
   std::vector<torch::Tensor> tensors_, saved_, grads_;
-  compat::RngState rng_;
+  RngStateGuard rng_;  // put back after the tensors
 };
 
 } // namespace detail
