@@ -91,7 +91,12 @@ TEST_F(ModulePlanTest, PredictsThePlainStepAndEveryPlannedStepWithinFivePercentO
   // Activations dominate: 32 layers of 512 x 64 floats against 0.8 MiB of weights and Adam state.
   ChainNet net(64, 16);
   const auto batch = sample(512);
-  memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch));
+  // The plans the prediction picks (measure_candidates(0)): choosing by
+  // measurement may pick a nested schedule, whose peak the model predicts
+  // up to 12% low (a known error, issue #21's note), and the timing noise
+  // would decide which plans this test checks.
+  memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
+                                memfit::PlanOptions().measure_candidates(0));
   ASSERT_EQ(model.chains().size(), 1u);
   const auto plain = model.predict(512, memfit::StepSettings(), {});
   double plain_loss = 0;
@@ -153,7 +158,9 @@ TEST_F(ModulePlanTest, AModuleWithoutAChainIsToldWhatWasTriedAndThatAChainAllows
 TEST_F(ModulePlanTest, TheChosenPlanRanUnderTheBudgetBeforeItWasReturnedUnlessVerifyIsOff) {
   ChainNet net(64, 8);
   const auto batch = sample(256);
-  const auto verified = memfit::plan(net.ptr(), chain_loss, batch, 1 << 20);
+  // The verification of the predicted choice (measuring the candidates, the
+  // default, is ChoosesTheFastestMeasured… below).
+  const auto verified = memfit::plan(net.ptr(), chain_loss, batch, 1 << 20, memfit::PlanOptions().measure_candidates(0));
   ASSERT_TRUE(verified.fits);
   EXPECT_GT(verified.measured_peak_bytes, 0);
   EXPECT_LE(verified.measured_peak_bytes, 1 << 20);
