@@ -3,6 +3,7 @@
 #include "memfit/checkpoint.h"
 
 #include <torch/nn.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/script.h>
 #include <torch/torch.h>
 
@@ -177,7 +178,10 @@ struct ScriptedChildImpl : nn::Module {
     for (const auto& b : module.named_buffers(/*recurse=*/false)) register_buffer(b.name, b.value);
     for (const auto& c : module.named_children()) register_module(c.name, mirror(c.value));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return module.forward({x}).toTensor(); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::jit::GraphOptimizerEnabledGuard eager(false);
+    return module.forward({x}).toTensor();
+  }
   void train(bool on = true) override {
     nn::Module::train(on);
     module.train(on);
