@@ -1,0 +1,213 @@
+#!/usr/bin/python3
+"""memfit's library tax: its Trainer against a hand-written LibTorch loop and PyTorch Python, side by side.
+
+One process, one LibTorch, one allocator (memfit's byte-exact meter), one
+thread pool. Python builds the model (bench/peers.py's CNN, or its GPT, layer
+for layer memfit's) and hands build/bench/libmemfit_tax.so the same data and
+the same initial parameters; then each round runs one optimizer step of each
+side, in turn, in a rotating order:
+
+  python   PyTorch's own loop: forward, cross-entropy, backward (each
+           micro-batch's loss weighted by its share and read once), Adam,
+           zero_grad(set_to_none=True);
+  loop     the same loop written by hand in C++ on memfit's make_resnet or
+           make_gpt (bench/tax.cpp);
+  trainer  memfit::Trainer::train_step on the same C++ model, with
+           micro_batch_size set;
+  script   (the CNN) the Trainer on memfit::load_torchscript of Python's
+           torch.jit.script of its model: what bench/peers.py and a user
+           with a scripted model hand memfit.
+
+Reported per configuration (whole batches, then micro-batches): each side's
+median step time, its step peak, its losses (equal when the math is), and the
+ratios trainer/loop, trainer/python and loop/python, each as the median of the
+per-round ratios with the 10th–90th percentile spread.
+
+Usage (after `make`; against the pip torch, its venv's python and build-pip):
+  /usr/bin/python3 bench/tax.py [--model cnn|gpt|both] [--rounds 30] [--threads 2] [--build build]
+"""
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peers import (FASHION, GPT, TORCH_VERSION, loss_of, make_chain, make_gpt, read_idx,  # noqa: E402
+                   read_jargon, np, torch)
+from run_report import mib, python_blas  # noqa: E402
+
+SIDES = ("python", "loop", "trainer", "script")
+BATCHES = 4  # distinct batches, cycled
+
+
+def python_step(model, opt, x, y, micro):
+    k = 1 if micro == 0 else len(x) // micro
+    total = 0.0
+    for xs, ys in zip(x.chunk(k), y.chunk(k)):
+        loss = loss_of(model(xs), ys)
+        if k > 1:
+            loss = loss * (len(xs) / len(x))
+        total += float(loss)
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+def load(lib_path):
+    lib = ctypes.CDLL(lib_path)
+    lib.memfit_tax_error.restype = ctypes.c_char_p
+    lib.memfit_tax_setup.argtypes = [ctypes.c_char_p] + [ctypes.c_int64] * 7 + [ctypes.c_char_p]
+    lib.memfit_tax_set_data.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+                                        ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+    lib.memfit_tax_parameter_count.restype = ctypes.c_int64
+    lib.memfit_tax_set_parameter.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    lib.memfit_tax_step.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.memfit_tax_step.restype = ctypes.c_double
+    for f in ("memfit_tax_allocated", "memfit_tax_peak"):
+        getattr(lib, f).restype = ctypes.c_int64
+    return lib
+
+
+def check(lib, rc, what):
+    if rc != 0:
+        sys.exit(f"tax.py: {what}: {lib.memfit_tax_error().decode()}")
+
+
+def shape_of(t):
+    return (ctypes.c_int64 * t.dim())(*t.shape), t.dim()
+
+
+def setup(lib, kind, batch, micro, script):
+    """The Python side's model, optimizer and data; the C++ sides get copies of all three."""
+    if kind == "gpt":
+        inputs, targets, vocab = read_jargon(GPT["context"], batch * BATCHES)
+        make = lambda: make_gpt(vocab)  # noqa: E731
+        sizes = (vocab, GPT["width"], GPT["depth"], GPT["heads"], GPT["context"])
+    else:
+        n = batch * BATCHES
+        inputs = torch.from_numpy(read_idx("train-images-idx3-ubyte")[:n].copy()).float().div_(255)
+        inputs = inputs.sub_(0.2860).div_(0.3530).unsqueeze(1).contiguous()
+        targets = torch.from_numpy(read_idx("train-labels-idx1-ubyte")[:n].astype(np.int64))
+        make = make_chain
+        sizes = (0, 0, 0, 0, 0)
+    torch.manual_seed(0)
+    model = make()
+    model.train()
+    if kind == "cnn":
+        torch.jit.script(model).save(script)
+    check(lib, lib.memfit_tax_setup(kind.encode(), batch, micro, *sizes, script.encode() if kind == "cnn" else b""),
+          "setup")
+    s, d = shape_of(inputs)
+    ts, td = shape_of(targets)
+    check(lib, lib.memfit_tax_set_data(inputs.data_ptr(), int(not inputs.is_floating_point()), s, d,
+                                       targets.data_ptr(), ts, td), "data")
+    params = list(model.parameters())
+    if lib.memfit_tax_parameter_count() != len(params):
+        sys.exit(f"tax.py: the C++ model has {lib.memfit_tax_parameter_count()} parameters, Python's {len(params)}")
+    for i, p in enumerate(params):
+        c = p.detach().contiguous()
+        check(lib, lib.memfit_tax_set_parameter(i, c.data_ptr(), c.numel()), f"parameter {i}")
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3), inputs, targets
+
+
+def measure(lib, kind, batch, micro, rounds, script):
+    model, opt, inputs, targets = setup(lib, kind, batch, micro, script)
+    sides = SIDES if kind == "cnn" else SIDES[:3]
+
+    def step(side, s):
+        if side == "python":
+            i = s % BATCHES
+            return python_step(model, opt, inputs[i * batch:(i + 1) * batch], targets[i * batch:(i + 1) * batch],
+                               micro)
+        return lib.memfit_tax_step(SIDES.index(side) - 1, s)
+
+    times = {side: [] for side in sides}
+    peaks = {side: 0 for side in sides}
+    losses = {side: [] for side in sides}
+    warmup = 2
+    for r in range(warmup + rounds):
+        order = sides[r % len(sides):] + sides[:r % len(sides)]
+        for side in order:
+            lib.memfit_tax_reset_peak()
+            start = time.perf_counter()
+            loss = step(side, r)
+            seconds = time.perf_counter() - start
+            if loss != loss:
+                sys.exit(f"tax.py: the {side} step failed: {lib.memfit_tax_error().decode()}")
+            losses[side].append(loss)
+            if r >= warmup:
+                times[side].append(seconds)
+                peaks[side] = max(peaks[side], lib.memfit_tax_peak() - lib.memfit_tax_allocated())
+    lib.memfit_tax_teardown()
+    return times, peaks, losses
+
+
+def spread(values):
+    """Median and the 10th and 90th percentiles."""
+    v = sorted(values)
+    at = lambda q: v[min(len(v) - 1, int(round(q * (len(v) - 1))))]  # noqa: E731
+    return statistics.median(v), at(0.1), at(0.9)
+
+
+def report(kind, batch, micro, times, peaks, losses):
+    m = {side: statistics.median(times[side]) for side in times}
+    how = "whole batches" if micro == 0 else f"{batch // micro} micro-batches of {micro}"
+    ratios = []
+    for a, b in (("trainer", "loop"), ("trainer", "python"), ("loop", "python"), ("script", "trainer")):
+        r = spread([x / y for x, y in zip(times[a], times[b])]) if a in times else None
+        ratios.append(f"{r[0]:.3f} ({r[1]:.3f}–{r[2]:.3f})" if r else "")
+    drift = max(abs(losses["trainer"][i] - losses[s][i]) for s in losses for i in range(len(losses[s])))
+    cells = " | ".join(f"{1e3 * m[s]:.1f} ms" if s in m else "" for s in SIDES)
+    print(f"| {kind} | {batch}, {how} | {cells} | {' | '.join(ratios)} | "
+          f"{', '.join(mib(peaks[s]) for s in peaks)} | {drift:.1e} |")
+    sys.stdout.flush()
+    return drift
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--build", default="build")
+    p.add_argument("--model", choices=["cnn", "gpt", "both"], default="both")
+    p.add_argument("--rounds", type=int, default=30, help="timed rounds per configuration (after 2 warm-up rounds)")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    if a.rounds < 1 or a.threads < 1:
+        sys.exit("tax.py: --rounds and --threads must be positive")
+    lib_path = os.path.join(a.build, "bench", "libmemfit_tax.so")
+    if not os.path.exists(lib_path):
+        sys.exit(f"tax.py: {lib_path} is missing: build memfit's benchmarks first (make)")
+    lib = load(lib_path)  # its tracking allocator is LibTorch's CPU allocator from here on
+    lib.memfit_tax_allocated()
+    torch.set_num_threads(a.threads)
+    blas, warning = python_blas()
+    if warning:
+        print(f"tax.py: warning: {warning}", file=sys.stderr)
+    print(f"PyTorch {TORCH_VERSION} in this process and memfit on its LibTorch, {torch.get_num_threads()} threads, "
+          f"BLAS: {blas}; Adam (lr 1e-3); {a.rounds} rounds of one step per side in rotating order after 2 "
+          f"warm-up rounds; time: median step; ratios: median of the per-round ratios (10th–90th percentile); "
+          f"peak: the step's peak above what is held before it, memfit's meter; loss drift: the largest "
+          f"difference between the Trainer's loss and another side's at the same step.\n")
+    print("| model | batch | python | loop | trainer | script | trainer ÷ loop | trainer ÷ python | loop ÷ python "
+          "| script ÷ trainer | step peaks (python, loop, trainer[, script]) | loss drift |")
+    print("|---|---|---:|---:|---:|---:|---|---|---|---|---|---:|")
+    configs = []
+    if a.model in ("cnn", "both"):
+        configs += [("cnn", 128, 0), ("cnn", 128, 64)]
+    if a.model in ("gpt", "both"):
+        configs += [("gpt", 16, 0), ("gpt", 16, 8)]
+    drift = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, batch, micro in configs:
+            drift = max(drift, report(kind, batch, micro,
+                                      *measure(lib, kind, batch, micro, a.rounds, os.path.join(tmp, "chain.pt"))))
+    if drift > 1e-6:  # the same kernels in the same order give the same losses
+        sys.exit(f"tax.py: the sides' losses differ by up to {drift:.1e}: they do not run the same math, "
+                 f"so their times do not compare")
+
+
+if __name__ == "__main__":
+    main()
