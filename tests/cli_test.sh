@@ -129,6 +129,10 @@ mkfifo "$tmp/fifo"
 usage report-to-fifo 'it is a FIFO' report /etc/hostname -o "$tmp/fifo"
 check fifo-is-still-a-fifo test -p "$tmp/fifo"
 usage plan-device 'invalid device' plan --model mlp --budget 1GiB --device tpu
+usage train-precision-any-unplanned '--precision any lets the plan choose the precision.*add --budget SIZE' \
+  train --model mlp --precision any --steps 1
+usage train-precision-any-by-hand '--precision any lets the plan choose' \
+  train --model mlp --precision any --budget 1MiB --micro-batch 8 --steps 1
 usage plan-measure-candidates '--measure-candidates must be an integer from 0 to 64, got -1' plan --model mlp --budget 1GiB --measure-candidates -1
 # A report written through a symbolic link replaces the link's target and keeps the link.
 echo old >"$tmp/target.json"
@@ -166,6 +170,12 @@ expect over-budget-plan 1 'no combination of micro-batching.*parameters.*fits 16
 expect streamed-plan 0 'peak memory .* of budget 1.00 MiB' out -- train --model mlp --budget 1MiB --steps 2 --no-eval
 expect streamed-plan-explains 0 'parameters in host memory, streamed to the device layer by layer' out -- \
   train --model mlp --budget 1MiB --steps 1 --no-eval
+# fp32 fits no plan under 9 MiB, and the error names --precision any, which plans bf16 and trains in it.
+expect train-precision-fp32-misses 1 'fits 9.00 MiB.*less may fit with --precision any' err -- \
+  train --model resnet --width 8 --depth 1 --batch 64 --budget 9MiB --steps 1 --no-eval --measure-candidates 0
+expect train-precision-any 0 'precision bf16: autocast' out -- \
+  train --model resnet --width 8 --depth 1 --batch 64 --budget 9MiB --precision any --steps 1 --no-eval \
+  --measure-candidates 0
 expect trains-and-evaluates 0 'test accuracy' out -- \
   train --model mlp --width 64 --depth 1 --steps 40 --batch 64 --budget 64MiB -q \
   --report "$tmp/report.json"

@@ -319,9 +319,10 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
   train->add_flag("--offload-checkpoints", a.offload_checkpoints,
                   "Keep checkpointed segments' inputs in host memory until backward");
   train->add_option("--precision", a.precision,
-                    "Compute precision: fp32, bf16 (autocast), fp16 (autocast and a GradScaler) or "
-                    "auto (bf16 where the device supports it, else fp16)")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16", "auto"}))
+                    "Compute precision: fp32, bf16 (autocast), fp16 (autocast and a GradScaler), "
+                    "auto (bf16 where the device supports it, else fp16), or any (with --budget: the plan "
+                    "may choose fp32 or auto's, which changes the math)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16", "auto", "any"}))
       ->capture_default_str();
   train->add_option("--master-weights", a.master_weights,
                     "Hold parameters in the --precision dtype with fp32 master copies: none, "
@@ -526,6 +527,14 @@ bool offloads_to_host(const TrainArgs& a, const char* what) {
 }
 
 // Every usage error of `memfit train`, found before any work.
+// With a budget, train plans the knobs unless one of them was set by hand.
+bool knobs_by_hand(const TrainArgs& a) {
+  return a.parallel == "pipeline" || a.micro_batch > 0 || a.checkpoint != "none" || !a.offload.empty() ||
+         a.offload_checkpoints || a.master_weights != "none";
+}
+
+bool plans_knobs(const TrainArgs& a) { return !a.budget.empty() && a.plan == "auto" && !knobs_by_hand(a); }
+
 void validate_train(const TrainArgs& a) {
   using memfit::tools::usage_check;
   namespace fs = std::filesystem;
@@ -554,6 +563,10 @@ void validate_train(const TrainArgs& a) {
               "optimizer state: use --offload optimizer,gradients,parameters");
   usage_check(a.offload_tile.empty() || offloads("parameters"), "--offload-tile cuts streamed Linear "
               "weights into tiles: add --offload optimizer,gradients,parameters, or drop --offload-tile");
+  usage_check(a.precision != "any" || plans_knobs(a), "--precision any lets the plan choose the precision, "
+              "and only a --budget with nothing set by hand (--micro-batch, --checkpoint, --offload, "
+              "--master-weights, --parallel pipeline, --plan none) is planned: add --budget SIZE, or name one "
+              "precision (fp32, bf16, fp16, auto)");
   check_device_and_precision(a.device, a.precision);
   const std::string resumed =
       a.resume.empty() ? "" : fs::is_directory(a.resume) ? (fs::path(a.resume) / "checkpoint.pt").string() : a.resume;
@@ -786,20 +799,16 @@ int run_train(const TrainArgs& a) {
   ck_options.checkpoint(memfit::CheckpointOptions().offload(
       a.offload_checkpoints || offloads("checkpoints") ? memfit::Offload::kHost
                                                        : memfit::Offload::kNone));
-  const auto precision = a.precision == "auto" ? memfit::auto_precision(device)
-                                               : memfit::parse_precision(a.precision);
+  const auto precisions = plan_precisions(a.precision, device);  // "any": the plan's choice of these
   const bool pipelined = a.parallel == "pipeline";
-  // With a budget, plan the knobs unless they were set by hand.
-  const bool by_hand = pipelined || a.micro_batch > 0 || a.checkpoint != "none" || !a.offload.empty() ||
-                       a.offload_checkpoints || a.master_weights != "none";
   std::optional<memfit::Plan> plan;
-  if (budget > 0 && a.plan == "auto" && !by_hand) {
+  if (budget > 0 && plans_knobs(a)) {
     chain->to(device);
     memfit::StepModel step_model(
         chain, train_data.images.narrow(0, 0, 1).to(device),
         memfit::PlanOptions()
             .optimizer(memfit::parse_optimizer_kind(a.optimizer))
-            .precisions({precision})
+            .precisions(precisions)
             .time_batch(a.batch)
             .profile_budget(budget)
             .batch_statistics(batch_statistics(a))
@@ -810,7 +819,9 @@ int run_train(const TrainArgs& a) {
     plan = memfit::plan(step_model, [&] { return workload.make(); }, train_data, a.batch, budget);
     memfit::set_selective_recompute(chain, plan->settings.selective_recompute());
     fmt::print("{}", memfit::tools::with_flag_names(plan->explain()));
-  } else if (budget > 0 && a.plan == "auto") {
+  }
+  const auto precision = plan ? plan->settings.precision() : precisions.front();
+  if (!plan && budget > 0 && a.plan == "auto") {
     fmt::print("plan: none ({})\n", pipelined ? "the planner plans one process; a pipeline splits the model"
                                                : "micro-batch, checkpointing, offload or master weights set by hand");
   }
