@@ -224,38 +224,26 @@ def plain(model, x, y):
     return loss.detach()
 
 
-def checkpointed(segments, reentrant=True):
+def checkpointed_forward(segments, reentrant=True):
+    """checkpoint_sequential over the model (for token ids: the embedding first, the rest checkpointed, as GPT code does)."""
     extra = {} if not TORCH2 else {"use_reentrant": reentrant}
 
-    def step(model, x, y):
+    def forward(model, x):
         if x.is_floating_point():
             if reentrant:
-                x.requires_grad_(True)  # use_reentrant checkpointing needs an input that requires grad
-            out = checkpoint_sequential(model, segments, x, **extra)
-        else:  # token ids: the embedding runs first, as GPT code does, and the rest is checkpointed
-            out = checkpoint_sequential(model[1:], segments, model[0](x), **extra)
-        loss = loss_of(out, y)
+                x = x.detach().requires_grad_(True)  # use_reentrant checkpointing needs an input that requires grad
+            return checkpoint_sequential(model, segments, x, **extra)
+        return checkpoint_sequential(model[1:], segments, model[0](x), **extra)
+    return forward
+
+
+def checkpointed(segments, reentrant=True):
+    forward = checkpointed_forward(segments, reentrant)
+
+    def step(model, x, y):
+        loss = loss_of(forward(model, x), y)
         loss.backward()
         return loss.detach()
-    return step
-
-
-def bf16(model, x, y):
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(x)
-    loss = loss_of(out, y)
-    loss.backward()
-    return loss.detach()
-
-
-def accumulated(k):
-    def step(model, x, y):
-        total = 0.0
-        for xs, ys in zip(x.chunk(k), y.chunk(k)):
-            loss = loss_of(model(xs), ys) * (len(xs) / len(x))
-            loss.backward()
-            total += float(loss)
-        return torch.tensor(total)
     return step
 
 
@@ -353,10 +341,16 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration; the fastest is kept")
     p.add_argument("--model", choices=["cnn", "gpt"], default="cnn")
+    p.add_argument("--pairs", type=int, default=3, help="memfit against the best hand-tuned run, pairs per budget")
+    p.add_argument("--low-precision", action=argparse.BooleanOptionalAction, default=True,
+                   help="also compare where precision may change (memfit --precision any against the whole grid)")
+    p.add_argument("--quick", action="store_true", help="a small grid (accumulation 1, 2; one segment count)")
     p.add_argument("--torch2", metavar="PYTHON", help="a Python with PyTorch 2.x: its tools too, in a second process")
     p.add_argument("--torch2-build", default="build-pip", help="memfit built against that PyTorch (its meter)")
     p.add_argument("--peer-rows", action="store_true", help=argparse.SUPPRESS)  # --torch2's second process
     a = p.parse_args()
+    if a.pairs < 1 or a.repeats < 1 or a.steps < 2:
+        sys.exit("peers.py: --pairs and --repeats must be positive and --steps at least 2")
     if a.torch2 and not os.path.exists(a.torch2):
         sys.exit(f"peers.py: --torch2 {a.torch2} does not exist: install it with scripts/install-torch.sh")
     if a.peer_rows and not TORCH2:
@@ -394,8 +388,8 @@ def main():
     initial = {k: v.clone() for k, v in make().state_dict().items()}
     meter = Meter(meter_lib)  # from here on every CPU tensor byte is counted
 
-    def pytorch(name, fn):
-        return run_pytorch(name, fn, make, initial, images, labels, a.batch, a.steps, meter, a.repeats)
+    def pytorch(name, fn, repeats=a.repeats):
+        return run_pytorch(name, fn, make, initial, images, labels, a.batch, a.steps, meter, repeats)
 
     n_layers = len(make()) - (1 if a.model == "gpt" else 0)
     segment_counts = sorted({2, 3, 4, 5, 8, n_layers} & set(range(2, n_layers + 1)))
@@ -403,62 +397,146 @@ def main():
         rows = torch2_rows(pytorch, n_layers, segment_counts)
         print(json.dumps({"rows": rows, "blas": blas, "threads": torch.get_num_threads()}))
         return
-    rows = [pytorch("plain", plain)]
-    for segments in segment_counts:
-        rows.append(pytorch(f"checkpoint_sequential, {segments} segments", checkpointed(segments)))
-    rows.append(pytorch("bf16 autocast", bf16))
-    for k in (2, 4, 8):
-        rows.append(pytorch(f"accumulation, {k} micro-batches", accumulated(k)))
+    grid = hand_grid(a.quick, segment_counts)
+    rows = [pytorch(name, step) for name, step in grid]
     base = rows[0]
     torch2 = run_torch2(a, a.torch2, a.torch2_build) if a.torch2 else None
-    # One budget per distinct peak (to the KiB), and 1/2, 1/4, 1/8 of plain.
-    peaks = {}
-    for r in rows:
-        if r["config"].startswith("checkpoint"):
-            peaks.setdefault(r["peak"] // 1024, r["peak"])
-    budgets = sorted(set(peaks.values()) | {base["peak"] // 2, base["peak"] // 4, base["peak"] // 8}, reverse=True)
-    for b in budgets:
-        runs = [run_memfit(exe, model_args, b, a.batch, a.steps, a.threads) for _ in range(a.repeats)]
-        ok = [r for r in runs if "error" not in r]
-        rows.append(min(ok, key=lambda r: r["seconds"]) if ok else runs[0])
+    peers = rows + (torch2["rows"] if torch2 else [])
+    same_math = [r for r in peers if "bf16" not in r["config"]]
+    budgets = frontier_budgets(same_math, base)
+    extra = ["--batch-statistics", "per-micro-batch"] if a.model == "cnn" else []  # as accumulation changes them
+    steps = {name: step for name, step in grid}
 
+    def pair_rows(candidates, budgets, precision):
+        """At each budget: the fastest fitting candidate, then pairs of it and memfit's plan, alternating."""
+        out = []
+        for b in budgets:
+            fits = [c for c in candidates if c["peak"] <= b]
+            best = min(fits, key=lambda c: c["seconds"]) if fits else None
+            ratios, mine, theirs = [], [], []
+            for i in range(a.pairs):
+                def peer():
+                    if best is None:
+                        return None
+                    if best["config"] not in steps:  # a --torch2 row: its own process's fastest time
+                        return best
+                    return pytorch(best["config"], steps[best["config"]], repeats=1)
+                def ours():
+                    return run_memfit(exe, model_args + extra + ["--precision", precision], b, a.batch, a.steps,
+                                      a.threads)
+                if i % 2 == 0:
+                    p_ = peer()
+                    m_ = ours()
+                else:
+                    m_ = ours()
+                    p_ = peer()
+                mine.append(m_)
+                if p_ is not None:
+                    theirs.append(p_)
+                    if "error" not in m_:
+                        ratios.append(m_["seconds"] / p_["seconds"])
+            out.append({"budget": b, "best": best, "memfit": mine, "peer": theirs, "ratios": ratios})
+        return out
+
+    fp32_pairs = pair_rows(same_math, budgets, "fp32")
+    low_budgets = frontier_budgets(peers, base)
+    any_pairs = pair_rows(peers, low_budgets, "any") if a.low_precision else []
+    print_report(a, description, base, rows, torch2, blas, fp32_pairs, any_pairs)
+
+
+def hand_grid(quick, segment_counts):
+    """What a user tries by hand: accumulation × checkpoint_sequential segments × bf16, each a (name, step)."""
+    ks = (1, 2) if quick else (1, 2, 4, 8)
+    segs = [None] + (segment_counts[:1] if quick else segment_counts)
+    grid = []
+    for low in (False, True):
+        for k in ks:
+            for s in segs:
+                parts = [f"accumulation {k}" if k > 1 else "", f"checkpoint_sequential {s}" if s else "",
+                         "bf16 autocast" if low else ""]
+                name = " × ".join(p for p in parts if p) or "plain"
+                grid.append((name, hand_step(k, s, low)))
+    return grid
+
+
+def hand_step(k, segments, low):
+    """k micro-batches (each loss weighted by its share), each checkpointed in `segments`, under bf16 autocast."""
+    forward = checkpointed_forward(segments) if segments else (lambda model, x: model(x))
+
+    def step(model, x, y):
+        total = 0.0
+        for xs, ys in zip(x.chunk(k), y.chunk(k)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
+                out = forward(model, xs)
+            loss = loss_of(out, ys)
+            if k > 1:
+                loss = loss * (len(xs) / len(x))
+            loss.backward()
+            total += float(loss)
+        return torch.tensor(total)
+    return step
+
+
+def frontier_budgets(runs, base):
+    """The peaks of the runs no other run beats in both peak and time (where the fastest fitting run changes),
+    then 1/2, 1/4 and 1/8 of plain's, and half the smallest peak (below every run)."""
+    front = [r for r in runs if "error" not in r and not any(
+        o["peak"] <= r["peak"] and o["seconds"] < r["seconds"] for o in runs if "error" not in o and o is not r)]
+    lowest = min(r["peak"] for r in runs if "error" not in r)
+    fractions = {base["peak"] // 2, base["peak"] // 4, base["peak"] // 8, lowest // 2}
+    return sorted({r["peak"] for r in front} | fractions, reverse=True)
+
+
+def print_report(a, description, base, rows, torch2, blas, fp32_pairs, any_pairs):
     print(f"Model: {description}; batch {a.batch}, Adam, {a.steps} steps, {a.threads} threads; peak from memfit's "
-          f"byte-exact meter on "
-          f"both sides; step time the median of steps 2..{a.steps}, the fastest of {a.repeats} run(s).")
-    memfit_env = next((r["environment"] for r in rows if "environment" in r), "no memfit run succeeded")
+          f"byte-exact meter on both sides; step time the median of steps 2..{a.steps}, the fastest of "
+          f"{a.repeats} run(s).")
+    memfit_env = next((m["environment"] for p in fp32_pairs + any_pairs for m in p["memfit"] if "environment" in m),
+                      "no memfit run succeeded")
     print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads, BLAS: {blas}; memfit: {memfit_env}.")
     if torch2:
         t2 = torch2["rows"][0]["side"]
         print(f"{t2} (--torch2 {a.torch2}): {torch2['threads']} threads, BLAS: {torch2['blas']}; its own meter "
               f"({a.torch2_build}/bench/libmemfit_meter.so); 'vs plain' is against its own plain run.")
-    print()
+    print("\nWhat a user tunes by hand: accumulation × checkpoint_sequential segments × bf16 autocast.\n")
     print("| side | configuration | peak | vs plain peak | step time | vs plain time |")
     print("|---|---|---:|---:|---:|---:|")
     for r in rows + (torch2["rows"] if torch2 else []):
-        if "error" in r:
-            print(f"| {r['side']} | {r['config']} | does not fit: {r['error'].splitlines()[-1][:120]} | | | |")
-            continue
         own = torch2["rows"][0] if torch2 and r["side"] == torch2["rows"][0]["side"] and r is not base else base
         print(f"| {r['side']} | {r['config']} | {mib(r['peak'])} | {r['peak'] / own['peak']:.2f} | "
               f"{1e3 * r['seconds']:.0f} ms | {r['seconds'] / own['seconds']:.2f}× |")
-    print("\nAt equal budgets: memfit's plan against the fastest PyTorch run whose peak fits (checkpointing, "
-          "accumulation, compile; not bf16, which changes the math).\n")
-    print("| budget | fastest PyTorch run that fits | its time | memfit's time | memfit faster by |")
-    print("|---:|---|---:|---:|---:|")
-    peers = [r for r in rows + (torch2["rows"] if torch2 else [])
-             if r["side"] != "memfit" and "error" not in r and "bf16" not in r["config"]]
-    ck = peers
-    for r in rows:
-        if r["side"] != "memfit" or "error" in r:
-            continue
-        fits = [c for c in ck if c["peak"] <= r["budget"]]
-        if not fits:
-            print(f"| {mib(r['budget'])} | none fits | | {1e3 * r['seconds']:.0f} ms | |")
-            continue
-        best = min(fits, key=lambda c: c["seconds"])
-        print(f"| {mib(r['budget'])} | {best['side']}: {best['config']} | {1e3 * best['seconds']:.0f} ms | "
-              f"{1e3 * r['seconds']:.0f} ms | {best['seconds'] / r['seconds']:.2f}× |")
+    batch_stats = " and --batch-statistics per-micro-batch, as accumulation changes BatchNorm's statistics too" \
+        if a.model == "cnn" else ""
+    print(f"\nAt equal budgets, the math unchanged (fp32): memfit's plan (`memfit train --budget B`{batch_stats}) "
+          f"against the fastest hand-tuned fp32 run that fits, in {a.pairs} pair(s) run alternately; ratio: memfit's "
+          f"time ÷ that run's, median (min–max) over the pairs.\n")
+    pair_table(fp32_pairs, base)
+    if any_pairs:
+        print("\nAt equal budgets, precision free (bf16 changes the math): memfit's plan with `--precision any` "
+              "against the fastest hand-tuned run of the whole grid that fits.\n")
+        pair_table(any_pairs, base)
 
+
+def pair_table(pairs, base):
+    print("| budget | fastest hand-tuned run that fits | its time | memfit's plan | memfit's time | memfit ÷ it |")
+    print("|---:|---|---:|---|---:|---:|")
+    for p in pairs:
+        ok = [m for m in p["memfit"] if "error" not in m]
+        if not ok:
+            print(f"| {mib(p['budget'])} | | | does not fit: {p['memfit'][0]['error'].splitlines()[-1][:120]} | | |")
+            continue
+        plans = sorted({m["config"] for m in ok})
+        mine = statistics.median(m["seconds"] for m in ok)
+        plan_text = "; ".join(plans) + ("" if len(ok) == len(p["memfit"]) else f" ({len(p['memfit']) - len(ok)} failed)")
+        if p["best"] is None:
+            print(f"| {mib(p['budget'])} | none fits | | {plan_text} | {1e3 * mine:.0f} ms "
+                  f"({mine / base['seconds']:.2f}× plain) | |")
+            continue
+        theirs = statistics.median(r["seconds"] for r in p["peer"])
+        r = p["ratios"]
+        spread = f"{statistics.median(r):.2f} ({min(r):.2f}–{max(r):.2f})" if r else ""
+        print(f"| {mib(p['budget'])} | {p['best']['side']}: {p['best']['config']} | {1e3 * theirs:.0f} ms | "
+              f"{plan_text} | {1e3 * mine:.0f} ms | {spread} |")
 
 if __name__ == "__main__":
     main()
