@@ -5,7 +5,7 @@
 # `memfit --version` (LibTorch, BLAS) and the load, and closed by its wall time.
 #
 # Usage (after `make build`): bash bench/remeasure.sh [NAME...]
-#   NAMES: main memory checkpoint precision trainer tax plan accuracy own cost distributed
+#   NAMES: main memory checkpoint precision trainer tax tax_python plan accuracy own cost distributed
 #          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
 #          peers_torch2 peers_gpt_torch2  (peers with PyTorch 2.15's tools too: after
 #          `make build LIBTORCH=pip`; not in the default list)
@@ -44,6 +44,7 @@ measure() {
     precision) bench precision memfit_precision_bench ;;
     trainer) bench trainer memfit_trainer_bench --benchmark_filter='micro|techniques' ;;
     tax) bench trainer_tax memfit_trainer_bench --benchmark_filter=tax ;;
+    tax_python) run tax_python /usr/bin/python3 bench/tax.py --build "$build" --rounds 30 ;;
     plan) bench plan memfit_plan_bench --benchmark_filter=plan ;;
     accuracy) bench plan_accuracy memfit_plan_bench --benchmark_filter=accuracy ;;
     own) bench plan_own memfit_plan_bench --benchmark_filter=own ;;
@@ -51,8 +52,9 @@ measure() {
     distributed) bench distributed memfit_distributed_bench --steps 40 ;;
     gpt_train) run gpt_train "$build/memfit" train --model gpt --width 64 --depth 2 --context 64 --batch 32 --steps 100 ;;
     gpt_budget) run gpt_budget python3 bench/gpt_budget.py --build "$build" ;;
-    peers) run peers /usr/bin/python3 bench/peers.py --build "$build" --steps 8 --batch 128 --repeats 2 ;;
-    peers_gpt) run peers_gpt /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 8 --batch 16 --repeats 3 ;;
+    peers) run peers /usr/bin/python3 bench/peers.py --build "$build" --steps 8 --batch 128 --repeats 2 --pairs 3 ;;
+    peers_gpt) run peers_gpt /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 8 --batch 16 --repeats 3 \
+      --pairs 3 ;;
     peers_torch2) run peers_torch2 /usr/bin/python3 bench/peers.py --build "$build" --steps 8 --batch 128 --repeats 2 \
       --torch2 "$torch2" --torch2-build "${BUILD_PIP:-build-pip}" ;;
     peers_gpt_torch2) run peers_gpt_torch2 /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 8 \
@@ -60,7 +62,7 @@ measure() {
   esac
 }
 
-all=(main memory checkpoint precision trainer tax plan accuracy own cost distributed gpt_train gpt_budget peers peers_gpt)
+all=(main memory checkpoint precision trainer tax tax_python plan accuracy own cost distributed gpt_train gpt_budget peers peers_gpt)
 known=("${all[@]}" peers_torch2 peers_gpt_torch2)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${all[@]}")
