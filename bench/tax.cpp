@@ -1,9 +1,10 @@
-// libmemfit_tax.so: one model trained three ways in one process, for
-// bench/tax.py: memfit's Trainer, a hand-written LibTorch loop, and (from
-// Python, on the same LibTorch) PyTorch's own loop. Python builds its model,
-// hands this library its data and its initial parameters, and calls one
-// step of each side in turn, so that the three run the same kernels on the
-// same threads and allocator, side by side.
+// libmemfit_tax.so: one model trained several ways in one process, for
+// bench/tax.py: memfit's Trainer, a hand-written LibTorch loop, the Trainer
+// on a TorchScript file of the model, and (from Python, on the same
+// LibTorch) PyTorch's own loop. Python builds its model, hands this library
+// its data and its initial parameters, and calls one step of each side in
+// turn, so that all of them run the same kernels on the same threads and
+// allocator, side by side.
 //
 //   lib = ctypes.CDLL("build/bench/libmemfit_tax.so")
 //   lib.memfit_tax_setup(b"cnn", batch, micro, 0, 0, 0, 0, 0, b"")   # 0: whole batches
@@ -23,12 +24,10 @@
 
 #include <torch/torch.h>
 
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <memory>
 #include <string>
-#include <vector>
 
 namespace {
 
@@ -141,7 +140,7 @@ int memfit_tax_set_data(void* inputs, int ids, const int64_t* shape, int64_t dim
 /// How many parameters each C++ model has.
 int64_t memfit_tax_parameter_count() { return tax ? int64_t(tax->loop_model->parameters().size()) : -1; }
 
-/// Copies `numel` float32 values into parameter `i` of both C++ models (in
+/// Copies `numel` float32 values into parameter `i` of every C++ model (in
 /// named_parameters order, as Python's). Returns 0, or -1 on a size mismatch.
 int memfit_tax_set_parameter(int64_t i, const float* data, int64_t numel) {
   return guarded(
