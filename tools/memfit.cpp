@@ -526,7 +526,6 @@ bool offloads_to_host(const TrainArgs& a, const char* what) {
   return std::find(a.offload.begin(), a.offload.end(), what) != a.offload.end();
 }
 
-// Every usage error of `memfit train`, found before any work.
 // With a budget, train plans the knobs unless one of them was set by hand.
 bool knobs_by_hand(const TrainArgs& a) {
   return a.parallel == "pipeline" || a.micro_batch > 0 || a.checkpoint != "none" || !a.offload.empty() ||
@@ -535,6 +534,7 @@ bool knobs_by_hand(const TrainArgs& a) {
 
 bool plans_knobs(const TrainArgs& a) { return !a.budget.empty() && a.plan == "auto" && !knobs_by_hand(a); }
 
+// Every usage error of `memfit train`, found before any work.
 void validate_train(const TrainArgs& a) {
   using memfit::tools::usage_check;
   namespace fs = std::filesystem;
