@@ -11,11 +11,15 @@
 #include <nlohmann/json.hpp>
 
 #include <dlfcn.h>
+#include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <sstream>
 
 namespace memfit {
@@ -221,6 +225,58 @@ Environment environment() {
 std::string check_blas() {
   if (blas_check_disabled()) return "";
   return blas_info().warning(at::get_num_threads());
+}
+
+CpuLoad::Sample CpuLoad::sample() {
+  Sample out;
+  out.at = std::chrono::steady_clock::now();
+  const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
+  cpu_set_t mask;
+  if (tick <= 0 || sched_getaffinity(0, sizeof(mask), &mask) != 0) return out;
+  out.cpus = CPU_COUNT(&mask);
+  std::ifstream stat("/proc/stat");
+  std::string line;
+  int listed = 0;
+  double busy = 0;
+  while (std::getline(stat, line)) {
+    if (line.rfind("cpu", 0) != 0) break;
+    std::istringstream fields(line);
+    std::string name;
+    double user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+    fields >> name >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal;
+    if (name == "cpu") busy = user + nice + system + irq + softirq + steal;  // guest time is in user already
+    else ++listed;
+  }
+  std::ifstream self("/proc/self/stat");
+  std::string text((std::istreambuf_iterator<char>(self)), std::istreambuf_iterator<char>());
+  const auto close = text.rfind(')');  // the command name may hold spaces and parentheses
+  if (listed == 0 || listed != out.cpus || close == std::string::npos) return out;
+  std::istringstream rest(text.substr(close + 2));
+  std::string field;
+  double utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {  // fields 3.. after "pid (comm)"
+    if (i == 14) utime = std::stod(field);
+    if (i == 15) stime = std::stod(field);
+  }
+  out.machine_seconds = busy / tick;
+  out.self_seconds = (utime + stime) / tick;
+  out.known = true;
+  return out;
+}
+
+CpuLoad::CpuLoad() : start_(sample()) {}
+
+double CpuLoad::others_cores() const {
+  const auto now = sample();
+  const double wall = std::chrono::duration<double>(now.at - start_.at).count();
+  if (!start_.known || !now.known || wall <= 0) return -1;
+  const double others = (now.machine_seconds - start_.machine_seconds) - (now.self_seconds - start_.self_seconds);
+  return std::clamp(others / wall, 0.0, static_cast<double>(now.cpus));
+}
+
+double CpuLoad::free_cores() const {
+  const double others = others_cores();
+  return others < 0 ? -1 : static_cast<double>(start_.cpus) - others;
 }
 
 } // namespace memfit

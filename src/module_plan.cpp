@@ -566,6 +566,7 @@ struct Candidate {
   StepSettings settings;
   std::vector<Schedule> schedules;
   StepPrediction predicted;
+  bool edge = false;  // predicted above the margin's limit, within the budget (detail::is_edge)
 };
 
 bool any_recompute(const std::vector<Schedule>& s) { return std::any_of(s.begin(), s.end(), detail::recomputes); }
@@ -684,6 +685,10 @@ Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int
       auto s = StepSettings(measured).micro_batch(m == batch ? 0 : m);
       Candidate c{s, std::vector<Schedule>(chains.size()), model.predict(batch, s, {})};
       ++out.candidates;
+      if (detail::is_edge(o, o.verify(), c.predicted.peak_bytes, limit, budget)) {
+        out.fitting.push_back(c);  // timed, never chosen by prediction (best_fitting keeps to the limit)
+        out.fitting.back().edge = true;
+      }
       if (c.predicted.peak_bytes > limit && o.checkpointing() && !chains.empty()) {
         const auto& meas = im.find(s);
         auto solved = solve_chains(model, meas, batch, s, limit, im.m_small, im.m_large, false);
@@ -746,28 +751,30 @@ std::optional<Candidate> measured_choice(const ModuleStepModel::Impl& im, const 
   std::vector<int64_t> group;
   for (const auto& c : fitting) {
     ranked.push_back(detail::ranked(c.settings, c.predicted, any_recompute(c.schedules)));
-    group.push_back(detail::timing_group(c.settings));
+    ranked.back().edge = c.edge;
+    group.push_back(detail::timing_group(c.settings, c.edge));
   }
   const auto& o = im.options;
   const auto order = detail::to_time(ranked, group, o.measure_within(), o.measure_candidates());
-  std::vector<detail::StepTiming> timings;
-  int passes = 0;
-  const int64_t chosen = detail::choose_measured(
-      ranked, order, [&](size_t i) { return run_plan(im, fitting[i].settings, fitting[i].schedules, batch, budget, 2); },
-      &timings, &passes);
+  const auto measured = detail::choose_measured(
+      ranked, order, [&](size_t i) { return run_plan(im, fitting[i].settings, fitting[i].schedules, batch, budget, 2); });
+  const auto& timings = measured.timed;
+  const int64_t chosen = measured.chosen;
   std::vector<std::string> names;
   std::vector<double> predictions;
   for (size_t k = 0; k < order.size(); ++k) {
     const auto& c = fitting[order[k]];
     out.timed.push_back({c.settings, c.schedules, c.predicted.seconds, timings[k].seconds,
                          std::max<int64_t>(timings[k].peak_bytes, 0)});
-    names.push_back(detail::settings_text(c.settings, batch) + "; checkpoint " + schedules_text(out.chains, c.schedules));
+    names.push_back(detail::settings_text(c.settings, batch) + "; checkpoint " + schedules_text(out.chains, c.schedules) +
+                    detail::edge_text(c.edge, c.predicted.peak_bytes));
     predictions.push_back(c.predicted.seconds);
     if (static_cast<int64_t>(order[k]) != chosen) continue;
     out.measured_seconds = timings[k].seconds;
     out.measured_peak_bytes = timings[k].peak_bytes;
   }
-  out.why.push_back(detail::timed_text(names, predictions, timings, passes, chosen >= 0));
+  out.measured_tie = measured.tie;
+  out.why.push_back(detail::timed_text(names, predictions, measured));
   if (chosen < 0) return std::nullopt;
   return fitting[static_cast<size_t>(chosen)];
 }
@@ -846,6 +853,9 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   out.predicted = best->predicted;
   out.why.push_back(fmt::format("chosen: {} ({} step(s)); checkpoint {}", detail::settings_text(best->settings, batch),
                                 best->predicted.accumulation_steps, schedules_text(out.chains, best->schedules)));
+  if (best->edge) {
+    out.why.push_back(detail::edge_chosen_text(best->predicted.peak_bytes, limit, o, out.measured_peak_bytes));
+  }
   out.why.push_back(fmt::format("predicted peak {} of {} ({} phase), {:.4f} s per batch ({:.2f}x plain){}",
                                 format_bytes(best->predicted.peak_bytes), format_bytes(budget),
                                 best->predicted.phase, best->predicted.seconds,
@@ -893,7 +903,6 @@ TrainerOptions ModulePlan::apply(torch::nn::Module& module, TrainerOptions base)
 std::string ModulePlan::to_json() const {
   auto j = nlohmann::json::parse(Plan::to_json());
   j.erase("checkpoint");
-  j["measured_peak_bytes"] = measured_peak_bytes;
   j["chains"] = nlohmann::json::parse(checkpoint_json(chains, schedules));
   return j.dump(2);
 }

@@ -773,29 +773,33 @@ std::string candidate_text(const StepSettings& s, int64_t batch) {
 
 // Times the candidates of `fitting` that PlanOptions::measure_candidates
 // names with `run`, records them in `plan` and returns the index chosen
-// (`predicted`, the prediction's choice, when none ran).
+// (`predicted`, the prediction's choice, when none ran; -1 when that is none:
+// only edge candidates, and none of them fit).
 int64_t choose_by_measurement(const std::vector<std::pair<StepSettings, StepPrediction>>& fitting,
                               const std::vector<detail::Ranked>& candidates, int64_t predicted,
                               const PlanOptions& o, const StepRunner& run, Plan& plan) {
   std::vector<int64_t> group;
   for (const auto& [settings, prediction] : fitting) {
-    group.push_back(detail::timing_group(settings));
+    group.push_back(detail::timing_group(settings, candidates[group.size()].edge));
   }
   const auto order = detail::to_time(candidates, group, o.measure_within(), o.measure_candidates());
-  std::vector<detail::StepTiming> timings;
-  int passes = 0;
-  const int64_t chosen =
-      detail::choose_measured(candidates, order, [&](size_t i) { return run(fitting[i].first); }, &timings, &passes);
+  const auto measured = detail::choose_measured(candidates, order, [&](size_t i) { return run(fitting[i].first); });
+  const auto& timings = measured.timed;
+  const int64_t chosen = measured.chosen;
   std::vector<std::string> names;
   std::vector<double> predictions;
   for (size_t k = 0; k < order.size(); ++k) {
     const auto& [settings, prediction] = fitting[order[k]];
     plan.timed.push_back({settings, {}, prediction.seconds, timings[k].seconds, timings[k].peak_bytes});
-    if (static_cast<int64_t>(order[k]) == chosen) plan.measured_seconds = timings[k].seconds;
-    names.push_back(candidate_text(settings, plan.batch));
+    if (static_cast<int64_t>(order[k]) == chosen) {
+      plan.measured_seconds = timings[k].seconds;
+      plan.measured_peak_bytes = timings[k].peak_bytes;
+    }
+    names.push_back(candidate_text(settings, plan.batch) + detail::edge_text(candidates[order[k]].edge, prediction.peak_bytes));
     predictions.push_back(prediction.seconds);
   }
-  plan.why.push_back(detail::timed_text(names, predictions, timings, passes, chosen >= 0));
+  plan.measured_tie = measured.tie;
+  plan.why.push_back(detail::timed_text(names, predictions, measured));
   return chosen >= 0 ? chosen : predicted;
 }
 
@@ -827,6 +831,7 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
   StepPrediction frugal;
   StepSettings frugal_settings;
   std::vector<std::pair<StepSettings, StepPrediction>> fitting;
+  std::vector<std::pair<StepSettings, StepPrediction>> edges;  // see detail::is_edge
   for (auto precision : o.precisions()) {
     for (bool selective : model.selective_choices()) {
       for (const auto& offload : offloads) {
@@ -852,6 +857,7 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
             frugal = p;
             frugal_settings = s;
           }
+          if (detail::is_edge(o, run != nullptr, p.peak_bytes, limit, budget)) edges.emplace_back(s, p);
           if (p.peak_bytes > limit && o.checkpointing()) {
             const int64_t room = limit - fixed;
             if (p.optimizer_step_bytes > limit || room <= 0) continue;
@@ -870,15 +876,25 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
       }
     }
   }
+  const size_t within_margin = fitting.size();
+  fitting.insert(fitting.end(), edges.begin(), edges.end());
   std::vector<detail::Ranked> candidates;
-  for (const auto& [settings, prediction] : fitting) {
+  for (size_t i = 0; i < fitting.size(); ++i) {
+    const auto& [settings, prediction] = fitting[i];
     candidates.push_back(detail::ranked(settings, prediction, detail::recomputes(settings.schedule())));
+    candidates.back().edge = i >= within_margin;
   }
-  if (int64_t chosen = detail::choose(candidates); chosen >= 0) {
-    if (run && o.measure_candidates() > 0) chosen = choose_by_measurement(fitting, candidates, chosen, o, *run, best);
+  int64_t chosen = detail::choose(candidates);
+  if (run && o.measure_candidates() > 0 && !candidates.empty()) {
+    chosen = choose_by_measurement(fitting, candidates, chosen, o, *run, best);
+  }
+  if (chosen >= 0) {
     best.fits = true;
     best.settings = fitting[static_cast<size_t>(chosen)].first;
     best.predicted = fitting[static_cast<size_t>(chosen)].second;
+    if (candidates[static_cast<size_t>(chosen)].edge) {
+      best.why.push_back(detail::edge_chosen_text(best.predicted.peak_bytes, limit, o, best.measured_peak_bytes));
+    }
   }
   TORCH_CHECK(best.fits, "no combination of micro-batching",
               o.checkpointing() ? ", checkpointing" : "",
@@ -1110,6 +1126,8 @@ std::string Plan::to_json() const {
                       {"plain_seconds", plain_seconds},
                       {"candidates", candidates},
                       {"measured_seconds", measured_seconds},
+                      {"measured_peak_bytes", measured_peak_bytes},
+                      {"measured_tie", measured_tie},
                       {"timed", timed_json},
                       {"predicted_memory", nlohmann::json::parse(predicted.memory.to_json())},
                       {"why", why}};

@@ -3,12 +3,14 @@
 // classifier) and module_plan.cpp's ModuleStepModel (any module).
 
 #include "memfit/compat.h"
+#include "memfit/environment.h"
 #include "memfit/memory.h"
 #include "memfit/plan.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <ATen/Parallel.h>
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
@@ -113,7 +115,18 @@ struct Ranked {
   int offload = 0;        // 0 none, 1 optimizer state, 2 and gradients, 3 and parameters
   int64_t micro_batches = 1;
   int64_t peak_bytes = 0;
+  bool edge = false;      // predicted above the margin's limit but within the budget: it
+                          // fits only where its real steps under the budget say so
 };
+
+// Whether a candidate predicted at `peak` bytes, above the margin's `limit`,
+// is still timed (an edge candidate): where the planner can run real steps
+// under the budget (`can_time`, and PlanOptions::measure_candidates > 0),
+// those steps, not the margin, say whether it fits. A hand-tuning user who
+// tries a setting and sees it fit has the same right.
+inline bool is_edge(const PlanOptions& o, bool can_time, int64_t peak, int64_t limit, int64_t budget) {
+  return can_time && o.measure_candidates() > 0 && peak > limit && peak <= budget;
+}
 
 // Whether `s` recomputes some segment.
 inline bool recomputes(const Schedule& s) {
@@ -141,30 +154,47 @@ inline Ranked ranked(const StepSettings& settings, const StepPrediction& predict
   return r;
 }
 
-// The index of the plan to choose among `candidates` (-1: none): of those
-// predicted within kTimeTie of the fastest, the one without recomputation,
-// then with less offload, then with fewer micro-batches, then the faster and
-// the smaller. Ties are settled by what a plan does, never by which of them
+// The index of the plan to choose among `candidates` (-1: none), edge ones
+// aside (they have not run): of those within `tie` of the fastest (kTimeTie for predictions; for measured times,
+// at least the measurement's own noise), the one without recomputation, then
+// with less offload, then with fewer micro-batches, then the faster and the
+// smaller. Ties are settled by what a plan does, never by which of them
 // timing noise put ahead, and the answer does not depend on their order.
-inline int64_t choose(const std::vector<Ranked>& candidates) {
-  if (candidates.empty()) return -1;
-  double fastest = candidates.front().seconds;
-  for (const auto& c : candidates) fastest = std::min(fastest, c.seconds);
+inline int64_t choose(const std::vector<Ranked>& candidates, double tie = kTimeTie) {
+  double fastest = std::numeric_limits<double>::infinity();
+  for (const auto& c : candidates) fastest = c.edge ? fastest : std::min(fastest, c.seconds);
   auto key = [](const Ranked& c) {
     return std::make_tuple(c.recomputes, c.offload, c.micro_batches, c.seconds, c.peak_bytes);
   };
   int64_t best = -1;
   for (size_t i = 0; i < candidates.size(); ++i) {
-    if (candidates[i].seconds > fastest * (1 + kTimeTie)) continue;
+    if (candidates[i].edge || candidates[i].seconds > fastest * (1 + tie)) continue;
     if (best < 0 || key(candidates[i]) < key(candidates[static_cast<size_t>(best)])) best = static_cast<int64_t>(i);
   }
   return best;
 }
 
+// What the line on the candidates timed says of an edge one (see is_edge).
+inline std::string edge_text(bool edge, int64_t peak_bytes) {
+  return edge ? fmt::format(" (predicted peak {}, above PlanOptions::margin of the budget: its steps decide)",
+                            format_bytes(peak_bytes))
+              : std::string();
+}
+
+// The plan's line on a chosen edge candidate: predicted above the limit, it
+// fits by its steps' peak.
+inline std::string edge_chosen_text(int64_t predicted_peak, int64_t limit, const PlanOptions& o,
+                                    int64_t measured_peak) {
+  return fmt::format("predicted peak {} is above the limit {} ({:.0f}% of the budget), but its real steps under "
+                     "the budget peaked at {}: they, not the margin, say it fits",
+                     format_bytes(predicted_peak), format_bytes(limit), 100 * o.margin(), format_bytes(measured_peak));
+}
+
 // Which of `candidates` to time with real steps (PlanOptions::measure_candidates):
 // choose()'s pick, then the pick of each group (group[i]: candidate i's
-// micro-batch and precision), those predicted within (1 + within) × the
-// fastest prediction, fastest predicted first, at most `count` of them.
+// micro-batch and precision, edge ones apart), those predicted within
+// (1 + within) × the fastest prediction, fastest predicted first, at most
+// `count` of them.
 inline std::vector<size_t> to_time(const std::vector<Ranked>& candidates, const std::vector<int64_t>& group,
                                    double within, int64_t count) {
   std::vector<size_t> picks;
@@ -173,7 +203,10 @@ inline std::vector<size_t> to_time(const std::vector<Ranked>& candidates, const 
   for (size_t i = 0; i < candidates.size(); ++i) members[group[i]].push_back(i);
   for (const auto& [g, at] : members) {
     std::vector<Ranked> sub;
-    for (size_t i : at) sub.push_back(candidates[i]);
+    for (size_t i : at) {
+      sub.push_back(candidates[i]);
+      sub.back().edge = false;  // an edge group's own pick is timed like any other
+    }
     picks.push_back(at[static_cast<size_t>(choose(sub))]);
   }
   const double fastest = std::min_element(candidates.begin(), candidates.end(), [](const Ranked& a, const Ranked& b) {
@@ -185,16 +218,18 @@ inline std::vector<size_t> to_time(const std::vector<Ranked>& candidates, const 
   std::sort(picks.begin(), picks.end(), [&](size_t a, size_t b) {
     return std::make_pair(candidates[a].seconds, a) < std::make_pair(candidates[b].seconds, b);
   });
-  const auto predicted = static_cast<size_t>(choose(candidates));
-  picks.erase(std::remove(picks.begin(), picks.end(), predicted), picks.end());
-  picks.insert(picks.begin(), predicted);
+  if (const int64_t predicted = choose(candidates); predicted >= 0) {
+    picks.erase(std::remove(picks.begin(), picks.end(), static_cast<size_t>(predicted)), picks.end());
+    picks.insert(picks.begin(), static_cast<size_t>(predicted));
+  }
   if (static_cast<int64_t>(picks.size()) > count) picks.resize(static_cast<size_t>(count));
   return picks;
 }
 
-// The group of a candidate with `s` for to_time: its micro-batch and precision.
-inline int64_t timing_group(const StepSettings& s) {
-  return s.micro_batch() * 16 + static_cast<int64_t>(s.precision());
+// The group of a candidate with `s` for to_time: its micro-batch and
+// precision, and whether it is an edge candidate (see is_edge()).
+inline int64_t timing_group(const StepSettings& s, bool edge) {
+  return (s.micro_batch() * 16 + static_cast<int64_t>(s.precision())) * 2 + (edge ? 1 : 0);
 }
 
 // Checks PlanOptions::measure_candidates and measure_within (both planners).
@@ -218,6 +253,9 @@ constexpr int kMinPasses = 2;
 constexpr int kMaxPasses = 5;
 // Candidates measured within this of the fastest contend for the choice.
 constexpr double kContender = 0.10;
+// Where the machine's load is unknown, timings that spread more than this
+// (timing_noise) come from a busy machine (see busy_machine).
+constexpr double kBusy = 0.25;
 
 // Whether the timings `samples` (per candidate; empty: ran out of memory)
 // settle the choice: every contender's two fastest agree within kTimeTie.
@@ -235,59 +273,141 @@ inline bool settled(const std::vector<std::vector<double>>& samples) {
   return true;
 }
 
+// How far apart a timing's repeats land, where they did not settle: the
+// largest gap, less 1, between a candidate's two fastest timed steps (0 when
+// settled, or when none ran twice).
+inline double timing_noise(const std::vector<std::vector<double>>& samples) {
+  if (settled(samples)) return 0;
+  double noise = 0;
+  for (auto v : samples) {
+    if (v.size() < 2) continue;
+    std::sort(v.begin(), v.end());
+    noise = std::max(noise, v[1] / v[0] - 1);
+  }
+  return noise;
+}
+
+// Whether timings ran on a busy machine: other processes left fewer free
+// cores (CpuLoad::free_cores, -1: unknown) than LibTorch has threads, so its
+// threads took turns with them and every step slowed unevenly; where the load
+// is unknown, whether the timings spread by more than kBusy.
+inline bool busy_machine(double free_cores, int threads, double noise) {
+  return free_cores >= 0 ? free_cores < double(threads) - 0.5 : noise > kBusy;
+}
+
+// What choose_measured measured and chose.
+struct Measured {
+  int64_t chosen = -1;              // index into the candidates (-1: none ran)
+  std::vector<StepTiming> timed;    // each one's timing, in the order timed
+  int passes = 0;                   // passes over the candidates
+  double tie = kTimeTie;            // the tie band used: kTimeTie or the noise, the larger
+  bool busy = false;                // a busy machine (busy_machine): what the plans do chose
+  double free_cores = -1;           // the cores other processes left free while timing (-1: unknown)
+};
+
 // Times candidates `order` with `run` in passes, every other one in reverse
 // order (drift on a shared machine then weighs on all alike), kMinPasses to
 // kMaxPasses of them (see settled), and returns choose()'s pick among those
 // that ran, with each one's fastest measured time in place of its
-// prediction (-1: none ran); `timed` gets each one's timing, in `order`, and
-// `passes` how many ran. A candidate that runs out of memory is not run again.
-inline int64_t choose_measured(const std::vector<Ranked>& candidates, const std::vector<size_t>& order,
-                               const std::function<StepTiming(size_t)>& run, std::vector<StepTiming>* timed,
-                               int* passes = nullptr) {
-  timed->assign(order.size(), StepTiming{});
+// prediction. Times closer than the measurement's noise (timing_noise) are a
+// tie too. On a busy machine (busy_machine; `free_cores` says how many cores
+// other processes left, by default a CpuLoad over the passes) times decide
+// nothing: of all the candidates predicted to fit whose steps did not run out
+// of memory, the one that does least is chosen (choose()'s order: no
+// recomputation, less offload, fewer micro-batches, then fewer bytes), so the
+// plan depends neither on the noise nor on which candidates the noisy
+// predictions put forward. A candidate that runs out of memory is not run again.
+inline Measured choose_measured(const std::vector<Ranked>& candidates, const std::vector<size_t>& order,
+                                const std::function<StepTiming(size_t)>& run,
+                                std::function<double()> free_cores = nullptr) {
+  Measured out;
+  const CpuLoad load;
+  if (!free_cores) free_cores = [&load] { return load.free_cores(); };
+  out.timed.assign(order.size(), StepTiming{});
   std::vector<std::vector<double>> samples(order.size());
   std::vector<bool> out_of_memory(order.size(), false);
-  int pass = 0;
-  for (; pass < kMaxPasses && (pass < kMinPasses || !settled(samples)); ++pass) {
+  // More passes settle noise, not a busy machine's turns: those stop at kMinPasses.
+  const auto busy_now = [&] {
+    const double free = free_cores();
+    return free >= 0 && busy_machine(free, at::get_num_threads(), 0);
+  };
+  for (; out.passes < kMaxPasses && (out.passes < kMinPasses || (!settled(samples) && !busy_now()));
+       ++out.passes) {
     for (size_t n = 0; n < order.size(); ++n) {
-      const size_t k = pass % 2 == 0 ? n : order.size() - 1 - n;
+      const size_t k = out.passes % 2 == 0 ? n : order.size() - 1 - n;
       if (out_of_memory[k]) continue;
       const auto r = run(order[k]);
-      (*timed)[k].peak_bytes = std::max((*timed)[k].peak_bytes, r.peak_bytes);
+      out.timed[k].peak_bytes = std::max(out.timed[k].peak_bytes, r.peak_bytes);
       out_of_memory[k] = r.seconds <= 0;
       if (out_of_memory[k]) samples[k].clear();
       else samples[k].push_back(r.seconds);
     }
   }
-  if (passes) *passes = pass;
   std::vector<Ranked> ran;
   std::vector<size_t> at;
   for (size_t k = 0; k < order.size(); ++k) {
     if (samples[k].empty()) continue;
-    (*timed)[k].seconds = *std::min_element(samples[k].begin(), samples[k].end());
+    out.timed[k].seconds = *std::min_element(samples[k].begin(), samples[k].end());
     ran.push_back(candidates[order[k]]);
-    ran.back().seconds = (*timed)[k].seconds;
+    ran.back().seconds = out.timed[k].seconds;
+    ran.back().edge = false;  // its steps ran under the budget: it fits
     at.push_back(order[k]);
   }
-  const int64_t chosen = choose(ran);
-  return chosen < 0 ? -1 : static_cast<int64_t>(at[static_cast<size_t>(chosen)]);
+  out.tie = std::max(kTimeTie, timing_noise(samples));
+  out.free_cores = free_cores();
+  if (busy_machine(out.free_cores, at::get_num_threads(), out.tie)) {
+    // Every candidate predicted to fit (edge ones aside) whose steps did not
+    // run out of memory, told apart by what it does, then its bytes: the
+    // same answer whatever the noise made of the times, or of the predictions.
+    std::vector<Ranked> fit;
+    std::vector<size_t> fit_at;
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      const auto k = static_cast<size_t>(std::find(order.begin(), order.end(), i) - order.begin());
+      if (candidates[i].edge || (k < order.size() && out_of_memory[k])) continue;
+      fit.push_back(candidates[i]);
+      fit.back().seconds = 0;
+      fit_at.push_back(i);
+    }
+    if (!fit.empty()) {
+      out.busy = true;
+      out.chosen = static_cast<int64_t>(fit_at[static_cast<size_t>(choose(fit))]);
+      return out;
+    }
+  }
+  const int64_t chosen = choose(ran, out.tie);
+  out.chosen = chosen < 0 ? -1 : static_cast<int64_t>(at[static_cast<size_t>(chosen)]);
+  return out;
 }
 
 // The plan's line on the candidates timed: each one's `names` entry with its
 // predicted and measured time, in the order timed, and what was chosen.
 inline std::string timed_text(const std::vector<std::string>& names, const std::vector<double>& predicted,
-                              const std::vector<StepTiming>& timings, int passes, bool chosen) {
+                              const Measured& m) {
   std::vector<std::string> lines;
   for (size_t k = 0; k < names.size(); ++k) {
     lines.push_back(fmt::format("{}: predicted {:.1f} ms, {}", names[k], 1e3 * predicted[k],
-                                timings[k].seconds > 0 ? fmt::format("measured {:.1f} ms", 1e3 * timings[k].seconds)
-                                                       : std::string("ran out of memory under the budget")));
+                                m.timed[k].seconds > 0
+                                    ? fmt::format("measured {:.1f} ms", 1e3 * m.timed[k].seconds)
+                                    : std::string("ran out of memory under the budget")));
   }
+  const std::string tie =
+      m.busy ? fmt::format("{}: a busy machine's times cannot tell plans apart, so of all those predicted to fit, "
+                           "the one that does least (no recomputation, then less offload, then fewer "
+                           "micro-batches, then fewer bytes) is chosen",
+                           m.free_cores >= 0
+                               ? fmt::format("other processes left {:.1f} free cores for LibTorch's {} threads",
+                                             m.free_cores, at::get_num_threads())
+                               : fmt::format("the timed steps spread by {:.0f}%, more than {:.0f}%", 100 * m.tie,
+                                             100 * kBusy))
+      : m.tie > kTimeTie ? fmt::format("times within {:.0f}% are a tie: the timing's own noise, as the passes did "
+                                       "not settle", 100 * m.tie)
+                         : fmt::format("times within {:.0f}% are a tie", 100 * kTimeTie);
   return fmt::format("timed the {} closest candidate(s) with real steps under the budget, in {} passes, every "
                      "other one in reverse order (each a warm-up step and a timed one; a candidate's fastest "
-                     "timed step counts; times within {:.0f}% are a tie): {}; {}",
-                     names.size(), passes, 100 * kTimeTie, fmt::join(lines, "; "),
-                     chosen ? "chose the fastest measured" : "none ran, so the prediction chooses");
+                     "timed step counts; {}): {}; {}",
+                     names.size(), m.passes, tie, fmt::join(lines, "; "),
+                     m.busy ? "chose by what the plans do"
+                     : m.chosen >= 0 ? "chose the fastest measured" : "none ran, so the prediction chooses");
 }
 
 // The CPU random generator's state, put back on destruction: planning's

@@ -21,6 +21,8 @@
 #include "test_util.h"
 
 #include <filesystem>
+#include <iostream>
+#include <thread>
 #include <sstream>
 
 namespace doc_batch {
@@ -323,6 +325,12 @@ TEST_F(DocExamples, EnvironmentHeader) {
   const auto warning = memfit::check_blas();
   if (!warning.empty()) err << "warning: " << warning << "\n";
   EXPECT_EQ(err.str().empty(), warning.empty());
+  {
+    memfit::CpuLoad load;
+    // ... timed work ...
+    if (load.free_cores() >= 0 && load.free_cores() < 1.5) std::cerr << "another process shares the cores\n";
+    EXPECT_LE(load.free_cores(), double(std::thread::hardware_concurrency()));
+  }
 }
 
 TEST_F(DocExamples, DistributedHeader) {

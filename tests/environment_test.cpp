@@ -5,11 +5,16 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <set>
 #include <string>
+#include <thread>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 namespace memfit {
 namespace {
@@ -131,3 +136,24 @@ TEST(Environment, RecordsVersionThreadsAndBlas) {
 
 } // namespace
 } // namespace memfit
+
+// Another process spinning on a core counts; this process's own work does not.
+TEST(Environment, CpuLoadCountsTheCoresOtherProcessesKeepBusy) {
+  memfit::CpuLoad load;
+  if (load.others_cores() < 0) GTEST_SKIP() << "no /proc/stat for this process's CPUs (not Linux, or a container)";
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // spins for 0.6 s, then leaves without running the parent's atexit handlers
+    const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(600);
+    volatile uint64_t n = 0;
+    while (std::chrono::steady_clock::now() < end) n = n + 1;
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  const double others = load.others_cores();
+  EXPECT_GE(others, 0.6) << "the child kept a core busy all along";
+  EXPECT_LE(others, double(std::thread::hardware_concurrency()));
+  EXPECT_NEAR(load.free_cores() + others, double(std::thread::hardware_concurrency()), 0.05)
+      << "free: the CPUs this process may use, less the others' load (sampled again)";
+}

@@ -186,18 +186,38 @@ TEST_F(ModulePlanTest, ChoosesTheFastestMeasuredOfTheClosestCandidatesUnderTheBu
   for (const auto& t : p.timed) {
     if (t.measured_seconds == 0) continue;  // ran out of memory under the budget
     EXPECT_LE(t.measured_peak_bytes, 1 << 20);
-    EXPECT_LE(p.measured_seconds, t.measured_seconds * 1.03) << "the fastest measured, up to the tie band";
+    EXPECT_LE(p.measured_seconds, t.measured_seconds * (1 + p.measured_tie)) << "the fastest measured, up to the tie band";
     chosen_timed |= t.settings.micro_batch() == p.settings.micro_batch() && t.schedules.size() == p.schedules.size() &&
                     t.measured_seconds == p.measured_seconds && t.measured_peak_bytes == p.measured_peak_bytes;
   }
-  EXPECT_TRUE(chosen_timed) << p.explain();
-  EXPECT_NE(p.explain().find("chose the fastest measured"), std::string::npos) << p.explain();
+  const bool busy = p.explain().find("chose by what the plans do") != std::string::npos;
+  EXPECT_TRUE(chosen_timed || busy) << "the fastest measured, or (a busy machine) what does least: " << p.explain();
+  EXPECT_TRUE(busy || p.explain().find("chose the fastest measured") != std::string::npos) << p.explain();
   const auto predicted = memfit::plan(net.ptr(), chain_loss, batch, 1 << 20, memfit::PlanOptions().measure_candidates(0));
   EXPECT_TRUE(predicted.timed.empty());
   EXPECT_GT(predicted.measured_peak_bytes, 0) << "the chosen plan is still verified";
   memfit::testing::expect_error(
       [&] { memfit::plan(net.ptr(), chain_loss, batch, 1 << 20, memfit::PlanOptions().measure_within(-1)); },
       "PlanOptions::measure_within must be >= 0, got -1");
+}
+
+TEST_F(ModulePlanTest, AStepPredictedAboveTheMarginFitsWhereItsRealStepsDo) {
+  ChainNet net(64, 8);
+  const auto batch = sample(256);
+  const auto plain_only = memfit::PlanOptions().micro_batching(false).checkpointing(false).offload(false);
+  const int64_t predicted = memfit::plan(net.ptr(), chain_loss, batch, 64 << 20, plain_only).plain_peak_bytes;
+  const int64_t budget = predicted * 100 / 98;  // the plain step at 98%: above the limit of 97%
+  EXPECT_THROW(memfit::plan(net.ptr(), chain_loss, batch, budget, memfit::PlanOptions(plain_only).measure_candidates(0)),
+               c10::Error)
+      << "by prediction the margin leaves no plan";
+  const auto p = memfit::plan(net.ptr(), chain_loss, batch, budget, plain_only);
+  ASSERT_TRUE(p.fits);
+  ASSERT_EQ(p.timed.size(), 1u);
+  EXPECT_GT(p.measured_peak_bytes, 0);
+  EXPECT_LE(p.measured_peak_bytes, budget);
+  EXPECT_NE(p.explain().find("they, not the margin, say it fits"), std::string::npos) << p.explain();
+  EXPECT_THROW(memfit::plan(net.ptr(), chain_loss, batch, p.measured_peak_bytes - 1, plain_only), c10::Error)
+      << "a byte less than its steps need";
 }
 
 TEST_F(ModulePlanTest, APlanAppliesOnlyToTheModuleItWasMadeFor) {

@@ -802,7 +802,7 @@ int run_train(const TrainArgs& a) {
   const auto precisions = plan_precisions(a.precision, device);  // "any": the plan's choice of these
   const bool pipelined = a.parallel == "pipeline";
   std::optional<memfit::Plan> plan;
-  if (budget > 0 && plans_knobs(a)) {
+  if (plans_knobs(a)) {
     chain->to(device);
     memfit::StepModel step_model(
         chain, train_data.images.narrow(0, 0, 1).to(device),

@@ -17,9 +17,14 @@
 /// Setting the environment variable `MEMFIT_BLAS_CHECK=0` (or `off`,
 /// `false`) turns the warning off; detection and recording go on.
 ///
+/// A CpuLoad says how many cores other processes kept busy while some work
+/// ran: the planner times candidate plans only where that leaves LibTorch's
+/// threads a core each (plan.h, PlanOptions::measure_candidates).
+///
 /// Thread safety: the functions are safe to call from any thread. Sync
 /// points: none. Extra memory: none (no tensor is allocated).
 
+#include <chrono>
 #include <string>
 
 namespace memfit {
@@ -108,5 +113,41 @@ Environment environment();
 ///   if (!warning.empty()) std::cerr << "warning: " << warning << "\n";
 /// \endcode
 std::string check_blas();
+
+/// How busy the machine's CPUs were since a point in time: the cores other
+/// processes kept busy, from the machine's and this process's CPU time.
+///
+/// Reads `/proc/stat` and `/proc/self/stat` at construction and at each call.
+/// Where they are missing, or where `/proc/stat` counts other CPUs than this
+/// process may run on (a container on a larger host), it knows nothing and
+/// says -1. Costs two small file reads per call.
+///
+/// Example:
+/// \code
+///   memfit::CpuLoad load;
+///   // ... timed work ...
+///   if (load.free_cores() >= 0 && load.free_cores() < 1.5) std::cerr << "another process shares the cores\n";
+/// \endcode
+class CpuLoad {
+ public:
+  /// Starts the interval now.
+  CpuLoad();
+  /// Cores other processes kept busy on average since construction (0 to
+  /// the CPU count); -1 where unknown.
+  double others_cores() const;
+  /// The CPUs this process may run on, less others_cores(); -1 where unknown.
+  double free_cores() const;
+
+ private:
+  struct Sample {
+    double machine_seconds = 0;  // CPU time all processes used, summed over CPUs
+    double self_seconds = 0;     // this process's user and system time
+    std::chrono::steady_clock::time_point at;
+    int cpus = 0;                // CPUs this process may run on
+    bool known = false;
+  };
+  static Sample sample();
+  Sample start_;
+};
 
 } // namespace memfit

@@ -178,14 +178,12 @@ class ModuleStepModel {
   std::unique_ptr<Impl> impl_;
 };
 
-/// A plan for a user's module: Plan's fields (its settings' schedule unused)
+/// A plan for a user's module: Plan's fields (its settings' schedule unused;
+/// measured_peak_bytes from its real steps on the sample, PlanOptions::verify)
 /// and one schedule per chain.
 struct ModulePlan : Plan {
   std::vector<std::string> chains;  ///< The chains' names, in the module's order.
   std::vector<Schedule> schedules;  ///< One per chain (empty: plain).
-  /// The peak of the plan's real steps on the sample, run under the budget
-  /// before it was chosen (PlanOptions::verify; 0 without).
-  int64_t measured_peak_bytes = 0;
 
   /// Sets every chain's schedule in `module` (found by name) and returns
   /// `base` with the plan's micro-batch, precision and offloads.

@@ -373,14 +373,23 @@ struct Plan {
   int64_t candidates = 0;            ///< Combinations considered.
   std::vector<TimedCandidate> timed; ///< Those timed with real steps, fastest predicted first.
   double measured_seconds = 0;       ///< The chosen plan's measured time (0: not timed).
+  int64_t measured_peak_bytes = 0;   ///< The chosen plan's real steps' peak under the budget (0: not run).
+  /// Measured times within this fraction of the fastest were a tie, settled by
+  /// what the plans do: 0.03, or the timing's own noise where its passes did
+  /// not settle; 0 when nothing was timed. On a busy machine (other
+  /// processes left fewer free cores than LibTorch has threads, CpuLoad)
+  /// times decide nothing: of all the plans predicted to fit, the one that
+  /// does least is chosen, and the reasons say so.
+  double measured_tie = 0;
   std::vector<std::string> why;      ///< One line per choice.
 
   /// {"fits", "budget_bytes", "predicted_peak_bytes", "predicted_seconds",
   /// "plain_peak_bytes", "plain_seconds", "batch", "micro_batch",
   /// "accumulation_steps", "precision", "checkpoint", "selective_recompute",
-  /// "offload", "tile_bytes", "measured_seconds", "timed" (each candidate's
-  /// "micro_batch", "precision", "offload", "checkpoint",
-  /// "predicted_seconds", "measured_seconds", "measured_peak_bytes"), "why"}.
+  /// "offload", "tile_bytes", "measured_seconds", "measured_peak_bytes",
+  /// "measured_tie", "timed" (each candidate's "micro_batch", "precision",
+  /// "offload", "checkpoint", "predicted_seconds", "measured_seconds",
+  /// "measured_peak_bytes"), "why"}.
   std::string to_json() const;
   /// The plan and its reasons as text.
   std::string explain() const;
