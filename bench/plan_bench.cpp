@@ -1,6 +1,7 @@
 // The planner against exhaustive search: for the built-in models at budgets of
-// 1/2, 1/4 and 1/8 of the plain step's measured peak, the plan is run under
-// the budget (does it fit?), and every combination of the planner's grid
+// 1/2, 1/4 and 1/8 of the plain step's measured peak, the plan (chosen as
+// `memfit plan` chooses: the closest candidates timed with real steps, see
+// PlanOptions::measure_candidates) is run under the budget (does it fit?), and every combination of the planner's grid
 // (micro-batch: the batch halved down to 1; memfit::offload_choices: optimizer
 // state and gradients on the device, the state on the host, both on the host,
 // or the parameters streamed from the host too, untiled or in tiles; no
@@ -153,7 +154,8 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch) {
       state.counters[key + "budget_MiB"] = double(budget) / (1 << 20);
       std::optional<memfit::Plan> p;
       try {
-        p = memfit::plan(model, batch, budget);
+        // As `memfit plan` chooses: the closest candidates timed with real steps.
+        p = memfit::plan(model, [&] { return make(kind); }, data(), batch, budget);
       } catch (const c10::Error& e) {
         state.counters[key + "fits"] = 0;
         fmt::print(stderr, "{} at 1/{}: {}\n", kind, divisor, e.msg());
@@ -314,7 +316,15 @@ void run_own(benchmark::State& state, const std::function<std::shared_ptr<M>()>&
   memfit::Trainer planned(module, loss, p.apply(*module, options));
   planned.train_step(batch);
   const int64_t peak = planned.train_step(batch).peak_bytes;
-  state.SetLabel(p.why[2]);
+  std::string label;  // the plan's "chosen: ..." line, and how it was chosen
+  for (const auto& line : p.why) {
+    if (line.rfind("chosen:", 0) == 0) label = line + label;
+    if (line.rfind("timed the", 0) == 0) label += line.find("what the plans do") != std::string::npos
+                                                      ? " (a busy machine: what the plans do chose)"
+                                                      : " (the fastest measured)";
+    if (line.find("not the margin, say it fits") != std::string::npos) label += " (above the margin: its steps fit)";
+  }
+  state.SetLabel(label);
   state.counters["plain_peak_MiB"] = double(plain_peak) / (1 << 20);
   state.counters["budget_MiB"] = double(budget) / (1 << 20);
   state.counters["peak_MiB"] = double(peak) / (1 << 20);

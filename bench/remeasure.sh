@@ -5,7 +5,7 @@
 # `memfit --version` (LibTorch, BLAS) and the load, and closed by its wall time.
 #
 # Usage (after `make build`): bash bench/remeasure.sh [NAME...]
-#   NAMES: main memory checkpoint precision trainer tax tax_python plan accuracy own cost distributed
+#   NAMES: main memory checkpoint precision trainer tax tax_python plan accuracy own cost stability distributed
 #          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
 #          peers_torch2 peers_gpt_torch2  (peers with PyTorch 2.15's tools too: after
 #          `make build LIBTORCH=pip`; not in the default list)
@@ -49,6 +49,7 @@ measure() {
     accuracy) bench plan_accuracy memfit_plan_bench --benchmark_filter=accuracy ;;
     own) bench plan_own memfit_plan_bench --benchmark_filter=own ;;
     cost) bench plan_cost memfit_plan_bench --benchmark_filter=cost ;;
+    stability) run plan_stability bash bench/plan_stability.sh "$build" ;;
     distributed) bench distributed memfit_distributed_bench --steps 40 ;;
     gpt_train) run gpt_train "$build/memfit" train --model gpt --width 64 --depth 2 --context 64 --batch 32 --steps 100 ;;
     gpt_budget) run gpt_budget python3 bench/gpt_budget.py --build "$build" ;;
@@ -62,7 +63,8 @@ measure() {
   esac
 }
 
-all=(main memory checkpoint precision trainer tax tax_python plan accuracy own cost distributed gpt_train gpt_budget peers peers_gpt)
+all=(main memory checkpoint precision trainer tax tax_python plan accuracy own cost stability distributed gpt_train gpt_budget
+  peers peers_gpt)
 known=("${all[@]}" peers_torch2 peers_gpt_torch2)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${all[@]}")

@@ -295,6 +295,26 @@ inline bool busy_machine(double free_cores, int threads, double noise) {
   return free_cores >= 0 ? free_cores < double(threads) - 0.5 : noise > kBusy;
 }
 
+// The one of `candidates` that does least (-1: none): of all predicted to fit,
+// edge ones aside, less those whose steps ran out of memory (out_of_memory[k]
+// for candidate order[k]), the first in choose()'s order without times (no
+// recomputation, less offload, fewer micro-batches, then fewer bytes): the
+// same answer whatever noise made of the times, or of the predictions.
+inline int64_t does_least(const std::vector<Ranked>& candidates, const std::vector<size_t>& order,
+                          const std::vector<bool>& out_of_memory) {
+  std::vector<Ranked> fit;
+  std::vector<size_t> at;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const auto k = static_cast<size_t>(std::find(order.begin(), order.end(), i) - order.begin());
+    if (candidates[i].edge || (k < order.size() && out_of_memory[k])) continue;
+    fit.push_back(candidates[i]);
+    fit.back().seconds = 0;
+    at.push_back(i);
+  }
+  const int64_t chosen = choose(fit);
+  return chosen < 0 ? -1 : static_cast<int64_t>(at[static_cast<size_t>(chosen)]);
+}
+
 // What choose_measured measured and chose.
 struct Measured {
   int64_t chosen = -1;              // index into the candidates (-1: none ran)
@@ -356,23 +376,9 @@ inline Measured choose_measured(const std::vector<Ranked>& candidates, const std
   out.tie = std::max(kTimeTie, timing_noise(samples));
   out.free_cores = free_cores();
   if (busy_machine(out.free_cores, at::get_num_threads(), out.tie)) {
-    // Every candidate predicted to fit (edge ones aside) whose steps did not
-    // run out of memory, told apart by what it does, then its bytes: the
-    // same answer whatever the noise made of the times, or of the predictions.
-    std::vector<Ranked> fit;
-    std::vector<size_t> fit_at;
-    for (size_t i = 0; i < candidates.size(); ++i) {
-      const auto k = static_cast<size_t>(std::find(order.begin(), order.end(), i) - order.begin());
-      if (candidates[i].edge || (k < order.size() && out_of_memory[k])) continue;
-      fit.push_back(candidates[i]);
-      fit.back().seconds = 0;
-      fit_at.push_back(i);
-    }
-    if (!fit.empty()) {
-      out.busy = true;
-      out.chosen = static_cast<int64_t>(fit_at[static_cast<size_t>(choose(fit))]);
-      return out;
-    }
+    out.chosen = does_least(candidates, order, out_of_memory);
+    out.busy = out.chosen >= 0;
+    if (out.busy) return out;
   }
   const int64_t chosen = choose(ran, out.tie);
   out.chosen = chosen < 0 ? -1 : static_cast<int64_t>(at[static_cast<size_t>(chosen)]);

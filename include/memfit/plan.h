@@ -164,8 +164,11 @@ struct PlanOptions {
   /// rather than timed, and planning a large batch costs little more than
   /// planning a small one.
   TORCH_ARG(double, saturation_seconds) = 0.02;
-  /// Plans must fit in this fraction of the budget (room for what the model
-  /// does not see: allocator rounding, the data loader's indices).
+  /// Plans must fit in this fraction of the budget by prediction (room for
+  /// what the model does not see: allocator rounding, the data loader's
+  /// indices). Where real steps can run (measure_candidates > 0), a plan
+  /// predicted above it but within the budget is timed too, and fits if its
+  /// steps fit the budget.
   TORCH_ARG(double, margin) = 0.97;
   /// Whether the plan may split the batch into micro-batches.
   TORCH_ARG(bool, micro_batching) = true;
@@ -183,7 +186,10 @@ struct PlanOptions {
   /// micro-batch and precision, fastest predicted first, and only those
   /// within measure_within of the fastest prediction. The measured fastest
   /// is chosen (times within 3% of it are a tie, settled as predictions'
-  /// are). 0: choose by prediction alone.
+  /// are). On a busy machine (other processes leave fewer free cores than
+  /// LibTorch has threads, CpuLoad) times cannot tell plans apart: of all
+  /// the plans predicted to fit, the one that does least is chosen, so the
+  /// plan does not follow the noise. 0: choose by prediction alone.
   TORCH_ARG(int64_t, measure_candidates) = 4;
   /// Candidates predicted to take at most (1 + measure_within) times the
   /// fastest prediction are timed (the time model errs most between micro-batch sizes).

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 21 item 3: does `memfit plan` give the same plan from run to run?
+# Five runs of each case, on a quiet machine and then with `yes > /dev/null`
+# keeping one core busy; each line is one run's plan (micro-batch, precision,
+# checkpoint, offload), its tie band (Plan::measured_tie), whether a busy
+# machine left the choice to what the plans do ("busy") or times decided
+# ("timed"), how many candidates were timed, and the command's wall time.
+#
+# Usage (after `make build`): bash bench/plan_stability.sh [BUILD] [RUNS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+runs=${2:-5}
+cases=(
+  "--model resnet --batch 64 --budget 64MiB"
+  "--model resnet --batch 128 --budget 96MiB --batch-statistics per-micro-batch"
+  "--model resnet --batch 128 --budget 38MiB --batch-statistics per-micro-batch"
+  "--model gpt --batch 16 --budget 40MiB"
+  "--model mlp --batch 256 --budget 1MiB"
+)
+json=$(mktemp)
+busy=
+trap 'rm -f "$json"; [ -n "$busy" ] && kill "$busy" 2>/dev/null || true' EXIT
+for mode in quiet busy; do
+  if [ "$mode" = busy ]; then
+    yes > /dev/null &
+    busy=$!
+  fi
+  for c in "${cases[@]}"; do
+    echo "== $mode: memfit plan $c"
+    for _ in $(seq "$runs"); do
+      start=$(date +%s.%N)
+      # shellcheck disable=SC2086  # the case's words are separate arguments
+      "$build/memfit" plan $c --json > "$json"
+      end=$(date +%s.%N)
+      python3 - "$json" "$start" "$end" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+timed = [w for w in j["why"] if w.startswith("timed")]
+how = "busy" if timed and "what the plans do" in timed[0] else "timed"
+print(f"micro-batch {j['micro_batch']}, {j['precision']}, checkpoint {j['checkpoint']}, offload {j['offload']}; "
+      f"tie {j['measured_tie']:.2f}, {how}, {len(j['timed'])} timed, {float(sys.argv[3]) - float(sys.argv[2]):.1f} s")
+PY
+    done
+  done
+done
