@@ -795,7 +795,8 @@ int64_t choose_by_measurement(const std::vector<std::pair<StepSettings, StepPred
       plan.measured_seconds = timings[k].seconds;
       plan.measured_peak_bytes = timings[k].peak_bytes;
     }
-    names.push_back(candidate_text(settings, plan.batch) + detail::edge_text(candidates[order[k]].edge, prediction.peak_bytes));
+    names.push_back(candidate_text(settings, plan.batch) +
+                    detail::edge_text(candidates[order[k]].edge, prediction.peak_bytes));
     predictions.push_back(prediction.seconds);
   }
   plan.measured_tie = measured.tie;

@@ -446,6 +446,18 @@ TEST_F(Planner, TimesLargerBatchesOnlyUntilTheDeviceIsBusyAndExtrapolatesAboveTh
       << p.explain();
 }
 
+// A candidate as the choice sees it; its peak falls with its micro-batches.
+detail::Ranked candidate(double seconds, int recomputes, int offload, int64_t micro_batches, bool edge = false) {
+  detail::Ranked r;
+  r.seconds = seconds;
+  r.recomputes = recomputes;
+  r.offload = offload;
+  r.micro_batches = micro_batches;
+  r.peak_bytes = 1000 / micro_batches;
+  r.edge = edge;
+  return r;
+}
+
 // A deterministic timing source: each run's predictions are the true times
 // with seeded noise of ±1%, in a shuffled order, as five runs of `memfit plan`
 // on a shared machine would see them.
@@ -455,13 +467,7 @@ TEST(PlanChoice, PlansTheTimeModelCannotTellApartAreChosenByWhatTheyDoNotByNoise
     detail::Ranked r;
   };
   auto make = [](double seconds, int recomputes, int offload, int64_t micro_batches) {
-    detail::Ranked r;
-    r.seconds = seconds;
-    r.recomputes = recomputes;
-    r.offload = offload;
-    r.micro_batches = micro_batches;
-    r.peak_bytes = 1000 / micro_batches;
-    return r;
+    return candidate(seconds, recomputes, offload, micro_batches);
   };
   // The plain step, micro-batches of 32 and 16, optimizer offload and a
   // checkpoint, all within 0.3% of one another, and a slower plan.
@@ -497,11 +503,7 @@ TEST(PlanChoice, PlansTheTimeModelCannotTellApartAreChosenByWhatTheyDoNotByNoise
 // predictions put the wrong plan first, the real steps the right one.
 TEST(PlanChoice, RealStepsDecideWherePredictionsCannotTell) {
   auto make = [](double seconds, int offload, int64_t micro_batches) {
-    detail::Ranked r;
-    r.seconds = seconds;
-    r.offload = offload;
-    r.micro_batches = micro_batches;
-    return r;
+    return candidate(seconds, 0, offload, micro_batches);
   };
   // Micro-batches of 64, 32 (with and without offload), 16 and 8; the
   // prediction favours 8, the truth 64, as on the ResNet at 96 MiB.
@@ -559,12 +561,7 @@ TEST(PlanChoice, RealStepsDecideWherePredictionsCannotTell) {
 // the same plan; its noise decides the raw fastest.
 TEST(PlanChoice, OnABusyMachineWhatThePlansDoDecidesSoFivePlansAgree) {
   auto make = [](double seconds, int recomputes, int offload, int64_t micro_batches) {
-    detail::Ranked r;
-    r.seconds = seconds;
-    r.recomputes = recomputes;
-    r.offload = offload;
-    r.micro_batches = micro_batches;
-    return r;
+    return candidate(seconds, recomputes, offload, micro_batches);
   };
   // The GPT at batch 16 under 40 MiB: micro-batches of 8 with a checkpoint and
   // offload, 4 plain, 16 with a checkpoint and offload, 2 plain; and 1 plain,
@@ -615,11 +612,7 @@ TEST(PlanChoice, OnABusyMachineWhatThePlansDoDecidesSoFivePlansAgree) {
 // within it, are timed and fit only by their steps.
 TEST(PlanChoice, AnEdgeCandidateFitsByItsStepsNeverByPrediction) {
   auto make = [](double seconds, int64_t micro_batches, bool edge) {
-    detail::Ranked r;
-    r.seconds = seconds;
-    r.micro_batches = micro_batches;
-    r.edge = edge;
-    return r;
+    return candidate(seconds, 0, 0, micro_batches, edge);
   };
   // Micro-batches of 32 predicted at 99% of the budget, 16 within the margin.
   const std::vector<detail::Ranked> candidates = {make(0.18, 4, true), make(0.20, 8, false)};
