@@ -446,6 +446,25 @@ ChainCosts ModuleStepModel::costs(size_t index, Precision precision, int64_t mic
 }
 
 namespace {
+// The chain's costs for a step of micro-batches of m, with the parameter
+// gradients each layer's backward creates when the step is one micro-batch
+// (`single`): then a schedule that moves a layer's backward later meets more
+// of them. Later micro-batches find every gradient made (in the measured
+// windows); offloaded gradients leave the device.
+ChainCosts step_costs(const ModuleStepModel& model, size_t index, const StepSettings& settings, int64_t m,
+                      bool single) {
+  auto c = model.costs(index, settings.precision(), m);
+  if (!single || settings.offload_gradients() == Offload::kHost) return c;
+  const auto& layers = model.chains()[index].chain->sequential();
+  c.gradient.assign(layers->size(), 0);
+  for (size_t i = 0; i < layers->size(); ++i) {
+    for (const auto& p : layers->ptr(i)->parameters()) {
+      if (p.requires_grad()) c.gradient[i] += static_cast<int64_t>(p.numel() * p.element_size());
+    }
+  }
+  return c;
+}
+
 // How a schedule moves a chain's forward peak, held bytes, backward peak and time against plain.
 struct ChainDelta {
   int64_t forward = 0, held = 0, backward = 0;
@@ -516,7 +535,7 @@ StepPrediction ModuleStepModel::predict(int64_t batch, const StepSettings& setti
   const int64_t steps = (batch + m - 1) / m;
   std::vector<ChainDelta> deltas(im.chains.size());
   for (size_t c = 0; c < schedules.size(); ++c) {
-    deltas[c] = delta_of(costs(c, settings.precision(), m), schedules[c]);
+    deltas[c] = delta_of(step_costs(*this, c, settings, m, steps == 1), schedules[c]);
   }
   StepPrediction out;
   out.accumulation_steps = steps;
@@ -597,7 +616,7 @@ std::optional<std::vector<Schedule>> solve_chains(const ModuleStepModel& model, 
   const int64_t m = settings.micro_batch() > 0 ? std::min(settings.micro_batch(), batch) : batch;
   const bool single = (batch + m - 1) / m == 1;
   std::vector<ChainCosts> costs;
-  for (size_t c = 0; c < chains.size(); ++c) costs.push_back(model.costs(c, settings.precision(), m));
+  for (size_t c = 0; c < chains.size(); ++c) costs.push_back(step_costs(model, c, settings, m, single));
   std::vector<Schedule> schedules(chains.size());
   std::vector<ChainDelta> deltas(chains.size());
   if (frugal) {

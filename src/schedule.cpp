@@ -119,7 +119,8 @@ struct Simulation {
         continue;
       }
       for (int64_t i = s.end - 1; i >= s.begin; --i) {
-        spike(c.backward_extra(i));  // the input's gradient and temporaries
+        allocate(c.gradient_bytes(i));  // its parameters' gradients, kept to the end
+        spike(c.backward_extra(i));     // the input's gradient and temporaries
         time += c.backward[i];
         release(c.kept[i]);
         if (!(held && i == s.end - 1)) release(c.x[i + 1]);  // gradient of the output
@@ -132,6 +133,7 @@ struct Simulation {
 // Memory in units, for the dynamic programme.
 struct UnitCosts {
   std::vector<int64_t> x, kept, forward_extra, backward_extra;
+  std::vector<int64_t> grads_from;  // n + 1: the gradients of layers i..n-1, held from layer i's backward on
   int64_t capacity = 0;  // the budget in units
   int64_t unit = 1;
 };
@@ -145,6 +147,7 @@ UnitCosts to_units(const ChainCosts& c, int64_t budget, int64_t slots) {
   for (auto v : c.kept) g = std::gcd(g, v);
   for (auto v : c.forward_overhead) g = std::gcd(g, v);
   for (auto v : c.backward_overhead) g = std::gcd(g, v);
+  for (auto v : c.gradient) g = std::gcd(g, v);
   const int64_t coarse = std::max<int64_t>(1, (budget + slots - 1) / slots);
   u.unit = (g > 0 && budget / g <= 8 * slots) ? std::max(g, int64_t{1}) : coarse;
   auto up = [&](int64_t b) { return (b + u.unit - 1) / u.unit; };
@@ -154,6 +157,13 @@ UnitCosts to_units(const ChainCosts& c, int64_t budget, int64_t slots) {
     u.forward_extra.push_back(up(c.forward_extra(i)));
     u.backward_extra.push_back(up(c.backward_extra(i)));
   }
+  // Sums rounded up once, not per layer: exact in fine units, safe in coarse ones.
+  u.grads_from.assign(c.x.size(), 0);
+  int64_t sum = 0;
+  for (int64_t i = c.size(); i-- > 0;) {
+    sum += c.gradient_bytes(i);
+    u.grads_from[static_cast<size_t>(i)] = up(sum);
+  }
   u.capacity = budget / u.unit;
   return u;
 }
@@ -162,7 +172,10 @@ UnitCosts to_units(const ChainCosts& c, int64_t budget, int64_t slots) {
 // [s, t) with at most m units, given its input held outside and the gradient
 // of x[t] counted inside (until the end when `keep`: a recomputation's output
 // gradient is held by autograd throughout). choice: -1 infeasible, 0 the first
-// layer plain, s' > s a checkpointed segment [s, s') then the rest.
+// layer plain, s' > s a checkpointed segment [s, s') then the rest. Parameter
+// gradients depend on the layer alone (backward runs in reverse order): the
+// forward of [s, t) runs beside those of layers t..n-1, layer s's backward
+// beside those of s..n-1.
 class Solver {
  public:
   Solver(const ChainCosts& costs, const UnitCosts& units)
@@ -218,9 +231,10 @@ class Solver {
     const auto& kept = u_.kept;
     const auto& fo = u_.forward_extra;
     const auto& bo = u_.backward_extra;
+    const auto& grads = u_.grads_from;
     for (int64_t t = 0; t <= n_; ++t) {
       for (int keep = 0; keep < 2; ++keep) {
-        for (int64_t m = x[t]; m < width_; ++m) time_[at(t, t, m, keep)] = 0.0;
+        for (int64_t m = x[t] + grads[t]; m < width_; ++m) time_[at(t, t, m, keep)] = 0.0;
       }
     }
     for (int64_t length = 1; length <= n_; ++length) {
@@ -235,10 +249,10 @@ class Solver {
             // backward holds them, its output's gradient and its input's.
             // Chains that end the whole chain (t == n) meet their output's
             // gradient only after the forward; recomputed ones hold it throughout.
-            const int64_t grad_in_forward = t == n_ ? 0 : x[t];
+            const int64_t grad_in_forward = (t == n_ ? 0 : x[t]) + grads[t];
             const int64_t forward_peak = grad_in_forward + kept[s] + fo[s];
-            const int64_t backward_peak = kept[s] + x[s + 1] + bo[s] + (s + 1 < t ? held : 0);
-            const int64_t after_backward = x[s] + held;
+            const int64_t backward_peak = kept[s] + x[s + 1] + bo[s] + (s + 1 < t ? held : 0) + grads[s];
+            const int64_t after_backward = x[s] + held + grads[s];
             if (kept[s] <= m && forward_peak <= m && backward_peak <= m && after_backward <= m) {
               const double rest = time(s + 1, t, m - kept[s], keep);
               if (rest < kInfinity) {
@@ -408,6 +422,9 @@ void ChainCosts::validate() const {
   TORCH_CHECK(backward_overhead.empty() || backward_overhead.size() == n,
               "chain costs: backward_overhead needs ", n, " entries or none, got ",
               backward_overhead.size());
+  TORCH_CHECK(gradient.empty() || gradient.size() == n, "chain costs: gradient needs ", n,
+              " entries or none, got ", gradient.size());
+  for (auto v : gradient) TORCH_CHECK(v >= 0, "chain costs: negative gradient bytes ", v);
   for (auto v : forward_overhead) TORCH_CHECK(v >= 0, "chain costs: negative overhead ", v);
   for (auto v : backward_overhead) TORCH_CHECK(v >= 0, "chain costs: negative overhead ", v);
 }

@@ -87,14 +87,12 @@ TEST_F(ModulePlanTest, FindsTheOutermostChainsAnywhereInTheModuleByTheirPaths) {
   EXPECT_EQ(memfit::find_chains(*net->body).size(), 1u);  // a chain itself
 }
 
-TEST_F(ModulePlanTest, PredictsThePlainStepAndEveryPlannedStepWithinFivePercentOfTheTrainersPeak) {
+TEST_F(ModulePlanTest, PredictsThePlainStepWithinFiveAndEveryPlannedStepWithinSixPercentOfTheTrainersPeak) {
   // Activations dominate: 32 layers of 512 x 64 floats against 0.8 MiB of weights and Adam state.
   ChainNet net(64, 16);
   const auto batch = sample(512);
-  // The plans the prediction picks (measure_candidates(0)): choosing by
-  // measurement picks nested schedules more often, whose peak the model
-  // predicts up to 13% low (a known error, issue #21's note), and the timing
-  // noise would decide which plans this test checks.
+  // The plans the prediction picks (measure_candidates(0)): the timing noise
+  // would decide which plans this test checks.
   memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
                                 memfit::PlanOptions().measure_candidates(0));
   ASSERT_EQ(model.chains().size(), 1u);
@@ -128,13 +126,11 @@ TEST_F(ModulePlanTest, PredictsThePlainStepAndEveryPlannedStepWithinFivePercentO
     const int64_t peak = measured_peak(trainer, batch, &loss);
     RecordProperty("peak_" + std::to_string(int(fraction * 1000)), std::to_string(peak) + " predicted " + std::to_string(p.predicted.peak_bytes));
     EXPECT_LE(peak, budget) << fraction << "\n" << p.explain();
-    // Prediction alone still picks a nested schedule when a busy machine's
-    // timings put it first (CI's pip build, 2026-11-25): its peak is the
-    // known error, predicted up to 13% low (issue #21's note); flat ones 5%.
-    const bool nested = p.schedules[0].to_string().find('{') != std::string::npos;
-    EXPECT_NEAR(double(p.predicted.peak_bytes), double(peak), (nested ? 0.15 : 0.05) * double(peak))
-        << fraction << "\n" << p.explain();
-    if (nested) EXPECT_LE(p.predicted.peak_bytes, peak) << "the nested error is an under-prediction";
+    // Linear and Tanh are layers of their own here: Tanh keeps its output
+    // and the next Linear keeps the same tensor as its input, which the
+    // per-layer profile counts twice (the known error left, within 6%; a
+    // chain of blocks is predicted exactly, as the next test shows).
+    EXPECT_NEAR(double(p.predicted.peak_bytes), double(peak), 0.06 * double(peak)) << fraction << "\n" << p.explain();
     EXPECT_NEAR(loss, plain_loss, 1e-5) << p.explain();
   }
 }
@@ -360,3 +356,65 @@ TEST_F(ModulePlanTest, FindBatchIsBoundedByTheDataSetAndRefusesWhatItCannotSearc
 }
 
 } // namespace
+
+// A chain whose layers share no saved tensor (each block keeps its own
+// output; the next keeps nothing more for its input), as the cost model
+// assumes: Linear then tanh in one block.
+struct TanhBlockImpl : torch::nn::Module {
+  explicit TanhBlockImpl(int64_t w) : lin(register_module("lin", torch::nn::Linear(w, w))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(lin(x)); }
+  torch::nn::Linear lin;
+};
+TORCH_MODULE(TanhBlock);
+
+struct BlockNetImpl : torch::nn::Module {
+  BlockNetImpl(int64_t width, int64_t depth) {
+    in = register_module("in", torch::nn::Linear(16, width));
+    torch::nn::Sequential blocks;
+    for (int64_t i = 0; i < depth; ++i) blocks->push_back(TanhBlock(width));
+    body = register_module("body", memfit::CheckpointedSequential(blocks));
+    head = register_module("head", torch::nn::Linear(width, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head->forward(body->forward(torch::relu(in->forward(x)))); }
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  memfit::CheckpointedSequential body{nullptr};
+};
+TORCH_MODULE(BlockNet);
+torch::Tensor block_loss(BlockNetImpl& net, const torch::data::Example<>& b) { return cross_entropy_of(net, b); }
+
+TEST_F(ModulePlanTest, PredictsCheckpointedStepsWithTheParameterGradientsTheirBackwardMeets) {
+  // In a step of one micro-batch, parameter gradients appear as backward
+  // goes; a schedule that recomputes the first layers last runs them beside
+  // the gradients of every later layer. Without that, the deepest schedule
+  // here was predicted 12% low; with micro-batches
+  // every gradient exists from the first on, and the measured step has them.
+  BlockNet net(64, 32);
+  const auto batch = sample(512);
+  memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), block_loss, batch),
+                                memfit::PlanOptions().measure_candidates(0));
+  std::vector<torch::Tensor> start;
+  {
+    memfit::UntrackedGuard host;  // the test's copies are not the step's memory
+    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+  }
+  for (int64_t micro : {0, 128}) {
+    const auto costs = model.costs(0, memfit::Precision::kFP32, micro == 0 ? 512 : micro);
+    const int64_t plain = memfit::simulate(memfit::schedule_none(costs.size()), costs).peak_bytes;
+    const int64_t least = memfit::min_budget(costs);
+    for (double f : {1.0, 0.5, 0.2, 0.0}) {
+      const auto s = f == 1.0 ? memfit::schedule_none(costs.size())
+                              : memfit::solve_optimal(costs, least + static_cast<int64_t>(f * double(plain - least)));
+      {
+        torch::NoGradGuard g;
+        for (size_t i = 0; i < start.size(); ++i) net->parameters()[i].copy_(start[i]);
+      }
+      const auto predicted = model.predict(512, memfit::StepSettings().micro_batch(micro), {s});
+      net->body->set_schedule(s);
+      memfit::Trainer trainer(net, block_loss, memfit::TrainerOptions().micro_batch_size(micro));
+      const int64_t peak = measured_peak(trainer, batch);
+      EXPECT_NEAR(double(predicted.peak_bytes), double(peak), 0.005 * double(peak))
+          << "micro-batch " << micro << ", " << s.to_string();
+    }
+  }
+  EXPECT_NE(net->body->schedule().to_string().find('{'), std::string::npos) << "the least-memory schedule nests";
+}

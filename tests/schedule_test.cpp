@@ -55,6 +55,31 @@ TEST(Simulate, MatchesAHandCountedPlainRun) {
   EXPECT_EQ(cost.backward_peak_bytes, 20);
 }
 
+TEST(Simulate, ParameterGradientsAppearAtTheirLayersBackwardAndStay) {
+  // Two layers of input 4, keeping 8, gradients of 3 and 5 bytes.
+  ChainCosts c{{4, 4, 4}, {8, 8}, {1, 1}, {2, 2}, {false, false}};
+  const auto without = simulate(schedule_none(2), c);
+  c.gradient = {3, 5};
+  const auto plain = simulate(schedule_none(2), c);
+  // Plain: forward holds 16, then the output's gradient 4: 20. Layer 1's
+  // backward adds its 5 bytes of gradients (25), frees what it kept and the
+  // output's gradient... its input's gradient (4): 16 + 5 - 8 - 4 + 4 = 17;
+  // layer 0 adds 3 (20): the peak stays at the start of backward.
+  EXPECT_EQ(without.peak_bytes, 20);
+  EXPECT_EQ(plain.peak_bytes, 25);
+  // Checkpointing layer 0 moves its backward after layer 1's: its
+  // recomputation (8 kept again) now runs beside layer 1's gradients.
+  Schedule s;
+  s.segments = {{0, 1, true, {{0, 1, false, {}}}}, {1, 2, false, {}}};
+  const auto ck = simulate(s, c);
+  c.gradient.clear();
+  const auto ck_without = simulate(s, c);
+  EXPECT_EQ(ck.backward_peak_bytes - ck_without.backward_peak_bytes, 5 + 3)
+      << "layer 0's backward peak sees both layers' gradients";
+  EXPECT_THROW((simulate(s, ChainCosts{{4, 4, 4}, {8, 8}, {1, 1}, {2, 2}, {false, false}, {}, {}, {1}})),
+               c10::Error);
+}
+
 TEST(Simulate, ByPhaseACheckpointHoldsOnlyItsOutputUntilBackward) {
   ChainCosts c{{1, 10, 10, 10, 10}, {10, 10, 10, 10}, {1, 1, 1, 1}, {1, 1, 1, 1},
                {false, false, false, false}};
@@ -121,6 +146,7 @@ ChainCosts random_chain(std::mt19937& rng, int64_t n, bool homogeneous) {
     c.in_place.push_back(!homogeneous && inplace(rng));
     c.forward_overhead.push_back(homogeneous ? 0 : size(rng) / 3);
     c.backward_overhead.push_back(homogeneous ? 0 : size(rng) / 2);
+    c.gradient.push_back(homogeneous ? 0 : size(rng) / 3);  // some layers without parameters
   }
   return c;
 }

@@ -20,7 +20,8 @@
 /// recomputes it with its inner schedule while autograd holds the gradient of
 /// its output. The chain's input is held outside; the gradient of its output
 /// appears when the forward is done; the caller holds the chain's output (the
-/// logits) until backward is done. simulate() and
+/// logits) until backward is done. Parameter gradients (ChainCosts::gradient,
+/// when given) appear at their layer's backward and stay. simulate() and
 /// solve_optimal() share this model; tests check the solver against
 /// brute-force enumeration of every schedule.
 ///
@@ -147,6 +148,13 @@ struct ChainCosts {
   /// parameter gradients excluded).
   std::vector<int64_t> backward_overhead;
 
+  /// n or empty (zeros): bytes of parameter gradients layer i's backward
+  /// creates and that stay until the chain's backward is done, as in a step's
+  /// first (or only) micro-batch; later micro-batches find them made. Layers
+  /// backpropagate in reverse order whatever the schedule, so while layer i's
+  /// backward runs the gradients of layers i..n-1 are held.
+  std::vector<int64_t> gradient;
+
   /// Number of layers.
   int64_t size() const { return static_cast<int64_t>(kept.size()); }
   /// Checks the sizes agree and nothing is negative.
@@ -159,6 +167,8 @@ struct ChainCosts {
   int64_t backward_extra(int64_t i) const {
     return backward_overhead.empty() ? 0 : backward_overhead[static_cast<size_t>(i)];
   }
+  /// gradient[i], or 0 when none are given.
+  int64_t gradient_bytes(int64_t i) const { return gradient.empty() ? 0 : gradient[static_cast<size_t>(i)]; }
 };
 
 /// The costs a profile measured.
