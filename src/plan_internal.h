@@ -154,6 +154,16 @@ inline Ranked ranked(const StepSettings& settings, const StepPrediction& predict
   return r;
 }
 
+// The least predicted (or measured) time among `candidates`, edge ones
+// included or not (infinity: none).
+inline double fastest_seconds(const std::vector<Ranked>& candidates, bool with_edges) {
+  double fastest = std::numeric_limits<double>::infinity();
+  for (const auto& c : candidates) {
+    if (with_edges || !c.edge) fastest = std::min(fastest, c.seconds);
+  }
+  return fastest;
+}
+
 // The index of the plan to choose among `candidates` (-1: none), edge ones
 // aside (they have not run): of those within `tie` of the fastest (kTimeTie for predictions; for measured times,
 // at least the measurement's own noise), the one without recomputation, then
@@ -161,8 +171,7 @@ inline Ranked ranked(const StepSettings& settings, const StepPrediction& predict
 // smaller. Ties are settled by what a plan does, never by which of them
 // timing noise put ahead, and the answer does not depend on their order.
 inline int64_t choose(const std::vector<Ranked>& candidates, double tie = kTimeTie) {
-  double fastest = std::numeric_limits<double>::infinity();
-  for (const auto& c : candidates) fastest = c.edge ? fastest : std::min(fastest, c.seconds);
+  const double fastest = fastest_seconds(candidates, /*with_edges=*/false);
   auto key = [](const Ranked& c) {
     return std::make_tuple(c.recomputes, c.offload, c.micro_batches, c.seconds, c.peak_bytes);
   };
@@ -209,9 +218,7 @@ inline std::vector<size_t> to_time(const std::vector<Ranked>& candidates, const 
     }
     picks.push_back(at[static_cast<size_t>(choose(sub))]);
   }
-  const double fastest = std::min_element(candidates.begin(), candidates.end(), [](const Ranked& a, const Ranked& b) {
-                           return a.seconds < b.seconds;
-                         })->seconds;
+  const double fastest = fastest_seconds(candidates, /*with_edges=*/true);
   picks.erase(std::remove_if(picks.begin(), picks.end(),
                              [&](size_t i) { return candidates[i].seconds > fastest * (1 + within); }),
               picks.end());
@@ -257,32 +264,47 @@ constexpr double kContender = 0.10;
 // (timing_noise) come from a busy machine (see busy_machine).
 constexpr double kBusy = 0.25;
 
-// Whether the timings `samples` (per candidate; empty: ran out of memory)
-// settle the choice: every contender's two fastest agree within kTimeTie.
-inline bool settled(const std::vector<std::vector<double>>& samples) {
+// A candidate's timed steps `v` (at least two): how far apart its two
+// fastest land, less 1.
+inline double two_fastest_gap(std::vector<double> v) {
+  std::partial_sort(v.begin(), v.begin() + 2, v.end());
+  return v[1] / v[0] - 1;
+}
+
+// Whether candidate timings `v` contend for the choice: their fastest is
+// within kContender of `best`, the fastest of all.
+inline bool contends(const std::vector<double>& v, double best) {
+  return !v.empty() && *std::min_element(v.begin(), v.end()) <= best * (1 + kContender);
+}
+
+// The fastest of all timings `samples` (infinity: none ran).
+inline double fastest_sample(const std::vector<std::vector<double>>& samples) {
   double best = std::numeric_limits<double>::infinity();
   for (const auto& v : samples) {
     for (double x : v) best = std::min(best, x);
   }
-  for (auto v : samples) {
-    if (v.empty()) continue;
-    std::sort(v.begin(), v.end());
-    if (v.front() > best * (1 + kContender)) continue;
-    if (v.size() < 2 || v[1] > v[0] * (1 + kTimeTie)) return false;
+  return best;
+}
+
+// Whether the timings `samples` (per candidate; empty: ran out of memory)
+// settle the choice: every contender's two fastest agree within kTimeTie.
+inline bool settled(const std::vector<std::vector<double>>& samples) {
+  const double best = fastest_sample(samples);
+  for (const auto& v : samples) {
+    if (contends(v, best) && (v.size() < 2 || two_fastest_gap(v) > kTimeTie)) return false;
   }
   return true;
 }
 
 // How far apart a timing's repeats land, where they did not settle: the
-// largest gap, less 1, between a candidate's two fastest timed steps (0 when
-// settled, or when none ran twice).
+// largest two_fastest_gap of a contender (0 when settled, or when none ran
+// twice). A slower candidate's noise cannot widen the tie between faster ones.
 inline double timing_noise(const std::vector<std::vector<double>>& samples) {
   if (settled(samples)) return 0;
+  const double best = fastest_sample(samples);
   double noise = 0;
-  for (auto v : samples) {
-    if (v.size() < 2) continue;
-    std::sort(v.begin(), v.end());
-    noise = std::max(noise, v[1] / v[0] - 1);
+  for (const auto& v : samples) {
+    if (contends(v, best) && v.size() >= 2) noise = std::max(noise, two_fastest_gap(v));
   }
   return noise;
 }
