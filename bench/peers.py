@@ -7,18 +7,20 @@ layer for layer in Python, on the Jargon File), the same batch, seed,
 optimizer (Adam) and thread count, trained for a few steps by
 
   PyTorch (Debian's python3-torch 1.13, the kernels memfit's LibTorch has):
-    plain; torch.utils.checkpoint.checkpoint_sequential with each segment
-    count; bf16 autocast; gradient accumulation in 2, 4 and 8 micro-batches;
+    what a user tunes by hand: gradient accumulation in 1, 2, 4 and 8
+    micro-batches × torch.utils.checkpoint.checkpoint_sequential with each
+    segment count or none × bf16 autocast or not;
   PyTorch 2.x (with --torch2 PYTHON, e.g. the venv of scripts/install-torch.sh,
-    in a second process with its own meter from --torch2-build), also:
-    non-reentrant checkpoint_sequential; selective activation checkpointing
-    (create_selective_checkpoint_contexts saving matmuls and convolutions,
-    each layer); torch.compile (inductor on the CPU) with
-    torch._functorch.config.activation_memory_budget 1.0, 0.5 and 0.25;
-    torch.autograd.graph.save_on_cpu;
+    in a second process with its own meter from --torch2-build), its tools
+    too: accumulation in 1, 2, 4 and 8 micro-batches × (none; non-reentrant
+    checkpoint_sequential with each segment count; selective activation
+    checkpointing, create_selective_checkpoint_contexts saving matmuls and
+    convolutions, each layer; torch.compile, inductor on the CPU, with
+    torch._functorch.config.activation_memory_budget 1.0, 0.5 and 0.25), in
+    fp32; and torch.autograd.graph.save_on_cpu;
   memfit (`memfit train --torchscript ... --budget B`, the plan chosen by
-    itself) at budgets equal to each checkpoint_sequential run's peak, and at
-    1/2, 1/4 and 1/8 of the plain run's peak.
+    itself) at each budget where the fastest fitting run changes, and at 1/2,
+    1/4 and 1/8 of the plain run's peak, in pairs alternating with that run.
 
 Both sides' peaks come from the same byte-exact meter: memfit's tracking
 allocator, loaded into this Python process from build/bench/libmemfit_meter.so
@@ -247,7 +249,7 @@ def checkpointed(segments, reentrant=True):
     return step
 
 
-def selective(model, x, y):
+def selective_forward(model, x):
     """Selective activation checkpointing (PyTorch 2.4+): each layer checkpointed,
     keeping the outputs of matrix products and convolutions, recomputing the rest."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -264,9 +266,7 @@ def selective(model, x, y):
             h = layer(h)  # the embedding, as checkpoint_sequential's GPT runs do
         else:
             h = checkpoint(layer, h, use_reentrant=False, context_fn=context)
-    loss = loss_of(h, y)
-    loss.backward()
-    return loss.detach()
+    return h
 
 
 def on_cpu(model, x, y):
@@ -278,30 +278,34 @@ def on_cpu(model, x, y):
     return loss.detach()
 
 
-def compiled(budget):
+def compiled_forward(budget):
     """torch.compile (inductor) with the min-cut partitioner's activation memory budget (PyTorch 2.4+)."""
     cache = {}
 
-    def step(model, x, y):
+    def forward(model, x):
         if id(model) not in cache:  # a fresh model per run: compile it once, under this budget
             torch._dynamo.reset()
             torch._functorch.config.activation_memory_budget = budget
             cache.clear()
             cache[id(model)] = torch.compile(model)
-        loss = loss_of(cache[id(model)](x), y)
-        loss.backward()
-        return loss.detach()
-    return step
+        return cache[id(model)](x)
+    return forward
 
 
-def torch2_rows(run, n_layers, segment_counts):
-    """The PyTorch 2.x tools, each run through `run(name, step)`."""
-    rows = [run("plain", plain)]
-    for segments in segment_counts:
-        rows.append(run(f"checkpoint_sequential, {segments} segments, non-reentrant", checkpointed(segments, False)))
-    rows.append(run("selective checkpointing (saves mm, bmm, addmm, convolution), each layer", selective))
-    for budget in (1.0, 0.5, 0.25):
-        rows.append(run(f"torch.compile, activation_memory_budget {budget}", compiled(budget)))
+def torch2_rows(run, quick, segment_counts):
+    """What a user of PyTorch 2.x tunes by hand, each run through `run(name, step)`: accumulation ×
+    (non-reentrant checkpoint_sequential segments, selective checkpointing, torch.compile's activation
+    memory budgets), in fp32; save_on_cpu alone."""
+    tools = [("", lambda model, x: model(x))]
+    tools += [(f"checkpoint_sequential {s} non-reentrant", checkpointed_forward(s, False))
+              for s in (segment_counts[:1] if quick else segment_counts)]
+    tools.append(("selective checkpointing (saves mm, bmm, addmm, convolution) each layer", selective_forward))
+    tools += [(f"torch.compile activation_memory_budget {b}", compiled_forward(b)) for b in (1.0, 0.5, 0.25)]
+    rows = []
+    for k in (1, 2) if quick else (1, 2, 4, 8):
+        for name, forward in tools:
+            label = " × ".join(p for p in (f"accumulation {k}" if k > 1 else "", name) if p) or "plain"
+            rows.append(run(label, accumulated(k, forward, False)))
     rows.append(run("save_on_cpu", on_cpu))
     return rows
 
@@ -309,7 +313,8 @@ def torch2_rows(run, n_layers, segment_counts):
 def run_torch2(a, python, build):
     """The PyTorch 2.x rows, from `python` running this script with --peer-rows."""
     cmd = [python, os.path.abspath(__file__), "--peer-rows", "--build", build, "--model", a.model,
-           "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(a.threads), "--repeats", str(a.repeats)]
+           "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(a.threads), "--repeats", str(a.repeats),
+           *(["--quick"] if a.quick else [])]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"peers.py: {' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
@@ -394,7 +399,7 @@ def main():
     n_layers = len(make()) - (1 if a.model == "gpt" else 0)
     segment_counts = sorted({2, 3, 4, 5, 8, n_layers} & set(range(2, n_layers + 1)))
     if a.peer_rows:
-        rows = torch2_rows(pytorch, n_layers, segment_counts)
+        rows = torch2_rows(pytorch, a.quick, segment_counts)
         print(json.dumps({"rows": rows, "blas": blas, "threads": torch.get_num_threads()}))
         return
     grid = hand_grid(a.quick, segment_counts)
@@ -418,7 +423,7 @@ def main():
                 def peer():
                     if best is None:
                         return None
-                    if best["config"] not in steps:  # a --torch2 row: its own process's fastest time
+                    if best["side"] != base["side"]:  # a --torch2 row: its own process's fastest time
                         return best
                     return pytorch(best["config"], steps[best["config"]], repeats=1)
                 def ours():
@@ -460,9 +465,12 @@ def hand_grid(quick, segment_counts):
 
 
 def hand_step(k, segments, low):
-    """k micro-batches (each loss weighted by its share), each checkpointed in `segments`, under bf16 autocast."""
-    forward = checkpointed_forward(segments) if segments else (lambda model, x: model(x))
+    """k micro-batches, each checkpointed in `segments`, under bf16 autocast where `low`."""
+    return accumulated(k, checkpointed_forward(segments) if segments else (lambda model, x: model(x)), low)
 
+
+def accumulated(k, forward, low):
+    """k micro-batches (each loss weighted by its share) through `forward(model, x)`, under bf16 autocast where `low`."""
     def step(model, x, y):
         total = 0.0
         for xs, ys in zip(x.chunk(k), y.chunk(k)):

@@ -57,7 +57,7 @@ measure() {
     peers_gpt) run peers_gpt /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 8 --batch 16 --repeats 3 \
       --pairs 3 ;;
     peers_torch2) run peers_torch2 /usr/bin/python3 bench/peers.py --build "$build" --steps 8 --batch 128 --repeats 2 \
-      --torch2 "$torch2" --torch2-build "${BUILD_PIP:-build-pip}" ;;
+      --pairs 3 --no-low-precision --torch2 "$torch2" --torch2-build "${BUILD_PIP:-build-pip}" ;;
     peers_gpt_torch2) run peers_gpt_torch2 /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 8 \
       --batch 16 --repeats 3 --torch2 "$torch2" --torch2-build "${BUILD_PIP:-build-pip}" ;;
   esac
