@@ -557,8 +557,9 @@ TEST(PlanChoice, RealStepsDecideWherePredictionsCannotTell) {
 
 // The tie band widens to the noise of the candidates in contention only: a
 // slow one's jumpy steps must not make a clearly faster plan tie with the
-// rest (the CNN at 42.21 MiB chose micro-batches of 16, with no offload, over
-// 32 with the optimizer state on the host, 10% faster, in a 13% band).
+// rest. (Bands of 13% have tied the CNN's micro-batches of 32 with the
+// optimizer state on the host and its micro-batches of 16, about 10% apart in
+// training, at 42.21 MiB; there the plan took 16, which does not offload.)
 TEST(PlanChoice, ASlowCandidatesNoiseDoesNotWidenTheTieBetweenFasterOnes) {
   const std::vector<std::vector<double>> samples = {{0.184, 0.190},   // micro-batches of 32, state offloaded
                                                     {0.204, 0.206},   // of 16, no offload: 11% slower
