@@ -183,15 +183,20 @@ TEST_F(ModulePlanTest, ChoosesTheFastestMeasuredOfTheClosestCandidatesUnderTheBu
   ASSERT_TRUE(p.fits);
   ASSERT_FALSE(p.timed.empty());
   EXPECT_LE(p.timed.size(), 3u);
+  // On a busy machine (ctest runs tests side by side) what the plans do
+  // decides, not their times.
+  const bool busy = p.explain().find("chose by what the plans do") != std::string::npos;
   bool chosen_timed = false;
   for (const auto& t : p.timed) {
     if (t.measured_seconds == 0) continue;  // ran out of memory under the budget
     EXPECT_LE(t.measured_peak_bytes, 1 << 20);
-    EXPECT_LE(p.measured_seconds, t.measured_seconds * (1 + p.measured_tie)) << "the fastest measured, up to the tie band";
+    if (!busy) {
+      EXPECT_LE(p.measured_seconds, t.measured_seconds * (1 + p.measured_tie))
+          << "the fastest measured, up to the tie band";
+    }
     chosen_timed |= t.settings.micro_batch() == p.settings.micro_batch() && t.schedules.size() == p.schedules.size() &&
                     t.measured_seconds == p.measured_seconds && t.measured_peak_bytes == p.measured_peak_bytes;
   }
-  const bool busy = p.explain().find("chose by what the plans do") != std::string::npos;
   EXPECT_TRUE(chosen_timed || busy) << "the fastest measured, or (a busy machine) what does least: " << p.explain();
   EXPECT_TRUE(busy || p.explain().find("chose the fastest measured") != std::string::npos) << p.explain();
   const auto predicted = memfit::plan(net.ptr(), chain_loss, batch, 1 << 20, memfit::PlanOptions().measure_candidates(0));

@@ -573,7 +573,10 @@ TEST(PlanChoice, ASlowCandidatesNoiseDoesNotWidenTheTieBetweenFasterOnes) {
     const auto& v = samples[i];
     return detail::StepTiming{v[std::min(calls++ / 3, v.size() - 1)], 0};
   };
-  const auto m = detail::choose_measured(predicted, {0, 1, 2}, run);
+  // A quiet machine, whatever this one is doing (ctest runs tests side by side).
+  const double threads = at::get_num_threads();
+  const auto m = detail::choose_measured(predicted, {0, 1, 2}, run, [&] { return threads; });
+  EXPECT_FALSE(m.busy);
   EXPECT_EQ(m.chosen, 0) << "11% faster is no tie, though it offloads; tie band " << m.tie;
   EXPECT_LT(m.tie, 0.05);
 }
@@ -696,16 +699,21 @@ TEST_F(Planner, ChoosesTheFastestMeasuredOfTheClosestCandidatesWithinTheBudget) 
   EXPECT_LE(p.timed.size(), 4u) << "PlanOptions::measure_candidates";
   EXPECT_EQ(p.timed.front().settings.micro_batch(), predicted.settings.micro_batch())
       << "the prediction's pick is timed first";
+  // On a busy machine (ctest runs tests side by side) what the plans do
+  // decides, not their times.
+  const bool busy = p.explain().find("chose by what the plans do") != std::string::npos;
   bool chosen_timed = false;
   for (const auto& t : p.timed) {
     EXPECT_LE(t.predicted_seconds, 2 * predicted.predicted.seconds + 1e-12) << "within measure_within";
     if (t.measured_seconds == 0) continue;  // ran out of memory under the budget
     EXPECT_LE(t.measured_peak_bytes, budget);
-    EXPECT_LE(p.measured_seconds, t.measured_seconds * (1 + p.measured_tie)) << "the fastest measured, up to the tie band";
+    if (!busy) {
+      EXPECT_LE(p.measured_seconds, t.measured_seconds * (1 + p.measured_tie))
+          << "the fastest measured, up to the tie band";
+    }
     chosen_timed |= t.settings.micro_batch() == p.settings.micro_batch() &&
                     offload_text(t.settings) == offload_text(p.settings) && t.measured_seconds == p.measured_seconds;
   }
-  const bool busy = p.explain().find("chose by what the plans do") != std::string::npos;
   EXPECT_TRUE(chosen_timed || busy) << "the fastest measured, or (a busy machine) what does least: " << p.explain();
   EXPECT_NE(p.explain().find("timed the"), std::string::npos) << p.explain();
   const auto j = nlohmann::json::parse(p.to_json());
