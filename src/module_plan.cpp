@@ -255,10 +255,10 @@ struct Capture {
 };
 
 // The profile with each layer's kept bytes as the module's own run kept them:
-// the growth from its start to the next layer's. Profiled alone, a layer
-// counts its output as kept; in the chain, a layer that saves its result
-// (Tanh, Sigmoid) frees the output of the layer before it (a Linear), so
-// each pair keeps one tensor, not two. The last layer keeps its profiled bytes.
+// the growth from its start to the next layer's. profile_chain reads the
+// same in-chain bytes from which tensors autograd holds (profile.h); this
+// measures them where the chain really runs. The last layer keeps its
+// profiled bytes.
 ChainProfile in_context(ChainProfile p, const std::vector<int64_t>& bytes) {
   if (bytes.size() != p.layers.size()) return p;
   for (size_t i = 0; i + 1 < p.layers.size(); ++i) {

@@ -105,7 +105,8 @@ std::string ChainProfile::to_json() const {
                  {"parameter_bytes", l.parameter_bytes},
                  {"forward_seconds", l.forward_seconds},
                  {"backward_seconds", l.backward_seconds},
-                 {"in_place", l.in_place}});
+                 {"in_place", l.in_place},
+                 {"frees_input", l.frees_input}});
   }
   return j.dump(2);
 }
@@ -148,6 +149,19 @@ int64_t warm_up(const torch::nn::Sequential& chain, std::vector<torch::nn::AnyMo
   return std::max<int64_t>(0, memory_allocated(device) - before);
 }
 
+// Each layer's kept bytes as the chain keeps them. Profiled alone, a layer
+// counts its output as kept; in the chain, the tensor between layers i-1 and
+// i is let go of once layer i has run unless autograd holds it for one of
+// them: a Linear's output before a Tanh, which saves its result, is freed.
+// Layer i's growth then counts that tensor freed.
+void in_chain(ChainProfile& p, const std::vector<bool>& keeps_input, const std::vector<bool>& keeps_output) {
+  for (size_t i = 1; i < p.layers.size(); ++i) {
+    auto& l = p.layers[i];
+    l.frees_input = !keeps_output[i - 1] && !keeps_input[i] && !p.layers[i - 1].in_place;
+    if (l.frees_input) l.kept_bytes = std::max<int64_t>(0, l.kept_bytes - l.input_bytes);
+  }
+}
+
 } // namespace
 
 ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tensor& sample_input,
@@ -169,6 +183,7 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
   ChainProfile profile;
   if (device.is_cuda()) profile.workspace_bytes = warm_up(chain, modules, sample_input);
   torch::Tensor x = sample_input.detach();
+  std::vector<bool> keeps_input, keeps_output;  // autograd holds the layer's input / output
   for (size_t i = 0; i < modules.size(); ++i) {
     auto& module = modules[i];
     const auto ptr = module.ptr();
@@ -199,6 +214,12 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
       const int64_t out_bytes = tensor_bytes(y);
       const bool shares_input = y.has_storage() && input.has_storage() &&
                                 y.storage().unsafeGetStorageImpl() == input.storage().unsafeGetStorageImpl();
+      // Whether autograd holds the input (its handle beyond `input` and
+      // `wrt`'s copy, or its storage under another handle) and the output.
+      const bool holds_input = !floating || shares_input || input.use_count() > 2 ||
+                               input.storage().use_count() > 1;
+      const bool holds_output = shares_input || !y.has_storage() || y.use_count() > 1 ||
+                                y.storage().use_count() > 1;
       double b = 0;
       int64_t backward_overhead = 0;
       if (y.requires_grad() && !wrt.empty()) {
@@ -225,6 +246,8 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
         l.backward_overhead_bytes = std::max<int64_t>(0, backward_overhead);
         l.output_bytes = out_bytes;
         l.in_place = shares_input;
+        keeps_input.push_back(holds_input);
+        keeps_output.push_back(holds_output);
       } else {
         fwd.push_back(f);
         bwd.push_back(b);
@@ -241,6 +264,7 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
     profile.layers.push_back(l);
   }
   compat::set_rng_state(rng);
+  in_chain(profile, keeps_input, keeps_output);
   return profile;
 }
 

@@ -87,13 +87,22 @@ struct Simulation {
   void spike(int64_t bytes) { peak = std::max(peak, current + bytes); }
   void release(int64_t bytes) { current -= bytes; }
 
-  void forward(const std::vector<Segment>& segments) {
+  // What layer i keeps run with grad: kept[i], and its input too where it
+  // would let it go but a checkpoint holds it (i == held_input).
+  int64_t kept(int64_t i, int64_t held_input) const {
+    return c.kept[i] + (i == held_input && c.frees(i) ? c.x[i] : 0);
+  }
+
+  // `held_input`: the layer whose input a checkpoint holds (a recomputation's
+  // first), or -1.
+  void forward(const std::vector<Segment>& segments, int64_t held_input) {
     for (const auto& s : segments) {
       for (int64_t i = s.begin; i < s.end; ++i) {
         time += c.forward[i];
         if (!s.checkpointed) {
-          allocate(c.kept[i]);
-          spike(c.forward_extra(i));
+          const int64_t k = kept(i, held_input);
+          allocate(k);
+          spike(std::max<int64_t>(0, c.forward_extra(i) - (k - c.kept[i])));
         } else {
           allocate(c.x[i + 1]);  // the layer's output
           spike(c.forward_extra(i));
@@ -107,14 +116,14 @@ struct Simulation {
   // input. With `keep`, the output's gradient stays held to the end: autograd
   // holds a checkpoint's output gradient while the segment is recomputed and
   // backpropagated.
-  void backward(const std::vector<Segment>& segments, bool keep) {
+  void backward(const std::vector<Segment>& segments, bool keep, int64_t held_input) {
     for (size_t j = segments.size(); j-- > 0;) {
       const auto& s = segments[j];
       const bool held = keep && j + 1 == segments.size();
       if (s.checkpointed) {
         release(c.x[s.end]);  // the output kept by the no-grad forward, consumed by now
-        forward(s.inner);
-        backward(s.inner, /*keep=*/true);
+        forward(s.inner, s.begin);
+        backward(s.inner, /*keep=*/true, s.begin);
         if (!held) release(c.x[s.end]);  // the output's gradient
         continue;
       }
@@ -122,7 +131,7 @@ struct Simulation {
         allocate(c.gradient_bytes(i));  // its parameters' gradients, kept to the end
         spike(c.backward_extra(i));     // the input's gradient and temporaries
         time += c.backward[i];
-        release(c.kept[i]);
+        release(kept(i, held_input));
         if (!(held && i == s.end - 1)) release(c.x[i + 1]);  // gradient of the output
         allocate(c.x[i]);  // gradient of the input
       }
@@ -262,7 +271,7 @@ class Solver {
             }
             // Layers [s, e) run without grad keeping x[e], and are recomputed
             // once the rest is done, while autograd holds x[e]'s gradient.
-            if (!c_.in_place[s]) {
+            if (c_.may_start_checkpoint(s)) {
               int64_t segment_peak = 0;
               for (int64_t e = s + 1; e < t; ++e) {
                 const int64_t k = e - 1;
@@ -425,6 +434,10 @@ void ChainCosts::validate() const {
   TORCH_CHECK(gradient.empty() || gradient.size() == n, "chain costs: gradient needs ", n,
               " entries or none, got ", gradient.size());
   for (auto v : gradient) TORCH_CHECK(v >= 0, "chain costs: negative gradient bytes ", v);
+  TORCH_CHECK(frees_input.empty() || frees_input.size() == n, "chain costs: frees_input needs ", n,
+              " entries or none, got ", frees_input.size());
+  TORCH_CHECK(frees_input.empty() || !frees_input[0], "chain costs: frees_input[0] must be false "
+              "(the chain's input is held by its caller)");
   for (auto v : forward_overhead) TORCH_CHECK(v >= 0, "chain costs: negative overhead ", v);
   for (auto v : backward_overhead) TORCH_CHECK(v >= 0, "chain costs: negative overhead ", v);
 }
@@ -437,6 +450,7 @@ ChainCosts costs_from_profile(const ChainProfile& profile) {
     c.forward.push_back(l.forward_seconds);
     c.backward.push_back(l.backward_seconds);
     c.in_place.push_back(l.in_place);
+    c.frees_input.push_back(l.frees_input && c.kept.size() > 1);
     c.forward_overhead.push_back(std::max<int64_t>(0, l.forward_peak_bytes - l.kept_bytes));
     c.backward_overhead.push_back(l.backward_overhead_bytes);
   }
@@ -448,13 +462,13 @@ ScheduleCost simulate(const Schedule& schedule, const ChainCosts& costs) {
   costs.validate();
   schedule.validate(costs.size());
   Simulation sim{costs};
-  sim.forward(schedule.segments);
+  sim.forward(schedule.segments, -1);
   const int64_t forward_peak = sim.peak, held = sim.current;
   sim.peak = sim.current;
   sim.allocate(costs.x.back());  // the gradient of the chain's output, once the loss is back
   // The caller holds the chain's output (the logits) until backward is done:
   // as much as keeping its gradient.
-  sim.backward(schedule.segments, /*keep=*/true);
+  sim.backward(schedule.segments, /*keep=*/true, -1);
   return {sim.time, std::max(forward_peak, sim.peak), forward_peak, held, sim.peak};
 }
 

@@ -423,3 +423,63 @@ TEST_F(ModulePlanTest, PredictsCheckpointedStepsWithTheParameterGradientsTheirBa
   }
   EXPECT_NE(net->body->schedule().to_string().find('{'), std::string::npos) << "the least-memory schedule nests";
 }
+
+namespace {
+TEST_F(ModulePlanTest, LayersThatLetTheirInputGoAreNeverACheckpointsStartAndTheirStepsArePredictedWithinOneActivation) {
+  // Linear and Tanh as layers of their own: each Tanh lets the Linear's
+  // output go, so the solver starts no checkpoint at a Tanh (its
+  // recomputation would hold that input). What is left: a checkpointed
+  // segment that ends with a Linear, when its recomputation is the step's
+  // peak, is predicted one activation less one layer's gradients low
+  // (114,432 bytes here in one pass; the cause is not found). Every other
+  // schedule here is within 0.5%.
+  const int64_t width = 64, examples = 512;
+  ChainNet net(width, 16);
+  const auto batch = sample(examples);
+  memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
+                                memfit::PlanOptions().measure_candidates(0));
+  std::vector<torch::Tensor> start;
+  {
+    memfit::UntrackedGuard host;  // the test's copies are not the step's memory
+    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+  }
+  using memfit::Segment;
+  for (int64_t micro : {0, 256}) {
+    const auto costs = model.costs(0, memfit::Precision::kFP32, micro == 0 ? examples : micro);
+    for (int64_t i = 1; i < costs.size(); i += 2) EXPECT_TRUE(costs.frees(i)) << "layer " << i << " is a Tanh";
+    for (int64_t i = 0; i < costs.size(); i += 2) EXPECT_FALSE(costs.frees(i)) << "layer " << i << " is a Linear";
+    const int64_t plain = memfit::simulate(memfit::schedule_none(costs.size()), costs).peak_bytes;
+    const int64_t least = memfit::min_budget(costs);
+    const int64_t activation = (micro == 0 ? examples : micro) * width * 4;
+    std::vector<memfit::Schedule> schedules = {  // the two that the error was found on
+        memfit::Schedule{{Segment{0, 2, false, {}}, Segment{2, 17, true, {Segment{2, 17, false, {}}}},
+                          Segment{17, 32, false, {}}}},
+        memfit::Schedule{{Segment{0, 16, false, {}}, Segment{16, 31, true, {Segment{16, 31, false, {}}}},
+                          Segment{31, 32, false, {}}}}};
+    for (double f : {1.0, 0.5, 0.2, 0.0}) {
+      schedules.push_back(f == 1.0 ? memfit::schedule_none(costs.size())
+                                   : memfit::solve_optimal(costs, least + static_cast<int64_t>(f * double(plain - least))));
+    }
+    for (size_t k = 0; k < schedules.size(); ++k) {
+      const auto& s = schedules[k];
+      std::function<void(const std::vector<Segment>&)> no_tanh_start = [&](const std::vector<Segment>& segments) {
+        for (const auto& g : segments) {
+          EXPECT_FALSE(g.checkpointed && g.begin % 2 == 1) << s.to_string() << ": a checkpoint starts at a Tanh";
+          no_tanh_start(g.inner);
+        }
+      };
+      if (k >= 2) no_tanh_start(s.segments);  // the solver's
+      {
+        torch::NoGradGuard g;
+        for (size_t i = 0; i < start.size(); ++i) net->parameters()[i].copy_(start[i]);
+      }
+      const auto predicted = model.predict(examples, memfit::StepSettings().micro_batch(micro), {s});
+      net->body->set_schedule(s);
+      memfit::Trainer trainer(net, chain_loss, memfit::TrainerOptions().micro_batch_size(micro));
+      const int64_t peak = measured_peak(trainer, batch);
+      EXPECT_LE(double(predicted.peak_bytes), 1.005 * double(peak)) << "micro-batch " << micro << ", " << s.to_string();
+      EXPECT_GE(predicted.peak_bytes, peak - activation) << "micro-batch " << micro << ", " << s.to_string();
+    }
+  }
+}
+} // namespace

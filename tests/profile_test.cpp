@@ -22,12 +22,15 @@ TEST_F(Profile, MeasuresExactBytesPerLayer) {
   EXPECT_EQ(p.layers[0].output_bytes, 8 * 32 * 4);
   EXPECT_EQ(p.layers[0].kept_bytes, 8 * 32 * 4) << "its output; the input is not its own";
   EXPECT_EQ(p.layers[0].parameter_bytes, (16 * 32 + 32) * 4);
-  EXPECT_EQ(p.layers[1].kept_bytes, 8 * 32 * 4) << "ReLU keeps its output";
+  EXPECT_EQ(p.layers[1].kept_bytes, 0) << "ReLU keeps its output and lets the Linear's go";
+  EXPECT_TRUE(p.layers[1].frees_input);
   EXPECT_FALSE(p.layers[1].in_place);
   EXPECT_EQ(p.layers[2].kept_bytes, 0) << "in-place ReLU allocates nothing";
   EXPECT_TRUE(p.layers[2].in_place);
+  EXPECT_FALSE(p.layers[2].frees_input);
+  EXPECT_FALSE(p.layers[3].frees_input) << "a Linear keeps its input";
   EXPECT_EQ(p.layers[3].output_bytes, 8 * 4 * 4);
-  EXPECT_EQ(p.plain_activation_bytes(), 2 * 1024 + 128);
+  EXPECT_EQ(p.plain_activation_bytes(), 1024 + 128);
   for (const auto& l : p.layers) {
     EXPECT_GT(l.forward_seconds, 0.0);
     EXPECT_GE(l.forward_peak_bytes, l.kept_bytes);
@@ -35,6 +38,44 @@ TEST_F(Profile, MeasuresExactBytesPerLayer) {
   EXPECT_GT(p.layers[0].backward_seconds, 0.0);
   EXPECT_NE(p.table().find("in-place"), std::string::npos);
   EXPECT_EQ(nlohmann::json::parse(p.to_json()).size(), 4u);
+}
+
+// The bytes a chain's own forward with grad keeps (its output included).
+int64_t kept_by_forward(torch::nn::Sequential& chain, const torch::Tensor& input) {
+  const auto leaf = input.detach().requires_grad_(true);
+  const auto x = leaf.clone();
+  const int64_t before = memory_allocated(x.device());
+  auto y = chain->forward(x);
+  return memory_allocated(x.device()) - before;
+}
+
+TEST_F(Profile, KeptBytesAddUpToWhatTheChainsOwnForwardKeeps) {
+  // Layers that keep their input (Linear, BatchNorm, GELU), their output
+  // (Tanh, ReLU), neither (Dropout keeps a mask), in place, and views.
+  torch::nn::Sequential tanh_chain;
+  for (int i = 0; i < 6; ++i) {
+    tanh_chain->push_back(torch::nn::Linear(32, 32));
+    tanh_chain->push_back(torch::nn::Tanh());
+  }
+  torch::nn::Sequential conv_chain(
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)), torch::nn::BatchNorm2d(4),
+      torch::nn::ReLU(), torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 4, 3).padding(1)),
+      torch::nn::BatchNorm2d(4), torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)),
+      torch::nn::Flatten(), torch::nn::Linear(4 * 8 * 8, 10));
+  torch::nn::Sequential mixed(torch::nn::Linear(32, 32), torch::nn::Dropout(0.5), torch::nn::GELU(),
+                              torch::nn::Linear(32, 32), torch::nn::Sigmoid(), torch::nn::Tanh(),
+                              torch::nn::Linear(32, 8), torch::nn::ReLU());
+  const std::vector<std::pair<torch::nn::Sequential, torch::Tensor>> cases = {
+      {tanh_chain, torch::randn({16, 32})},
+      {conv_chain, torch::randn({16, 1, 8, 8})},
+      {mixed, torch::randn({16, 32})}};
+  for (auto [chain, input] : cases) {
+    const auto p = profile_chain(chain, input);
+    EXPECT_EQ(p.plain_activation_bytes(), kept_by_forward(chain, input)) << chain;
+  }
+  const auto p = profile_chain(tanh_chain, torch::randn({16, 32}));
+  EXPECT_TRUE(p.layers[1].frees_input) << "a Tanh lets the Linear's output go";
+  EXPECT_FALSE(p.layers[2].frees_input) << "a Linear keeps the Tanh's output";
 }
 
 TEST_F(Profile, LeavesBuffersAndRandomStateAsTheyWere) {

@@ -80,6 +80,26 @@ TEST(Simulate, ParameterGradientsAppearAtTheirLayersBackwardAndStay) {
                c10::Error);
 }
 
+TEST(Simulate, ARecomputationThatStartsWhereALayerLetsItsInputGoKeepsThatInput) {
+  // Layer 1 lets its input go when run after layer 0 (kept[1] counts it
+  // freed: its own output, less its input). A checkpoint that starts at layer
+  // 1 holds that input, so its recomputation keeps x[1] more.
+  ChainCosts c{{4, 4, 4, 4}, {4, 0, 4}, {1, 1, 1}, {1, 1, 1}, {false, false, false}};
+  Schedule s;
+  s.segments = {{0, 1, false, {}}, {1, 3, true, {{1, 3, false, {}}}}};
+  const auto plain_before = simulate(schedule_none(3), c);
+  const auto before = simulate(s, c);
+  c.frees_input = {false, true, false};
+  EXPECT_EQ(simulate(schedule_none(3), c).peak_bytes, plain_before.peak_bytes) << "kept[1] says it all";
+  // Held 8 (x[1], x[3]) and the output's gradient 4; x[3] is let go and the
+  // recomputation keeps 4 + 4 (layer 1, its input now held) + 4: 16, not 12.
+  EXPECT_EQ(before.peak_bytes, 12);
+  EXPECT_EQ(simulate(s, c).peak_bytes, 16);
+  EXPECT_FALSE(c.may_start_checkpoint(1)) << "the solver starts no checkpoint there";
+  c.frees_input = {true, false, false};
+  EXPECT_THROW(simulate(s, c), c10::Error) << "layer 0's input is the caller's";
+}
+
 TEST(Simulate, ByPhaseACheckpointHoldsOnlyItsOutputUntilBackward) {
   ChainCosts c{{1, 10, 10, 10, 10}, {10, 10, 10, 10}, {1, 1, 1, 1}, {1, 1, 1, 1},
                {false, false, false, false}};
@@ -103,24 +123,23 @@ TEST(Simulate, CheckpointingTradesRecomputationForMemory) {
 // Every schedule of [s, t) in the solver's family: the first layer plain, or a
 // checkpointed segment [s, e) with e < t, recomputed with any schedule of its
 // own, then any schedule of the rest.
-void enumerate(int64_t s, int64_t t, const std::vector<bool>& in_place,
-               std::vector<std::vector<Segment>>& out) {
+void enumerate(int64_t s, int64_t t, const ChainCosts& c, std::vector<std::vector<Segment>>& out) {
   if (s == t) {
     out.push_back({});
     return;
   }
   std::vector<std::vector<Segment>> rest;
-  enumerate(s + 1, t, in_place, rest);
+  enumerate(s + 1, t, c, rest);
   for (auto& r : rest) {
     std::vector<Segment> v{Segment{s, s + 1, false, {}}};
     v.insert(v.end(), r.begin(), r.end());
     out.push_back(std::move(v));
   }
-  if (in_place[s]) return;
+  if (!c.may_start_checkpoint(s)) return;
   for (int64_t e = s + 1; e < t; ++e) {
     std::vector<std::vector<Segment>> inner, tail;
-    enumerate(s, e, in_place, inner);
-    enumerate(e, t, in_place, tail);
+    enumerate(s, e, c, inner);
+    enumerate(e, t, c, tail);
     for (const auto& in : inner) {
       for (const auto& tl : tail) {
         std::vector<Segment> v{Segment{s, e, true, in}};
@@ -134,7 +153,7 @@ void enumerate(int64_t s, int64_t t, const std::vector<bool>& in_place,
 ChainCosts random_chain(std::mt19937& rng, int64_t n, bool homogeneous) {
   std::uniform_int_distribution<int64_t> size(1, 12), kept(1, 30);
   std::uniform_real_distribution<double> time(0.5, 4.0);
-  std::bernoulli_distribution inplace(0.15);
+  std::bernoulli_distribution inplace(0.15), frees(0.25);
   ChainCosts c;
   const int64_t hx = size(rng), hk = kept(rng);
   const double hf = time(rng);
@@ -147,6 +166,7 @@ ChainCosts random_chain(std::mt19937& rng, int64_t n, bool homogeneous) {
     c.forward_overhead.push_back(homogeneous ? 0 : size(rng) / 3);
     c.backward_overhead.push_back(homogeneous ? 0 : size(rng) / 2);
     c.gradient.push_back(homogeneous ? 0 : size(rng) / 3);  // some layers without parameters
+    c.frees_input.push_back(i > 0 && !homogeneous && frees(rng));
   }
   return c;
 }
@@ -159,7 +179,7 @@ TEST(OptimalSolver, EqualsBruteForceOnRandomChainsUpToTenLayers) {
     for (int trial = 0; trial < trials; ++trial) {
       const auto c = random_chain(rng, n, /*homogeneous=*/trial % 3 == 2);
       std::vector<std::vector<Segment>> all;
-      enumerate(0, n, c.in_place, all);
+      enumerate(0, n, c, all);
       std::vector<ScheduleCost> costs;
       for (const auto& segs : all) costs.push_back(simulate(Schedule{segs}, c));
       int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
@@ -197,6 +217,7 @@ TEST(OptimalSolver, NeverSlowerThanAnyUniformSplitAtItsBudget) {
     const int64_t n = 12 + trial;
     auto c = random_chain(rng, n, trial % 2 == 0);
     std::fill(c.in_place.begin(), c.in_place.end(), false);
+    std::fill(c.frees_input.begin(), c.frees_input.end(), false);  // uniform splits may start there
     for (int64_t k = 2; k <= n; ++k) {
       const auto uniform = simulate(schedule_uniform(n, k), c);
       const auto best = simulate(solve_optimal(c, uniform.peak_bytes, SolverOptions().slots(uniform.peak_bytes)), c);
@@ -354,6 +375,41 @@ TEST_F(CheckpointedSequentialTest, OptimalSchedulesMeasuredPeakNeverExceedsTheMo
     // Never above the model (but for the scalar loss and its gradient), and
     // below it by at most one activation: the model does not see that sum()'s
     // gradient reaches the last layer as a broadcast view of one element.
+    EXPECT_LE(peak, predicted + 8) << model->schedule().to_string();
+    EXPECT_GE(peak, predicted - act) << model->schedule().to_string();
+  }
+}
+
+TEST_F(CheckpointedSequentialTest, LayersThatLetTheirInputGoAreModelledAsTheChainRunsThem) {
+  // Linear and Tanh as layers of their own: each Tanh lets the Linear's
+  // output go, so a pair keeps one activation, not the two that each layer
+  // profiled alone returns.
+  const int64_t pairs = 12, w = 128, batch = 64, act = batch * w * 4;
+  torch::nn::Sequential seq;
+  for (int64_t i = 0; i < pairs; ++i) {
+    seq->push_back(torch::nn::Linear(w, w));
+    seq->push_back(torch::nn::Tanh());
+  }
+  auto params = seq->parameters();
+  auto x = torch::randn({batch, w});
+  for (const auto& p : params) p.requires_grad_(false);
+  auto costs = costs_from_profile(profile_chain(seq, x.detach().requires_grad_(true)));
+  for (const auto& p : params) p.requires_grad_(true);
+  std::fill(costs.forward.begin(), costs.forward.end(), 1e-3);
+  std::fill(costs.backward.begin(), costs.backward.end(), 2e-3);
+  const int64_t plain = activation_peak([&](const torch::Tensor& in) { return seq->forward(in); }, params, x);
+  // A budget of the measured plain peak and one activation (the model's
+  // margin, as below) fits the plain chain.
+  for (int64_t budget : {plain + act, 10 * act, 8 * act}) {
+    CheckpointedSequential model(seq, CheckpointedSequentialOptions().kind(ScheduleKind::kOptimal).budget(budget));
+    model->set_schedule(solve_optimal(costs, budget));
+    if (budget == plain + act) {
+      EXPECT_EQ(model->schedule().to_string(), schedule_none(2 * pairs).to_string())
+          << "a chain that fits plainly runs plainly";
+    }
+    const int64_t predicted = simulate(model->schedule(), costs).peak_bytes;
+    EXPECT_LE(predicted, budget);
+    const int64_t peak = activation_peak([&](const torch::Tensor& in) { return model->forward(in); }, params, x);
     EXPECT_LE(peak, predicted + 8) << model->schedule().to_string();
     EXPECT_GE(peak, predicted - act) << model->schedule().to_string();
   }

@@ -3,6 +3,8 @@
 /// Per-layer costs of a sequential chain: the bytes each layer keeps for
 /// backward, the size of the tensors passed between layers, forward and
 /// backward time. The checkpoint solver and the planner build on it.
+/// Bytes are as the chain keeps them: a tensor between two layers counts
+/// once, and not at all where neither layer keeps it for backward.
 ///
 /// Profiling runs each layer once per repeat on the sample input and restores
 /// the module's buffers (BatchNorm's running statistics) and the CPU RNG state
@@ -31,7 +33,10 @@ struct LayerProfile {
   std::string name;            ///< The layer's name in the Sequential.
   int64_t input_bytes = 0;     ///< Bytes of the tensor the layer receives.
   int64_t output_bytes = 0;    ///< Bytes of the tensor it returns.
-  int64_t kept_bytes = 0;      ///< Bytes it keeps until backward when run with grad, output included.
+  /// Bytes the chain holds more after its forward with grad than before it,
+  /// until its backward: its output and what it saves, less its input where
+  /// frees_input.
+  int64_t kept_bytes = 0;
   int64_t forward_peak_bytes = 0;  ///< Peak extra bytes during its forward with grad.
   /// Peak bytes during its backward beyond what it kept and its output's
   /// gradient, with those freed as autograd frees them (its input's gradient
@@ -41,6 +46,12 @@ struct LayerProfile {
   double forward_seconds = 0;      ///< Median forward time.
   double backward_seconds = 0;     ///< Median backward time (input and parameter gradients).
   bool in_place = false;           ///< Whether its output shares its input's storage.
+  /// Whether, in the chain, its input is let go of once it has run: neither
+  /// it nor the layer before keeps that tensor for backward (a Linear's
+  /// output before a Tanh, which saves its result). kept_bytes counts it
+  /// freed; where something else holds the input (a checkpoint that starts
+  /// at this layer, the chain's caller), the layer keeps input_bytes more.
+  bool frees_input = false;
 };
 
 /// The costs of every layer of a chain, in order.

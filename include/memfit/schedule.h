@@ -11,7 +11,8 @@
 /// The cost model (ChainCosts) gives, per layer i: x[i], the bytes of its
 /// input (x[n] is the chain's output); kept[i], the bytes it keeps until
 /// backward when run with grad, output included; the transient bytes its
-/// forward and backward need on top; forward and backward time. A schedule's
+/// forward and backward need on top; forward and backward time; where a
+/// layer lets its input go (frees_input). A schedule's
 /// peak is simulated event by event: a layer run with grad keeps kept[i]; a
 /// checkpointed segment's no-grad forward holds one layer's input and output
 /// at a time and keeps its output; a layer's backward peaks at what it kept,
@@ -154,6 +155,13 @@ struct ChainCosts {
   /// backpropagate in reverse order whatever the schedule, so while layer i's
   /// backward runs the gradients of layers i..n-1 are held.
   std::vector<int64_t> gradient;
+  /// n or empty (all false): layer i lets its input go when it runs with grad
+  /// after the layer before it (neither keeps that tensor), and kept[i]
+  /// counts it freed. Where a checkpoint holds that input (a recomputation
+  /// starting at layer i), the layer keeps x[i] more; the solver starts no
+  /// checkpoint there, as at in-place layers. Layer 0's input is the caller's:
+  /// frees_input[0] must be false.
+  std::vector<bool> frees_input;
 
   /// Number of layers.
   int64_t size() const { return static_cast<int64_t>(kept.size()); }
@@ -169,6 +177,11 @@ struct ChainCosts {
   }
   /// gradient[i], or 0 when none are given.
   int64_t gradient_bytes(int64_t i) const { return gradient.empty() ? 0 : gradient[static_cast<size_t>(i)]; }
+  /// frees_input[i], or false when none are given.
+  bool frees(int64_t i) const { return !frees_input.empty() && frees_input[static_cast<size_t>(i)]; }
+  /// Whether a checkpointed segment may start at layer i (not in place, not
+  /// freeing its input).
+  bool may_start_checkpoint(int64_t i) const { return !in_place[static_cast<size_t>(i)] && !frees(i); }
 };
 
 /// The costs a profile measured.
