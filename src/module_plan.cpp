@@ -928,6 +928,19 @@ std::string ModulePlan::to_json() const {
 
 std::string ModulePlan::explain() const { return Plan::explain(); }
 
+void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root) {
+  detail::broadcast_plan_wire(
+      plan, group, root,
+      [&](nlohmann::json& wire) {
+        wire["chains"] = plan.chains;
+        wire["schedules"] = detail::schedules_wire(plan.schedules);
+      },
+      [&](const nlohmann::json& wire) {
+        plan.chains = wire.at("chains").get<std::vector<std::string>>();
+        plan.schedules = detail::schedules_from_wire(wire.at("schedules"));
+      });
+}
+
 ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget, const FindBatchOptions& options) {
   TORCH_CHECK(budget > 0, "find_batch: budget must be positive, got ", budget);
   TORCH_CHECK(options.max_batch() > 0, "FindBatchOptions::max_batch must be positive, got ", options.max_batch());

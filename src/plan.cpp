@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -1140,6 +1141,175 @@ std::string Plan::explain() const {
                                 fits ? "fits" : "does not fit");
   for (const auto& line : why) out += "  - " + line + "\n";
   return out;
+}
+
+// ---------------------------------------------------------------------------
+// Broadcasting a plan
+
+namespace {
+nlohmann::json segments_wire(const std::vector<Segment>& segments) {
+  auto j = nlohmann::json::array();
+  for (const auto& s : segments) j.push_back({s.begin, s.end, s.checkpointed, segments_wire(s.inner)});
+  return j;
+}
+
+std::vector<Segment> segments_from_wire(const nlohmann::json& j) {
+  std::vector<Segment> out;
+  for (const auto& s : j) out.push_back({s.at(0).get<int64_t>(), s.at(1).get<int64_t>(), s.at(2).get<bool>(),
+                                         segments_from_wire(s.at(3))});
+  return out;
+}
+
+nlohmann::json settings_wire(const StepSettings& s) {
+  return {{"micro_batch", s.micro_batch()},
+          {"precision", static_cast<int>(s.precision())},
+          {"schedule", segments_wire(s.schedule().segments)},
+          {"offload_optimizer", static_cast<int>(s.offload_optimizer())},
+          {"offload_gradients", static_cast<int>(s.offload_gradients())},
+          {"offload_parameters", static_cast<int>(s.offload_parameters())},
+          {"tile_bytes", s.tile_bytes()},
+          {"selective_recompute", s.selective_recompute()}};
+}
+
+StepSettings settings_from_wire(const nlohmann::json& j) {
+  return StepSettings()
+      .micro_batch(j.at("micro_batch").get<int64_t>())
+      .precision(static_cast<Precision>(j.at("precision").get<int>()))
+      .schedule(Schedule{segments_from_wire(j.at("schedule"))})
+      .offload_optimizer(static_cast<Offload>(j.at("offload_optimizer").get<int>()))
+      .offload_gradients(static_cast<Offload>(j.at("offload_gradients").get<int>()))
+      .offload_parameters(static_cast<Offload>(j.at("offload_parameters").get<int>()))
+      .tile_bytes(j.at("tile_bytes").get<int64_t>())
+      .selective_recompute(j.at("selective_recompute").get<bool>());
+}
+
+nlohmann::json prediction_wire(const StepPrediction& p) {
+  const auto& m = p.memory;
+  return {{"peak_bytes", p.peak_bytes},
+          {"memory", {m.peak, m.parameters, m.gradients, m.optimizer_state, m.activations}},
+          {"seconds", p.seconds},
+          {"accumulation_steps", p.accumulation_steps},
+          {"phase", p.phase},
+          {"forward_backward_bytes", p.forward_backward_bytes},
+          {"activation_bytes", p.activation_bytes},
+          {"optimizer_step_bytes", p.optimizer_step_bytes}};
+}
+
+StepPrediction prediction_from_wire(const nlohmann::json& j) {
+  StepPrediction p;
+  p.peak_bytes = j.at("peak_bytes").get<int64_t>();
+  const auto& m = j.at("memory");
+  p.memory = {m.at(0).get<int64_t>(), m.at(1).get<int64_t>(), m.at(2).get<int64_t>(), m.at(3).get<int64_t>(),
+              m.at(4).get<int64_t>()};
+  p.seconds = j.at("seconds").get<double>();
+  p.accumulation_steps = j.at("accumulation_steps").get<int64_t>();
+  p.phase = j.at("phase").get<std::string>();
+  p.forward_backward_bytes = j.at("forward_backward_bytes").get<int64_t>();
+  p.activation_bytes = j.at("activation_bytes").get<int64_t>();
+  p.optimizer_step_bytes = j.at("optimizer_step_bytes").get<int64_t>();
+  return p;
+}
+} // namespace
+
+namespace detail {
+
+nlohmann::json schedules_wire(const std::vector<Schedule>& schedules) {
+  auto j = nlohmann::json::array();
+  for (const auto& s : schedules) j.push_back(segments_wire(s.segments));
+  return j;
+}
+
+std::vector<Schedule> schedules_from_wire(const nlohmann::json& wire) {
+  std::vector<Schedule> out;
+  for (const auto& s : wire) out.push_back(Schedule{segments_from_wire(s)});
+  return out;
+}
+
+nlohmann::json plan_wire(const Plan& plan) {
+  auto timed = nlohmann::json::array();
+  for (const auto& t : plan.timed) {
+    timed.push_back({{"settings", settings_wire(t.settings)},
+                     {"schedules", schedules_wire(t.schedules)},
+                     {"predicted_seconds", t.predicted_seconds},
+                     {"measured_seconds", t.measured_seconds},
+                     {"measured_peak_bytes", t.measured_peak_bytes}});
+  }
+  return {{"fits", plan.fits},
+          {"budget", plan.budget},
+          {"batch", plan.batch},
+          {"settings", settings_wire(plan.settings)},
+          {"predicted", prediction_wire(plan.predicted)},
+          {"plain_seconds", plan.plain_seconds},
+          {"plain_peak_bytes", plan.plain_peak_bytes},
+          {"candidates", plan.candidates},
+          {"timed", timed},
+          {"measured_seconds", plan.measured_seconds},
+          {"measured_peak_bytes", plan.measured_peak_bytes},
+          {"measured_tie", plan.measured_tie},
+          {"why", plan.why}};
+}
+
+void plan_from_wire(const nlohmann::json& j, Plan& plan) {
+  plan.fits = j.at("fits").get<bool>();
+  plan.budget = j.at("budget").get<int64_t>();
+  plan.batch = j.at("batch").get<int64_t>();
+  plan.settings = settings_from_wire(j.at("settings"));
+  plan.predicted = prediction_from_wire(j.at("predicted"));
+  plan.plain_seconds = j.at("plain_seconds").get<double>();
+  plan.plain_peak_bytes = j.at("plain_peak_bytes").get<int64_t>();
+  plan.candidates = j.at("candidates").get<int64_t>();
+  plan.timed.clear();
+  for (const auto& t : j.at("timed")) {
+    TimedCandidate c;
+    c.settings = settings_from_wire(t.at("settings"));
+    c.schedules = schedules_from_wire(t.at("schedules"));
+    c.predicted_seconds = t.at("predicted_seconds").get<double>();
+    c.measured_seconds = t.at("measured_seconds").get<double>();
+    c.measured_peak_bytes = t.at("measured_peak_bytes").get<int64_t>();
+    plan.timed.push_back(std::move(c));
+  }
+  plan.measured_seconds = j.at("measured_seconds").get<double>();
+  plan.measured_peak_bytes = j.at("measured_peak_bytes").get<int64_t>();
+  plan.measured_tie = j.at("measured_tie").get<double>();
+  plan.why = j.at("why").get<std::vector<std::string>>();
+}
+
+void broadcast_plan_wire(Plan& plan, ProcessGroup& group, int64_t root,
+                         const std::function<void(nlohmann::json&)>& add,
+                         const std::function<void(const nlohmann::json&)>& take) {
+  TORCH_CHECK(root >= 0 && root < group.size(), "broadcast_plan: root ", root, " is not a rank of the group of ",
+              group.size(), "; use 0 to ", group.size() - 1);
+  const bool mine = group.rank() == root;
+  std::string text;
+  if (mine) {
+    auto wire = plan_wire(plan);
+    add(wire);
+    text = wire.dump();
+  }
+  {
+    UntrackedGuard host;  // a few KiB of host memory, outside the budget
+    auto size = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong);
+    group.broadcast_(size, root);
+    auto bytes = torch::zeros({size.item<int64_t>()}, torch::kUInt8);
+    if (mine) std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
+    group.broadcast_(bytes, root);
+    text.assign(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel()));
+  }
+  if (!mine) {
+    const auto wire = nlohmann::json::parse(text);
+    plan_from_wire(wire, plan);
+    take(wire);
+  }
+  if (group.size() > 1) {
+    plan.why.push_back(fmt::format("rank {}'s plan, broadcast to all {} ranks (broadcast_plan): every rank "
+                                   "trains with it, whatever its own timings said", root, group.size()));
+  }
+}
+
+} // namespace detail
+
+void broadcast_plan(Plan& plan, ProcessGroup& group, int64_t root) {
+  detail::broadcast_plan_wire(plan, group, root, [](nlohmann::json&) {}, [](const nlohmann::json&) {});
 }
 
 } // namespace memfit

@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include <ATen/Parallel.h>
 #include <torch/nn/module.h>
@@ -107,6 +108,19 @@ inline std::string settings_text(const StepSettings& s, int64_t batch) {
 // peak: micro-batches of 64 with a checkpoint predicted 2% slower than
 // micro-batches of 32 without, measured 7.6% slower side by side).
 constexpr double kTimeTie = 0.03;
+
+// A plan as JSON that gives every field back exactly (broadcast_plan; not
+// Plan::to_json, which reports), and back; a ModulePlan adds its chains.
+nlohmann::json plan_wire(const Plan& plan);
+void plan_from_wire(const nlohmann::json& wire, Plan& plan);
+nlohmann::json schedules_wire(const std::vector<Schedule>& schedules);
+std::vector<Schedule> schedules_from_wire(const nlohmann::json& wire);
+// broadcast_plan: rank `root`'s plan_wire, with what `add` puts in it, on
+// every rank of `group`; the other ranks read it into `plan` and give it to
+// `take`. Every rank's reasons then say whose plan it is.
+void broadcast_plan_wire(Plan& plan, ProcessGroup& group, int64_t root,
+                         const std::function<void(nlohmann::json&)>& add,
+                         const std::function<void(const nlohmann::json&)>& take);
 
 // A candidate plan as the choice sees it.
 struct Ranked {

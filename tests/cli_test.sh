@@ -376,6 +376,10 @@ two=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 >"$tmp/one" 2>&1
 one=$(grep -o 'final loss [0-9.]*' "$tmp/one")
 check launch-equals-one-process-with-the-double-batch test -n "$one" -a "$one" = "$two"
+# Planned under launch: every rank trains with rank 0's plan (broadcast_plan).
+expect launch-budget-trains-rank-0s-plan 0 "rank 0's plan, broadcast to all 2 ranks" out -- launch --nproc 2 \
+  --master-port "$((port + 10))" -- "$bin" train --model mlp --width 32 --depth 1 --steps 2 --batch 16 --no-eval \
+  --threads 1 --budget 2MiB
 expect launch-zero-stage-1 0 'ZeRO stage 1' out -- launch --nproc 2 --master-port "$((port + 2))" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 16 --no-eval -q --threads 1 --zero-stage 1
 zero=$(grep -o 'final loss [0-9.]*' "$tmp/out")

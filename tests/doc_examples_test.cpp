@@ -363,6 +363,25 @@ TEST_F(DocExamples, DistributedHeader) {
     memfit::broadcast_module_state(*net, group);  // rank 0's weights everywhere
     EXPECT_TRUE(net->weight.equal(before)) << "one rank: its own";
   }
+  {  // broadcast_plan (plan.h)
+    memfit::WorldInfo solo;  // one process: a group of one
+    solo.master_port = 0;
+    memfit::ProcessGroup group(solo);
+    memfit::Plan p;
+    p.settings.micro_batch(16);
+    memfit::broadcast_plan(p, group);  // on every rank: rank 0's plan
+    EXPECT_EQ(p.settings.micro_batch(), 16);
+  }
+  {  // broadcast_plan (module_plan.h)
+    memfit::WorldInfo solo;  // one process: a group of one
+    solo.master_port = 0;
+    memfit::ProcessGroup group(solo);
+    memfit::ModulePlan p;
+    p.chains = {"blocks"};
+    p.schedules = {memfit::schedule_uniform(4, 2)};
+    memfit::broadcast_plan(p, group);  // on every rank: rank 0's plan
+    EXPECT_EQ(p.schedules[0].to_string(), "[0,2)* [2,4)");
+  }
   {  // clip_grad_norm_
     memfit::WorldInfo solo;
     solo.master_port = 0;

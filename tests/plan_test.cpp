@@ -2,12 +2,16 @@
 #include "plan_internal.h"
 
 #include "memfit/models.h"
+#include "memfit/module_plan.h"
+#include "ranks.h"
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <random>
 #include <set>
@@ -728,6 +732,119 @@ TEST_F(Planner, ChoosesTheFastestMeasuredOfTheClosestCandidatesWithinTheBudget) 
   EXPECT_EQ(by_prediction.measured_seconds, 0.0);
   testing::expect_error([&] { plan(model, [] { return make("mlp"); }, small_data(), 513, budget); },
                         "plan: the data has 512 examples, fewer than the batch of 513; plan a batch of 512 or less");
+}
+
+// [0, k) checkpointed, its first half checkpointed again when recomputed, then [k, n) plain.
+Schedule nested_schedule(int64_t k, int64_t n) {
+  const Segment inner_first{0, k / 2, true, {Segment{0, k / 2, false, {}}}};
+  return Schedule{{Segment{0, k, true, {inner_first, Segment{k / 2, k, false, {}}}}, Segment{k, n, false, {}}}};
+}
+
+// A plan in which every field is set: planned by prediction for `batch`
+// examples, with a nested schedule and a timed candidate besides.
+Plan full_plan(int64_t batch) {
+  torch::manual_seed(0);
+  StepModel model(make_mlp(ModelOptions().width(64).depth(2)), torch::zeros({1, 1, 28, 28}));
+  auto p = plan(model, batch, 4 << 20);
+  p.settings.schedule(nested_schedule(3, 6));
+  p.timed.push_back({StepSettings().micro_batch(batch / 2).precision(Precision::kBF16).offload_optimizer(Offload::kHost),
+                     {}, 0.125, 0.25, 12345});
+  p.measured_seconds = 1.0 / 3.0;  // a double that text must give back exactly
+  p.measured_tie = 0.07;
+  return p;
+}
+
+// Everything a rank knows of its plan, as JSON: the report, the schedule,
+// the timed candidates' knobs and the times to the last bit.
+nlohmann::json everything(const Plan& p) {
+  auto timed = nlohmann::json::array();
+  for (const auto& t : p.timed) timed.push_back({offload_text(t.settings), to_string(t.settings.precision())});
+  return {{"report", nlohmann::json::parse(p.to_json())},
+          {"schedule", p.settings.schedule().to_string()},
+          {"offload", offload_text(p.settings)},
+          {"timed", timed},
+          {"seconds", fmt::format("{:a} {:a}", p.measured_seconds, p.predicted.seconds)}};
+}
+
+// A rank of PlanBroadcast's jobs: plans its own plan (rank 0 and 1 differ),
+// takes rank 0's, and writes both.
+TEST(PlanBroadcastWorker, Run) {
+  const char* mode = std::getenv("MEMFIT_TEST_WORKER");
+  if (mode == nullptr) GTEST_SKIP() << "run by the PlanBroadcast tests as one rank of two";
+  const std::string m = mode, out = std::getenv("MEMFIT_TEST_OUT");
+  const auto world = world_from_env();
+  ProcessGroup group(world, ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+  std::ofstream file(out + ".rank" + std::to_string(world.rank) + ".txt");
+  if (m == "plan") {
+    Plan p = full_plan(world.rank == 0 ? 256 : 64);
+    file << everything(p).dump() << "\n----\n";
+    broadcast_plan(p, group);
+    file << everything(p).dump();
+  } else {  // "module": rank 1 starts with nothing
+    ModulePlan p;
+    if (world.rank == 0) {
+      static_cast<Plan&>(p) = full_plan(128);
+      p.chains = {"encoder.blocks", "head"};
+      p.schedules = {nested_schedule(4, 8), Schedule()};
+    }
+    file << p.to_json() << "\n----\n";
+    broadcast_plan(p, group);
+    file << everything(p).dump() << p.to_json() << fmt::format("{}", fmt::join(p.chains, ","));
+    for (const auto& s : p.schedules) file << "|" << s.to_string();
+  }
+}
+
+// What the two ranks of PlanBroadcastWorker's job `mode` wrote: each one's
+// plan before the broadcast and after it.
+struct RankPlans {
+  std::string before0, after0, before1, after1;
+};
+
+RankPlans run_broadcast(const std::string& mode) {
+  const std::string out = ::testing::TempDir() + "memfit_plan_broadcast_" + mode + "_" + std::to_string(::getpid());
+  const auto statuses = testing::run_ranks("PlanBroadcastWorker.Run", 2, mode, out);
+  EXPECT_EQ(statuses, (std::vector<int>{0, 0}));
+  RankPlans plans;
+  for (int rank : {0, 1}) {
+    const auto path = out + ".rank" + std::to_string(rank) + ".txt";
+    const auto text = testing::read_text(path);
+    ::unlink(path.c_str());
+    const auto cut = text.find("\n----\n");
+    EXPECT_NE(cut, std::string::npos) << "rank " << rank << " wrote: " << text;
+    if (cut == std::string::npos) continue;
+    (rank == 0 ? plans.before0 : plans.before1) = text.substr(0, cut);
+    (rank == 0 ? plans.after0 : plans.after1) = text.substr(cut + 6);
+  }
+  return plans;
+}
+
+class PlanBroadcast : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!distributed_available()) GTEST_SKIP() << "this build has no c10d Gloo process group";
+  }
+};
+
+TEST_F(PlanBroadcast, EveryRankTrainsWithRankZerosPlanToTheLastField) {
+  const auto p = run_broadcast("plan");
+  EXPECT_NE(p.before1, p.before0) << "rank 1 planned a plan of its own";
+  EXPECT_EQ(p.after1, p.after0) << "rank 1 holds rank 0's plan";
+  EXPECT_NE(p.after0.find("rank 0's plan, broadcast to all 2 ranks"), std::string::npos) << p.after0;
+  // Rank 0's plan is its own, with that line added to its reasons.
+  auto mine = nlohmann::json::parse(p.after0);
+  auto& why = mine["report"]["why"];
+  ASSERT_FALSE(why.empty());
+  why.erase(why.size() - 1);
+  EXPECT_EQ(mine, nlohmann::json::parse(p.before0));
+}
+
+TEST_F(PlanBroadcast, AModulePlanBringsItsChainsAndTheirSchedules) {
+  const auto p = run_broadcast("module");
+  EXPECT_NE(p.before1, p.before0) << "rank 1 starts with a default ModulePlan";
+  EXPECT_EQ(p.after1, p.after0);
+  const auto schedules = "encoder.blocks,head|" + nested_schedule(4, 8).to_string() + "|";
+  EXPECT_NE(p.after1.find(schedules), std::string::npos) << p.after1;
+  EXPECT_NE(schedules.find("[0,4)*{[0,2)*"), std::string::npos) << "a nested schedule: " << schedules;
 }
 
 TEST_F(Planner, BadArgumentsAreRefused) {

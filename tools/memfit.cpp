@@ -817,6 +817,8 @@ int run_train(const TrainArgs& a) {
                                                        : memfit::SelectiveRecompute::kChoose),
         device);
     plan = memfit::plan(step_model, [&] { return workload.make(); }, train_data, a.batch, budget);
+    // Data-parallel ranks planned alike but timed apart: they train with rank 0's plan.
+    if (group) memfit::broadcast_plan(*plan, *group);
     memfit::set_selective_recompute(chain, plan->settings.selective_recompute());
     fmt::print("{}", memfit::tools::with_flag_names(plan->explain()));
   }

@@ -194,6 +194,24 @@ struct ModulePlan : Plan {
   std::string explain() const;
 };
 
+/// Makes `plan` rank `root`'s on every rank of `group`: Plan's fields, as
+/// broadcast_plan(Plan&, ...) gives them, and each chain's name and
+/// schedule. Every rank calls it, after planning the same module or with a
+/// default ModulePlan. Sync points and extra memory: as for a Plan.
+///
+/// Example:
+/// \code
+///   memfit::WorldInfo solo;  // one process: a group of one
+///   solo.master_port = 0;
+///   memfit::ProcessGroup group(solo);
+///   memfit::ModulePlan p;
+///   p.chains = {"blocks"};
+///   p.schedules = {memfit::schedule_uniform(4, 2)};
+///   memfit::broadcast_plan(p, group);  // on every rank: rank 0's plan
+///   assert(p.schedules[0].to_string() == "[0,2)* [2,4)");
+/// \endcode
+void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root = 0);
+
 /// The fastest plan for a step of `model`'s sample batch that fits
 /// options.margin() × `budget` (see the file comment).
 ///

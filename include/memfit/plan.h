@@ -455,6 +455,35 @@ Plan plan(const StepModel& model, int64_t batch, int64_t budget);
 Plan plan(const StepModel& model, const std::function<torch::nn::Sequential()>& make_model,
           const ImageDataset& data, int64_t batch, int64_t budget);
 
+/// Makes `plan` rank `root`'s on every rank of `group`, so that the ranks of
+/// a data-parallel job train with one plan.
+///
+/// A rank that plans times its own candidates, and on a shared machine timing
+/// noise can give two ranks different plans: a precision that differs
+/// between ranks changes the math, and a micro-batch their speed. Every rank
+/// calls it; the others may pass a default Plan (what they held is
+/// replaced). Afterwards every field equals root's, and `why` ends with a
+/// line saying that the plan is rank `root`'s (in a group of more than one).
+/// Data-parallel ranks hold equal shares of the batch, so root's plan fits
+/// each of them.
+///
+/// Sync points: two broadcasts over `group` (the plan's size, then its
+/// bytes), each waiting at most the group's timeout, so ranks that do not
+/// plan wait for root's planning that long at most. Extra memory: the plan
+/// as text (a few KiB) in host tensors outside the budget.
+///
+/// Example:
+/// \code
+///   memfit::WorldInfo solo;  // one process: a group of one
+///   solo.master_port = 0;
+///   memfit::ProcessGroup group(solo);
+///   memfit::Plan p;
+///   p.settings.micro_batch(16);
+///   memfit::broadcast_plan(p, group);  // on every rank: rank 0's plan
+///   assert(p.settings.micro_batch() == 16);
+/// \endcode
+void broadcast_plan(Plan& plan, ProcessGroup& group, int64_t root = 0);
+
 /// How find_batch searches.
 struct FindBatchOptions {
   /// The largest batch considered.
