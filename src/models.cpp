@@ -161,10 +161,19 @@ struct GptHeadImpl : nn::Module {
 };
 TORCH_MODULE(GptHead);
 
+// The name of a TorchScript module's class ("TorchScript BatchNorm2d" for
+// Python's nn.BatchNorm2d), so that scripted layers are told apart by name as
+// C++ ones are: batch_statistics_layer finds a scripted BatchNorm, and
+// MasterWeights keeps scripted normalisation layers in fp32.
+std::string script_name(const torch::jit::Module& m) {
+  const auto& type = m.type()->name();
+  return type ? "TorchScript " + type->name() : std::string("TorchScript");
+}
+
 // A plain module holding a TorchScript module's own parameters and buffers
 // (the same tensors) under their names, recursively.
 std::shared_ptr<nn::Module> mirror(const torch::jit::Module& m) {
-  auto holder = std::make_shared<nn::Module>("TorchScript");
+  auto holder = std::make_shared<nn::Module>(script_name(m));
   for (const auto& p : m.named_parameters(/*recurse=*/false)) holder->register_parameter(p.name, p.value, p.value.requires_grad());
   for (const auto& b : m.named_buffers(/*recurse=*/false)) holder->register_buffer(b.name, b.value);
   for (const auto& c : m.named_children()) holder->register_module(c.name, mirror(c.value));
@@ -173,7 +182,7 @@ std::shared_ptr<nn::Module> mirror(const torch::jit::Module& m) {
 
 // One top-level child of a TorchScript module as a Sequential element.
 struct ScriptedChildImpl : nn::Module {
-  explicit ScriptedChildImpl(torch::jit::Module m) : nn::Module("ScriptedChild"), module(std::move(m)) {
+  explicit ScriptedChildImpl(torch::jit::Module m) : nn::Module(script_name(m)), module(std::move(m)) {
     for (const auto& p : module.named_parameters(/*recurse=*/false)) register_parameter(p.name, p.value, p.value.requires_grad());
     for (const auto& b : module.named_buffers(/*recurse=*/false)) register_buffer(b.name, b.value);
     for (const auto& c : module.named_children()) register_module(c.name, mirror(c.value));

@@ -1,6 +1,8 @@
 #include "memfit/models.h"
 
 #include "memfit/memory.h"
+#include "memfit/plan.h"
+#include "memfit/precision.h"
 #include "memfit/schedule.h"
 #include "memfit/trainer.h"
 
@@ -187,6 +189,26 @@ TEST_F(TorchScript, ResNet18FromPythonRunsAsAChainOfItsChildren) {
   const auto mean = chain->named_buffers()["1.running_mean"].clone();
   chain->forward(x);
   EXPECT_TRUE(chain->named_buffers()["1.running_mean"].equal(mean));
+}
+
+TEST_F(TorchScript, ScriptedLayersAreNamedByTheirPythonClassSoNormalisationIsFound) {
+  // The CNN's first BatchNorm is a top-level child; the others sit inside
+  // its residual blocks. Micro-batching changes their statistics, so the
+  // planners must find them as they find a C++ BatchNorm.
+  auto chain = load_torchscript(dir_ + "/blocks.pt");
+  EXPECT_EQ(chain[1]->name(), "TorchScript BatchNorm2d");
+  EXPECT_EQ(batch_statistics_layer(*chain), std::optional<std::string>("1"));
+  auto resnet = load_torchscript(dir_ + "/resnet18.pt");
+  EXPECT_EQ(batch_statistics_layer(*resnet), std::optional<std::string>("1"));
+  EXPECT_EQ(batch_statistics_layer(*chain[3]), std::optional<std::string>("bn1")) << "inside a residual block";
+  // MasterWeights keeps normalisation layers in fp32 (as a C++ BatchNorm's).
+  MasterWeights masters(*chain, MasterWeightsOptions().dtype(torch::kBFloat16));
+  for (const auto& item : chain->named_parameters()) {
+    const auto& k = item.key();
+    const bool norm = k.rfind("1.", 0) == 0 || k.find(".bn") != std::string::npos ||
+                      k.find(".shortcut.1.") != std::string::npos;
+    EXPECT_EQ(item.value().scalar_type(), norm ? torch::kFloat : torch::kBFloat16) << item.key();
+  }
 }
 
 TEST_F(TorchScript, CheckpointedChainGivesTheSameGradients) {
