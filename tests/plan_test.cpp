@@ -847,6 +847,18 @@ TEST_F(PlanBroadcast, AModulePlanBringsItsChainsAndTheirSchedules) {
   EXPECT_NE(schedules.find("[0,4)*{[0,2)*"), std::string::npos) << "a nested schedule: " << schedules;
 }
 
+TEST_F(PlanBroadcast, ARootOutsideTheGroupIsAClearErrorAndThePlanIsLeftAsItWas) {
+  WorldInfo solo;  // one process: a group of one
+  solo.master_port = 0;
+  ProcessGroup group(solo);
+  Plan p;
+  p.settings.micro_batch(16);
+  testing::expect_error([&] { broadcast_plan(p, group, 1); },
+                        "broadcast_plan: root 1 is not a rank of the group of 1; use 0 to 0");
+  EXPECT_EQ(p.settings.micro_batch(), 16);
+  EXPECT_TRUE(p.why.empty());
+}
+
 TEST_F(Planner, BadArgumentsAreRefused) {
   auto chain = make("mlp");
   EXPECT_THROW(StepModel(chain, torch::zeros({2, 1, 28, 28})), c10::Error) << "one example";
