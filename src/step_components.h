@@ -7,6 +7,7 @@
 #include "memfit/pipeline.h"
 #include "memfit/precision.h"
 #include "memfit/step.h"
+#include "memfit/stream.h"
 #include "memfit/trainer.h"
 
 #include <torch/nn/module.h>
@@ -23,6 +24,22 @@ namespace detail {
 // logits [N, T, C] against [N, T] labels (a language model), in fp32: the
 // mean, or with `sum` the sum, over every label.
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& target, bool sum = false);
+
+// Streamed parameters (offload_parameters host): the parameters outside
+// the module's chains on the device for each micro-batch's forward and
+// backward; the chains' layers stream themselves. Extra memory: those
+// parameters while held.
+class StreamStep final : public StepComponent {
+ public:
+  explicit StreamStep(ParameterStream& stream) : stream_(stream) {}
+  void before_forward(StepState&) override { held_ = stream_.hold(); }
+  void after_backward(StepState&) override { held_ = ParameterStream::Hold(); }
+  void abort_step(StepState&) override { held_ = ParameterStream::Hold(); }
+
+ private:
+  ParameterStream& stream_;
+  ParameterStream::Hold held_;
+};
 
 // Data parallelism: buffers from rank 0 before the step, gradients
 // all-reduced during the last micro-batch's backward only, the loss

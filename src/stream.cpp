@@ -103,36 +103,47 @@ struct StreamedLinearFunction : public torch::autograd::Function<StreamedLinearF
 
 } // namespace
 
-struct ParameterStream::Impl {
-  torch::nn::Sequential model;
-  CheckpointedSequential checkpointed{nullptr};  // the model's only layer, when it is one
-  MasterWeights* master = nullptr;
-  StreamOptions options;
+// The layers of one chain (or of the Sequential form itself), as streamed.
+struct StreamedChain {
+  CheckpointedSequential checkpointed{nullptr};  // the chain whose layer runner streams them
   std::vector<torch::nn::AnyModule> layers;
   std::vector<StreamedLayer> kinds;
   std::vector<std::vector<size_t>> params;  // per layer: indices among the masters
   std::vector<c10::intrusive_ptr<LinearState>> linear;  // per layer (kLinear)
+};
 
-  void fetch(size_t layer) {
-    for (size_t i : params[layer]) master->set_parameter_data(i, master->fetch(i));
+struct ParameterStream::Impl {
+  torch::nn::Sequential model{nullptr};  // the Sequential form, or empty
+  MasterWeights* master = nullptr;
+  StreamOptions options;
+  std::vector<StreamedChain> chains;
+  std::vector<size_t> rest;  // a module's parameters outside its chains: on the device while held
+  int64_t holds = 0;
+
+  void fetch(const std::vector<size_t>& indices) {
+    for (size_t i : indices) master->set_parameter_data(i, master->fetch(i));
   }
-  void release(size_t layer) {
-    for (size_t i : params[layer]) master->set_parameter_data(i, torch::Tensor());
+  void release(const std::vector<size_t>& indices) {
+    for (size_t i : indices) master->set_parameter_data(i, torch::Tensor());
   }
 };
 
 namespace {
 
-torch::Tensor run_streamed(const std::shared_ptr<ParameterStream::Impl>& impl, int64_t index,
+torch::Tensor run_streamed(const std::shared_ptr<ParameterStream::Impl>& impl, size_t c, int64_t index,
                            const torch::Tensor& x) {
   const auto i = static_cast<size_t>(index);
-  switch (impl->kinds[i]) {
+  auto& chain = impl->chains[c];
+  TORCH_CHECK(impl->rest.empty() || impl->holds > 0, "ParameterStream: a chain ran while the parameters "
+              "outside the chains were released: run the module's forward and backward inside "
+              "ParameterStream::hold()");
+  switch (chain.kinds[i]) {
     case StreamedLayer::kNone:
-      return impl->layers[i].forward(x);
+      return chain.layers[i].forward(x);
     case StreamedLayer::kLinear:
       if (x.dim() == 2) {
-        if (!torch::autograd::GradMode::is_enabled()) return impl->linear[i]->forward(x);
-        return StreamedLinearFunction::apply(impl->linear[i], x, torch::empty({0}, torch::requires_grad()))[0];
+        if (!torch::autograd::GradMode::is_enabled()) return chain.linear[i]->forward(x);
+        return StreamedLinearFunction::apply(chain.linear[i], x, torch::empty({0}, torch::requires_grad()))[0];
       }
       break;  // other shapes: as any layer
     case StreamedLayer::kRecompute:
@@ -141,49 +152,32 @@ torch::Tensor run_streamed(const std::shared_ptr<ParameterStream::Impl>& impl, i
   // Fetched for the forward (which keeps only x) and released after it; in
   // backward fetched again, recomputed, and released once its backward ends.
   std::weak_ptr<ParameterStream::Impl> weak = impl;
-  auto fn = [weak, i](const std::vector<torch::Tensor>& in) {
+  auto fn = [weak, c, i](const std::vector<torch::Tensor>& in) {
     auto s = weak.lock();
     TORCH_CHECK(s != nullptr, "ParameterStream: the stream was destroyed before this backward");
-    s->fetch(i);
-    if (torch::autograd::GradMode::is_enabled()) return std::vector<torch::Tensor>{s->layers[i].forward(in[0])};
+    auto& layer = s->chains[c];
+    s->fetch(layer.params[i]);
+    if (torch::autograd::GradMode::is_enabled()) return std::vector<torch::Tensor>{layer.layers[i].forward(in[0])};
     struct Release {
       ParameterStream::Impl& s;
-      size_t i;
-      ~Release() { s.release(i); }
-    } release{*s, i};
-    return std::vector<torch::Tensor>{s->layers[i].forward(in[0])};
+      const std::vector<size_t>& params;
+      ~Release() { s.release(params); }
+    } release{*s, layer.params[i]};
+    return std::vector<torch::Tensor>{layer.layers[i].forward(in[0])};
   };
-  auto after = [weak, i] {
-    if (auto s = weak.lock()) s->release(i);
+  auto after = [weak, c, i] {
+    if (auto s = weak.lock()) s->release(s->chains[c].params[i]);
   };
   return detail::checkpoint_impl(fn, {x}, CheckpointOptions(), after)[0];
 }
 
-} // namespace
-
-ParameterStream::ParameterStream(torch::nn::Sequential model, MasterWeights& master, StreamOptions options)
-    : impl_(std::make_shared<Impl>()) {
-  TORCH_CHECK(!model.is_empty() && model->size() > 0, "ParameterStream needs a non-empty Sequential");
-  TORCH_CHECK(master.streamed(), "ParameterStream streams the parameters that MasterWeights released: "
-              "build it with MasterWeightsOptions().dtype(kFloat).offload(kHost).gradients(kHost)"
-              ".parameters(kHost)");
-  TORCH_CHECK(options.tile_bytes() >= 0, "StreamOptions: tile_bytes must be >= 0 (0: no tiling), got ",
-              options.tile_bytes());
-  auto& s = *impl_;
-  s.model = model;
-  s.master = &master;
-  s.options = options;
-  torch::nn::Sequential chain = model;
-  if (model->size() == 1) {
-    if (auto ck = model->ptr(0)->as<CheckpointedSequentialImpl>()) {
-      s.checkpointed = CheckpointedSequential(std::dynamic_pointer_cast<CheckpointedSequentialImpl>(model->ptr(0)));
-      chain = ck->sequential();
-    }
-  }
-  s.layers.assign(chain->begin(), chain->end());
-  size_t covered = 0;
-  for (size_t l = 0; l < s.layers.size(); ++l) {
-    const auto module = s.layers[l].ptr();
+// Maps `layers`' parameters to the masters and chooses how each runs.
+StreamedChain streamed_chain(const std::vector<torch::nn::AnyModule>& layers, MasterWeights& master,
+                             const StreamOptions& options) {
+  StreamedChain chain;
+  chain.layers = layers;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const auto module = layers[l].ptr();
     std::vector<size_t> indices;
     for (const auto& p : module->parameters()) {
       const int64_t k = master.index_of(p);
@@ -191,11 +185,10 @@ ParameterStream::ParameterStream(torch::nn::Sequential model, MasterWeights& mas
                   ") is not among the MasterWeights' parameters: build them over the same model");
       indices.push_back(static_cast<size_t>(k));
     }
-    covered += indices.size();
-    s.params.push_back(indices);
-    s.linear.emplace_back();
+    chain.params.push_back(indices);
+    chain.linear.emplace_back();
     if (indices.empty()) {
-      s.kinds.push_back(StreamedLayer::kNone);
+      chain.kinds.push_back(StreamedLayer::kNone);
     } else if (auto lin = module->as<torch::nn::LinearImpl>()) {
       auto state = c10::make_intrusive<LinearState>();
       state->master = &master;
@@ -203,31 +196,132 @@ ParameterStream::ParameterStream(torch::nn::Sequential model, MasterWeights& mas
       state->bias = lin->bias.defined() ? master.index_of(lin->bias) : -1;
       state->out = lin->weight.size(0);
       state->rows = tile_rows(lin->weight, options.tile_bytes());
-      s.linear.back() = state;
-      s.kinds.push_back(StreamedLayer::kLinear);
+      chain.linear.back() = state;
+      chain.kinds.push_back(StreamedLayer::kLinear);
     } else {
-      s.kinds.push_back(StreamedLayer::kRecompute);
+      chain.kinds.push_back(StreamedLayer::kRecompute);
     }
   }
-  TORCH_CHECK(covered == master.model_parameters().size(), "ParameterStream: the MasterWeights hold ",
-              master.model_parameters().size(), " parameters, but the model's layers have ", covered,
-              ": build them over the same model");
-  if (s.checkpointed) {
-    std::weak_ptr<Impl> weak = impl_;
-    s.checkpointed->set_layer_runner([weak](int64_t i, torch::nn::AnyModule& m, const torch::Tensor& x) {
-      auto locked = weak.lock();
-      return locked ? run_streamed(locked, i, x) : m.forward(x);
-    });
+  return chain;
+}
+
+// The outermost chains inside `module` (the module itself, if it is one),
+// and the modules outside every chain.
+void outermost_chains(const std::shared_ptr<torch::nn::Module>& module, std::vector<CheckpointedSequential>& chains,
+                      std::vector<std::shared_ptr<torch::nn::Module>>& outside) {
+  if (std::dynamic_pointer_cast<CheckpointedSequentialImpl>(module)) {
+    chains.emplace_back(std::dynamic_pointer_cast<CheckpointedSequentialImpl>(module));
+    return;
+  }
+  outside.push_back(module);
+  for (const auto& child : module->children()) outermost_chains(child, chains, outside);
+}
+
+void check_options(MasterWeights& master, const StreamOptions& options) {
+  TORCH_CHECK(master.streamed(), "ParameterStream streams the parameters that MasterWeights released: "
+              "build it with MasterWeightsOptions().dtype(kFloat).offload(kHost).gradients(kHost)"
+              ".parameters(kHost)");
+  TORCH_CHECK(options.tile_bytes() >= 0, "StreamOptions: tile_bytes must be >= 0 (0: no tiling), got ",
+              options.tile_bytes());
+}
+
+void set_runners(const std::shared_ptr<ParameterStream::Impl>& impl) {
+  std::weak_ptr<ParameterStream::Impl> weak = impl;
+  for (size_t c = 0; c < impl->chains.size(); ++c) {
+    if (!impl->chains[c].checkpointed) continue;
+    impl->chains[c].checkpointed->set_layer_runner(
+        [weak, c](int64_t i, torch::nn::AnyModule& m, const torch::Tensor& x) {
+          auto locked = weak.lock();
+          return locked ? run_streamed(locked, c, i, x) : m.forward(x);
+        });
   }
 }
 
-ParameterStream::~ParameterStream() {
-  if (impl_ && impl_->checkpointed) impl_->checkpointed->set_layer_runner(nullptr);
+void clear_runners(ParameterStream::Impl* impl) {
+  if (impl == nullptr) return;
+  for (auto& c : impl->chains) {
+    if (c.checkpointed) c.checkpointed->set_layer_runner(nullptr);
+  }
 }
+
+} // namespace
+
+ParameterStream::ParameterStream(torch::nn::Sequential model, MasterWeights& master, StreamOptions options)
+    : impl_(std::make_shared<Impl>()) {
+  TORCH_CHECK(!model.is_empty() && model->size() > 0, "ParameterStream needs a non-empty Sequential");
+  check_options(master, options);
+  auto& s = *impl_;
+  s.model = model;
+  s.master = &master;
+  s.options = options;
+  torch::nn::Sequential layers = model;
+  CheckpointedSequential checkpointed{nullptr};
+  if (model->size() == 1) {
+    if (auto ck = model->ptr(0)->as<CheckpointedSequentialImpl>()) {
+      checkpointed = CheckpointedSequential(std::dynamic_pointer_cast<CheckpointedSequentialImpl>(model->ptr(0)));
+      layers = ck->sequential();
+    }
+  }
+  s.chains.push_back(streamed_chain({layers->begin(), layers->end()}, master, options));
+  s.chains.back().checkpointed = checkpointed;
+  size_t covered = 0;
+  for (const auto& p : s.chains.back().params) covered += p.size();
+  TORCH_CHECK(covered == master.model_parameters().size(), "ParameterStream: the MasterWeights hold ",
+              master.model_parameters().size(), " parameters, but the model's layers have ", covered,
+              ": build them over the same model");
+  set_runners(impl_);
+}
+
+ParameterStream::ParameterStream(std::shared_ptr<torch::nn::Module> module, MasterWeights& master,
+                                 StreamOptions options)
+    : impl_(std::make_shared<Impl>()) {
+  TORCH_CHECK(module != nullptr, "ParameterStream needs a module, got nullptr");
+  check_options(master, options);
+  auto& s = *impl_;
+  s.master = &master;
+  s.options = options;
+  std::vector<CheckpointedSequential> chains;
+  std::vector<std::shared_ptr<torch::nn::Module>> outside;
+  outermost_chains(module, chains, outside);
+  TORCH_CHECK(!chains.empty(), "ParameterStream streams a module's chains block by block, but ", module->name(),
+              " holds no CheckpointedSequential: hold its repeated blocks in one, or keep the parameters on "
+              "the device (offload the optimizer state and gradients only)");
+  std::vector<bool> in_chain(master.model_parameters().size(), false);
+  for (auto& ck : chains) {
+    TORCH_CHECK(!ck->layer_runner(), "ParameterStream: chain ", ck->name(), " already runs its layers through "
+                "a layer runner (another ParameterStream, or a planner's probe): one at a time");
+    const auto& seq = ck->sequential();
+    s.chains.push_back(streamed_chain({seq->begin(), seq->end()}, master, options));
+    s.chains.back().checkpointed = ck;
+    for (const auto& layer : s.chains.back().params) {
+      for (size_t i : layer) in_chain[i] = true;
+    }
+  }
+  for (const auto& m : outside) {
+    for (const auto& p : m->parameters(/*recurse=*/false)) {
+      const int64_t k = master.index_of(p);
+      TORCH_CHECK(k >= 0, "ParameterStream: parameter of ", m->name(), " is not among the MasterWeights' "
+                  "parameters: build them over the same module");
+      TORCH_CHECK(!in_chain[static_cast<size_t>(k)], "ParameterStream: a parameter of ", m->name(),
+                  ", outside the chains, is shared with a chain's layer (tied weights); streaming would "
+                  "release it under the other: untie it, or keep the parameters on the device");
+      if (std::find(s.rest.begin(), s.rest.end(), static_cast<size_t>(k)) == s.rest.end()) {
+        s.rest.push_back(static_cast<size_t>(k));
+      }
+    }
+  }
+  const size_t covered = static_cast<size_t>(std::count(in_chain.begin(), in_chain.end(), true)) + s.rest.size();
+  TORCH_CHECK(covered == master.model_parameters().size(), "ParameterStream: the MasterWeights hold ",
+              master.model_parameters().size(), " parameters, but the module has ", covered,
+              ": build them over the same module");
+  set_runners(impl_);
+}
+
+ParameterStream::~ParameterStream() { clear_runners(impl_.get()); }
 ParameterStream::ParameterStream(ParameterStream&&) noexcept = default;
 ParameterStream& ParameterStream::operator=(ParameterStream&& other) noexcept {
   if (this != &other) {
-    if (impl_ && impl_->checkpointed) impl_->checkpointed->set_layer_runner(nullptr);
+    clear_runners(impl_.get());
     impl_ = std::move(other.impl_);
   }
   return *this;
@@ -235,20 +329,46 @@ ParameterStream& ParameterStream::operator=(ParameterStream&& other) noexcept {
 
 torch::Tensor ParameterStream::forward(const torch::Tensor& input) {
   TORCH_CHECK(impl_ != nullptr, "ParameterStream: used after a move");
+  TORCH_CHECK(!impl_->model.is_empty(), "ParameterStream::forward runs the Sequential form; a stream over "
+              "a module runs the module's own forward inside hold()");
   const auto autocast = compat::get_autocast_state();
   TORCH_CHECK(!autocast.cpu_enabled && !autocast.cuda_enabled,
               "ParameterStream runs in fp32: streamed parameters under autocast are not supported; "
               "leave the precision at fp32, or keep the parameters on the device");
-  if (impl_->checkpointed) return impl_->model->forward(input);
+  if (impl_->chains[0].checkpointed) return impl_->model->forward(input);
   torch::Tensor x = input;
-  for (size_t i = 0; i < impl_->layers.size(); ++i) x = run_streamed(impl_, static_cast<int64_t>(i), x);
+  for (size_t i = 0; i < impl_->chains[0].layers.size(); ++i) x = run_streamed(impl_, 0, static_cast<int64_t>(i), x);
   return x;
 }
 
-StreamedLayer ParameterStream::layer_kind(size_t i) const { return impl_->kinds.at(i); }
+ParameterStream::Hold ParameterStream::hold() {
+  TORCH_CHECK(impl_ != nullptr, "ParameterStream: used after a move");
+  if (impl_->rest.empty()) return Hold();
+  if (impl_->holds++ == 0) impl_->fetch(impl_->rest);
+  std::weak_ptr<Impl> weak = impl_;
+  return Hold(std::shared_ptr<void>(impl_.get(), [weak](void*) {
+    auto s = weak.lock();
+    if (s && --s->holds == 0) s->release(s->rest);
+  }));
+}
 
-int64_t ParameterStream::tiles(size_t i) const {
-  const auto& state = impl_->linear.at(i);
+size_t ParameterStream::chains() const { return impl_->chains.size(); }
+
+int64_t ParameterStream::held_bytes() const {
+  int64_t bytes = 0;
+  for (size_t i : impl_->rest) {
+    const auto& m = impl_->master->master_parameters()[i];
+    bytes += m.numel() * static_cast<int64_t>(m.element_size());
+  }
+  return bytes;
+}
+
+StreamedLayer ParameterStream::layer_kind(size_t i, size_t chain) const {
+  return impl_->chains.at(chain).kinds.at(i);
+}
+
+int64_t ParameterStream::tiles(size_t i, size_t chain) const {
+  const auto& state = impl_->chains.at(chain).linear.at(i);
   return state ? state->tiles() : 0;
 }
 

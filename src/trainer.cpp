@@ -227,9 +227,6 @@ void Trainer::check_options() const {
     TORCH_CHECK(options_.process_group() == nullptr, "offload_parameters host runs in one process: data "
                 "and pipeline parallelism are not supported with streamed parameters; drop the process "
                 "group, or keep the parameters on the device (offload optimizer and gradients still apply)");
-    TORCH_CHECK(classifier_, "offload_parameters host streams the layers of a torch::nn::Sequential trained "
-                "with cross-entropy: construct the Trainer from the Sequential without a loss, or keep "
-                "the parameters on the device (offload_optimizer and offload_gradients still apply)");
   }
   TORCH_CHECK(options_.zero_stage() == 0 || options_.zero_stage() == 1, "zero_stage must be 0 (no "
               "sharding) or 1 (optimizer state sharded over the ranks), got ", options_.zero_stage(),
@@ -310,7 +307,10 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
                       .parameters(options_.offload_parameters())
                       .stream_to(options_.device()));
     params = master_->master_parameters();
-    if (master_->streamed()) stream_ = std::make_shared<ParameterStream>(classifier_, *master_, options_.stream());
+    if (master_->streamed()) {
+      stream_ = classifier_ ? std::make_shared<ParameterStream>(classifier_, *master_, options_.stream())
+                            : std::make_shared<ParameterStream>(module_, *master_, options_.stream());
+    }
   }
   if (classifier_) loss_ = classifier_loss(classifier_, stream_, options_.device());
   std::vector<torch::Tensor> trainable;
@@ -362,6 +362,7 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
 // The step's components, in the order the step calls them at each point.
 void Trainer::build_components() {
   using namespace detail;
+  if (stream_) components_.push_back(std::make_shared<StreamStep>(*stream_));
   if (ddp_) components_.push_back(std::make_shared<DataParallelStep>(*ddp_, *options_.process_group()));
   if (pipeline_) {
     components_.push_back(std::make_shared<PipelineStep>(*pipeline_, options_.device(), options_.precision()));

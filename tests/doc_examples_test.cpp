@@ -530,6 +530,17 @@ TEST_F(DocExamples, DataAndTrainerHeaders) {
   }
 }
 
+struct StreamedNetImpl : torch::nn::Module {
+  StreamedNetImpl() {
+    torch::nn::Sequential blocks(torch::nn::Linear(32, 32), torch::nn::Tanh(), torch::nn::Linear(32, 32));
+    body = register_module("body", memfit::CheckpointedSequential(blocks));
+    head = register_module("head", torch::nn::Linear(32, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head->forward(body->forward(x)); }
+  memfit::CheckpointedSequential body{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+
 TEST_F(DocExamples, StreamHeader) {
   {  // ParameterStream
     auto net = memfit::make_mlp(memfit::ModelOptions().width(32).depth(1));
@@ -543,6 +554,23 @@ TEST_F(DocExamples, StreamHeader) {
     stream.forward(torch::zeros({4, 1, 28, 28})).sum().backward();
     sgd.step();
     master.master_to_model();
+  }
+  {  // ParameterStream over any module
+    auto net = std::make_shared<StreamedNetImpl>();
+    memfit::MasterWeights master(*net, memfit::MasterWeightsOptions()
+                                           .dtype(torch::kFloat)
+                                           .offload(memfit::Offload::kHost)
+                                           .gradients(memfit::Offload::kHost)
+                                           .parameters(memfit::Offload::kHost));
+    memfit::ParameterStream stream(net, master);
+    torch::optim::SGD sgd(master.master_parameters(), torch::optim::SGDOptions(0.1));
+    {
+      auto held = stream.hold();  // the head, for this forward and backward
+      net->forward(torch::randn({8, 32})).sum().backward();
+    }
+    sgd.step();
+    master.master_to_model();
+    EXPECT_EQ(stream.chains(), 1u);
   }
   EXPECT_EQ(memfit::linear_tile_rows(64, 64 * 400, 6400), 16);
   {  // streamed_bytes

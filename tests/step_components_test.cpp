@@ -356,7 +356,7 @@ TEST_F(OwnModelTest, WhatAUsersCodeGetsWrongIsNamed) {
   testing::expect_error([&] { Trainer(net, nll, TrainerOptions().offload_optimizer(Offload::kHost)
                                                     .offload_gradients(Offload::kHost)
                                                     .offload_parameters(Offload::kHost)); },
-                        "construct the Trainer from the Sequential without a loss");
+                        "holds no CheckpointedSequential: hold its repeated blocks in one");
   testing::expect_error(
       [&] {
         auto ragged = Rows(torch::randn({8, 20}), torch::randint(5, {8}), /*ragged=*/true)

@@ -212,6 +212,87 @@ TEST_F(ParameterStreamTest, BadSetUpsAreRefusedWithTheFix) {
   testing::expect_error([&] { stream.forward(torch::zeros({2, 1, 28, 28})); }, "runs in fp32");
 }
 
+// A user's own module: an input layer, a chain of blocks (Linear, Tanh,
+// LayerNorm: a layer recomputed when streamed), a head.
+struct ChainedNetImpl : torch::nn::Module {
+  explicit ChainedNetImpl(ScheduleKind kind = ScheduleKind::kNone) {
+    in = register_module("in", torch::nn::Linear(12, 32));
+    torch::nn::Sequential blocks;
+    for (int i = 0; i < 4; ++i) {
+      blocks->push_back(torch::nn::Linear(32, 32));
+      blocks->push_back(torch::nn::Tanh());
+      if (i == 1) blocks->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})));
+    }
+    body = register_module("body", CheckpointedSequential(blocks, CheckpointedSequentialOptions().kind(kind)));
+    head = register_module("head", torch::nn::Linear(32, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head->forward(body->forward(torch::relu(in->forward(x)))); }
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  CheckpointedSequential body{nullptr};
+};
+
+TEST_F(ParameterStreamTest, AModulesChainsStreamBlockByBlockWithTheResidentGradientsBitwise) {
+  const auto x = torch::randn({6, 12});
+  for (auto kind : {ScheduleKind::kNone, ScheduleKind::kSqrt}) {
+    torch::manual_seed(3);
+    auto plain = std::make_shared<ChainedNetImpl>(kind);
+    torch::manual_seed(3);
+    auto net = std::make_shared<ChainedNetImpl>(kind);
+    const auto y_plain = plain->forward(x);
+    (y_plain * y_plain).sum().backward();
+    MasterWeights master(*net, streamed());
+    ParameterStream stream(net, master);
+    ASSERT_EQ(stream.chains(), 1u);
+    EXPECT_EQ(stream.layer_kind(0), StreamedLayer::kLinear);
+    EXPECT_EQ(stream.layer_kind(4), StreamedLayer::kRecompute) << "the LayerNorm";
+    const int64_t rest = (12 * 32 + 32 + 32 * 5 + 5) * 4;  // in and head
+    EXPECT_EQ(stream.held_bytes(), rest);
+    const int64_t released = memory_allocated(torch::kCPU);
+    torch::Tensor y;
+    {
+      auto held = stream.hold();
+      EXPECT_EQ(memory_allocated(torch::kCPU) - released, rest) << "the layers outside the chain, whole";
+      y = net->forward(x);
+      (y * y).sum().backward();
+    }
+    EXPECT_EQ(memory_allocated(torch::kCPU) - released, y.nbytes()) << "every parameter went again";
+    EXPECT_TRUE(y.equal(y_plain));
+    const auto want = plain->parameters();
+    const auto& masters = master.master_parameters();
+    ASSERT_EQ(masters.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(masters[i].grad().equal(want[i].grad())) << "gradient " << i;
+    torch::NoGradGuard no_grad;
+    auto held = stream.hold();
+    EXPECT_TRUE(net->forward(x).equal(y_plain)) << "no-grad evaluation inside a hold";
+  }
+}
+
+TEST_F(ParameterStreamTest, AModulesStreamRefusesWhatWouldComputeOnReleasedParameters) {
+  auto net = std::make_shared<ChainedNetImpl>();
+  MasterWeights master(*net, streamed());
+  ParameterStream stream(net, master);
+  testing::expect_error([&] { net->forward(torch::zeros({2, 12})); }, "inside ParameterStream::hold()");
+  testing::expect_error([&] { stream.forward(torch::zeros({2, 12})); }, "runs the module's own forward inside hold()");
+  testing::expect_error([&] { ParameterStream(net, master); }, "already runs its layers through a layer runner");
+
+  auto flat = std::make_shared<torch::nn::LinearImpl>(4, 4);
+  MasterWeights flat_master(*flat, streamed());
+  testing::expect_error([&] { ParameterStream(std::shared_ptr<torch::nn::Module>(flat), flat_master); },
+                        "holds no CheckpointedSequential: hold its repeated blocks in one");
+
+  struct TiedImpl : torch::nn::Module {  // the head reuses the chain's first weight
+    TiedImpl() {
+      body = register_module("body", CheckpointedSequential(torch::nn::Sequential(torch::nn::Linear(4, 4))));
+      tied = register_parameter("tied", body->sequential()->ptr(0)->parameters()[0]);
+    }
+    CheckpointedSequential body{nullptr};
+    torch::Tensor tied;
+  };
+  auto tied = std::make_shared<TiedImpl>();
+  MasterWeights tied_master(*tied, streamed());
+  testing::expect_error([&] { ParameterStream(tied, tied_master); }, "is shared with a chain's layer (tied weights)");
+}
+
 class StreamedTrainerTest : public testing::WithFashionMnist {};
 
 std::vector<torch::Tensor> trained_parameters(Trainer& t) {
@@ -276,6 +357,38 @@ TEST_F(StreamedTrainerTest, SavesAndResumesTheStreamedModel) {
   const auto params = loaded->parameters();
   for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(params[i].equal(masters[i]));
   std::filesystem::remove_all(dir);
+}
+
+torch::Tensor squared_error(ChainedNetImpl& net, const torch::data::Example<>& b) {
+  return (net.forward(b.data) - b.target).pow(2).mean();
+}
+
+TEST_F(StreamedTrainerTest, AUsersModuleStreamsItsChainsLikeResidentParametersWithLessMemory) {
+  auto run = [](Offload parameters, std::vector<int64_t>* peaks) {
+    torch::manual_seed(6);
+    auto net = std::make_shared<ChainedNetImpl>(ScheduleKind::kSqrt);
+    Trainer t(net, squared_error,
+              TrainerOptions().batch_size(16).micro_batch_size(8).optimizer(OptimizerKind::kAdam).lr(1e-2)
+                  .offload_optimizer(Offload::kHost).offload_gradients(Offload::kHost).offload_parameters(parameters));
+    for (int64_t i = 0; i < 3; ++i) {
+      torch::manual_seed(20 + i);
+      peaks->push_back(t.train_step(torch::data::Example<>(torch::randn({16, 12}), torch::randn({16, 5}))).peak_bytes);
+    }
+    torch::manual_seed(30);
+    const torch::data::Example<> b(torch::randn({4, 12}), torch::randn({4, 5}));
+    const double eval = t.eval_step(b, [&](const torch::data::Example<>& e) { return squared_error(*net, e).item<double>(); });
+    return std::make_pair(trained_parameters(t), eval);
+  };
+  std::vector<int64_t> resident_peaks, streamed_peaks;
+  const auto [resident, resident_eval] = run(Offload::kNone, &resident_peaks);
+  const auto [streamed, streamed_eval] = run(Offload::kHost, &streamed_peaks);
+  EXPECT_EQ(testing::max_relative_difference(streamed, resident), 0.0) << "the same math, bitwise";
+  EXPECT_EQ(streamed_eval, resident_eval);
+  const int64_t chain = (4 * (32 * 32 + 32) + 2 * 32) * 4;
+  for (size_t i = 0; i < resident_peaks.size(); ++i) {
+    EXPECT_GE(resident_peaks[i] - streamed_peaks[i], chain - 2 * (32 * 32 + 32) * 4)
+        << "step " << i << ": the chain's parameters leave the device; one layer and its gradient come and go";
+  }
 }
 
 TEST_F(StreamedTrainerTest, RefusesWhatItCannotStream) {

@@ -8,7 +8,8 @@
 /// device trains, at the price of copying every parameter to the device twice
 /// per micro-batch (forward and backward).
 ///
-/// A ParameterStream runs a Sequential's top-level layers:
+/// A ParameterStream runs a Sequential's top-level layers, or in any module
+/// the layers of each chain (CheckpointedSequential) inside it:
 ///   - torch::nn::Linear on 2-D inputs: forward and backward written out
 ///     (addmm, mm, sum, as LibTorch's own linear and its derivatives), with
 ///     the weight fetched tile by tile: rows of at most
@@ -26,7 +27,11 @@
 ///     (MasterWeights' gradient offload); then released. Bitwise equal
 ///     gradients, one more forward of the layer.
 ///   - layers without parameters run as they are.
-/// Buffers (BatchNorm's statistics) stay on the device.
+/// Buffers (BatchNorm's statistics) stay on the device. In a module, the
+/// parameters outside its chains (an embedding, a head) come to the device
+/// whole while a ParameterStream::Hold lives: hold one around each forward
+/// and its backward, as FSDP gathers a unit's parameters; they go again when
+/// it ends. The Trainer does this for every micro-batch and eval_step.
 ///
 /// Composes with a CheckpointedSequential's schedule (the layers of a
 /// checkpointed segment are streamed in its forward and again in its
@@ -39,7 +44,8 @@
 /// tile's gradient copy to the host waits for it. Extra memory: on the
 /// device, one layer's parameters (one tile, for a tiled Linear) and their
 /// gradients at a time, instead of the whole model's parameters, gradients
-/// and optimizer state.
+/// and optimizer state; in a module, also the parameters outside its chains
+/// while held (copied from the host once per Hold).
 
 #include "memfit/precision.h"
 
@@ -98,8 +104,62 @@ enum class StreamedLayer {
 /// \endcode
 class ParameterStream {
  public:
+  /// The parameters outside a module's chains on the device, for as long as
+  /// this guard lives (hold()). Move-only; a default-constructed one holds
+  /// nothing. Holds nest: the parameters go when the last one ends.
+  class Hold {
+   public:
+    Hold() = default;
+    Hold(Hold&&) noexcept = default;
+    Hold& operator=(Hold&&) noexcept = default;
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+
+   private:
+    friend class ParameterStream;
+    explicit Hold(std::shared_ptr<void> release) : release_(std::move(release)) {}
+    std::shared_ptr<void> release_;  // its deleter lets the parameters go
+  };
+
   /// Maps each top-level layer's parameters to `master`'s; checks the options.
   ParameterStream(torch::nn::Sequential model, MasterWeights& master,
+                  StreamOptions options = StreamOptions());
+  /// Streams the layers of every chain (CheckpointedSequential, the outermost
+  /// where chains nest) inside `module`, block by block; the module's other
+  /// parameters come to the device while a Hold lives. Run the module's own
+  /// forward, and its backward, inside hold(); a chain that runs without one
+  /// is an error, not a step on released parameters. A module without a
+  /// chain, a parameter that a chain shares with a layer outside it, and a
+  /// chain that already has a layer runner are refused.
+  ///
+  /// Example:
+  /// \code
+  ///   struct NetImpl : torch::nn::Module {
+  ///     NetImpl() {
+  ///       torch::nn::Sequential blocks(torch::nn::Linear(32, 32), torch::nn::Tanh(), torch::nn::Linear(32, 32));
+  ///       body = register_module("body", memfit::CheckpointedSequential(blocks));
+  ///       head = register_module("head", torch::nn::Linear(32, 4));
+  ///     }
+  ///     torch::Tensor forward(const torch::Tensor& x) { return head->forward(body->forward(x)); }
+  ///     memfit::CheckpointedSequential body{nullptr};
+  ///     torch::nn::Linear head{nullptr};
+  ///   };
+  ///   auto net = std::make_shared<NetImpl>();
+  ///   memfit::MasterWeights master(*net, memfit::MasterWeightsOptions()
+  ///                                          .dtype(torch::kFloat)
+  ///                                          .offload(memfit::Offload::kHost)
+  ///                                          .gradients(memfit::Offload::kHost)
+  ///                                          .parameters(memfit::Offload::kHost));
+  ///   memfit::ParameterStream stream(net, master);
+  ///   torch::optim::SGD sgd(master.master_parameters(), torch::optim::SGDOptions(0.1));
+  ///   {
+  ///     auto held = stream.hold();  // the head, for this forward and backward
+  ///     net->forward(torch::randn({8, 32})).sum().backward();
+  ///   }
+  ///   sgd.step();
+  ///   master.master_to_model();
+  /// \endcode
+  ParameterStream(std::shared_ptr<torch::nn::Module> module, MasterWeights& master,
                   StreamOptions options = StreamOptions());
   ~ParameterStream();
   ParameterStream(ParameterStream&&) noexcept;
@@ -107,12 +167,21 @@ class ParameterStream {
   ParameterStream(const ParameterStream&) = delete;
   ParameterStream& operator=(const ParameterStream&) = delete;
 
-  /// The model's forward with every layer's parameters streamed.
+  /// The Sequential's forward with every layer's parameters streamed (the
+  /// Sequential form only: a module runs its own forward inside hold()).
   torch::Tensor forward(const torch::Tensor& input);
-  /// How layer i runs.
-  StreamedLayer layer_kind(size_t i) const;
+  /// Brings the parameters outside the chains to the device until the
+  /// returned guard goes (none in the Sequential form). Sync points: none
+  /// on the CPU build; on CUDA the copies are queued on the current stream.
+  Hold hold();
+  /// The chains streamed: 1 in the Sequential form (its own layers).
+  size_t chains() const;
+  /// How layer i of chain `chain` runs.
+  StreamedLayer layer_kind(size_t i, size_t chain = 0) const;
   /// Tiles layer i's weight is cut into (1 untiled; 0 for layers that are not kLinear).
-  int64_t tiles(size_t i) const;
+  int64_t tiles(size_t i, size_t chain = 0) const;
+  /// Bytes of the parameters outside the chains (on the device while held).
+  int64_t held_bytes() const;
   /// The options, as checked.
   const StreamOptions& options() const;
 

@@ -158,7 +158,10 @@ struct TrainerOptions {
   /// offload_gradients kHost, fp32, one process): Offload::kHost keeps them
   /// in the host masters only and streams each layer's to the device while
   /// it runs (stream.h: ZeRO-Infinity's parameter offload), so the device
-  /// holds no parameters, gradients or optimizer state between layers.
+  /// holds no parameters, gradients or optimizer state between layers. A
+  /// Sequential streams its top-level layers; any other module streams the
+  /// layers of its chains (CheckpointedSequential) block by block and holds
+  /// its other parameters on the device for each micro-batch.
   TORCH_ARG(Offload, offload_parameters) = Offload::kNone;
   /// How streamed parameters are cut (StreamOptions::tile_bytes tiles large
   /// Linear layers); with offload_parameters kHost.
@@ -391,6 +394,7 @@ class Trainer {
   template <class Batch, class Metric>
   auto eval_step(const Batch& batch, Metric metric) {
     detail::EvalScope scope(*module_, options_.device(), options_.precision());
+    const auto held = stream_ ? stream_->hold() : ParameterStream::Hold();  // streamed: the rest of the module
     return metric(BatchTraits<Batch>::to(batch, options_.device()));
   }
   /// Adds `component` to every later step, called after the built-in ones
