@@ -477,7 +477,12 @@ Schedule schedule_least_memory(const ChainCosts& costs, const SolverOptions& opt
   TORCH_CHECK(options.slots() >= 1, "solver slots must be at least 1, got ", options.slots());
   // A budget that fits the plain run: its units are fine enough for the least one.
   const int64_t plain = simulate(schedule_none(costs.size()), costs).peak_bytes;
-  const UnitCosts units = to_units(costs, plain, options.slots());
+  UnitCosts units = to_units(costs, plain, options.slots());
+  // In coarse units each tensor is rounded up, so the plain schedule may need
+  // more units than its exact peak holds (parameter gradients far larger than
+  // the activations): search up to that much more. At most a few held tensors
+  // per layer are live at once.
+  units.capacity += 3 * costs.size() + 3;
   Solver solver(costs, units);
   const int64_t m = solver.least_units();
   TORCH_INTERNAL_ASSERT(m >= 0, "the plain schedule must be feasible at its own peak");

@@ -258,6 +258,28 @@ TEST(OptimalSolver, CoarseSlotsStayWithinTheBudget) {
   }
 }
 
+TEST(OptimalSolver, TheLeastMemoryScheduleExistsWhereParameterGradientsDwarfTheActivations) {
+  // 16 layers of 8,195-byte activations, every other one with 263,171 bytes
+  // of parameter gradients (a Linear(256, 256) at a batch of 8; odd sizes,
+  // counted in coarse units): each rounds up, and before, the plain schedule
+  // no longer fitted its own exact peak in units (an internal assert).
+  const int64_t n = 16;
+  ChainCosts c;
+  c.x.assign(n + 1, 8195);
+  c.kept.assign(n, 8195);
+  c.forward.assign(n, 1.0);
+  c.backward.assign(n, 2.0);
+  c.in_place.assign(n, false);
+  c.gradient.assign(n, 0);
+  for (int64_t i = 0; i < n; i += 2) c.gradient[static_cast<size_t>(i)] = 263171;
+  const int64_t plain = simulate(schedule_none(n), c).peak_bytes;
+  for (int64_t slots : {200, 1000}) {
+    const auto least = schedule_least_memory(c, SolverOptions().slots(slots));
+    EXPECT_LE(simulate(least, c).peak_bytes, plain) << slots << " slots: " << least.to_string();
+    EXPECT_EQ(min_budget(c, SolverOptions().slots(slots)), simulate(least, c).peak_bytes);
+  }
+}
+
 // A block of the kind the benchmarks use: Linear then Tanh, one Sequential element.
 struct MlpBlockImpl : torch::nn::Module {
   explicit MlpBlockImpl(int64_t w) : lin(register_module("lin", torch::nn::Linear(w, w))) {}
