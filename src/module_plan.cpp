@@ -141,16 +141,20 @@ std::vector<FoundChain> without_runners(std::vector<FoundChain> chains) {
 }
 
 // Runs every chain plainly with marks at its forward's entry and exit and
-// hooks for its backward's; puts schedules and runners back on destruction.
+// hooks for its backward's, through the runner the chain had (a
+// ParameterStream's, when the measured Trainer streams); puts schedules and
+// runners back on destruction.
 class ChainTaps {
  public:
   ChainTaps(std::vector<FoundChain> chains, const std::shared_ptr<Recorder>& rec)
-      : chains_(without_runners(std::move(chains))), plain_(chains_, {}) {
+      : chains_(std::move(chains)), plain_(chains_, {}) {
     for (size_t c = 0; c < chains_.size(); ++c) {
       auto chain = chains_[c].chain.ptr();
       const auto n = static_cast<int64_t>(chain->sequential()->size());
       const int index = static_cast<int>(c);
-      chain->set_layer_runner([rec, index, n](int64_t i, torch::nn::AnyModule& m, const torch::Tensor& x) {
+      runners_.push_back(chain->layer_runner());
+      LayerRunner inner = runners_.back();
+      chain->set_layer_runner([rec, index, n, inner](int64_t i, torch::nn::AnyModule& m, const torch::Tensor& x) {
         const bool grad = torch::autograd::GradMode::is_enabled();
         if (grad && rec->active && rec->micro == 0) {
           auto& bytes = rec->layer_bytes[static_cast<size_t>(index)];
@@ -167,7 +171,7 @@ class ChainTaps {
             x.register_hook([rec, index](const torch::Tensor&) { rec->mark(Mark::kGradOut, index); });
           }
         }
-        auto y = m.forward(x);
+        auto y = inner ? inner(i, m, x) : m.forward(x);
         if (i + 1 == n && grad) {
           rec->mark(Mark::kChainOut, index);
           if (rec->active && y.requires_grad()) {
@@ -179,7 +183,7 @@ class ChainTaps {
     }
   }
   ~ChainTaps() {
-    for (auto& c : chains_) c.chain.ptr()->set_layer_runner(nullptr);
+    for (size_t c = 0; c < chains_.size(); ++c) chains_[c].chain.ptr()->set_layer_runner(runners_[c]);
   }
   ChainTaps(const ChainTaps&) = delete;
   ChainTaps& operator=(const ChainTaps&) = delete;
@@ -187,6 +191,7 @@ class ChainTaps {
  private:
   std::vector<FoundChain> chains_;
   ChainSchedules plain_;
+  std::vector<LayerRunner> runners_;
 };
 
 // A mark each time backward hands a parameter its gradient: windows inside
@@ -283,7 +288,12 @@ struct ModuleStepModel::Impl {
   std::optional<std::string> batch_statistics;  // the module's first BatchNorm
   int64_t m_small = 0, m_large = 0;
   int64_t parameter_bytes = 0, gradient_bytes = 0;
+  int64_t chain_parameter_bytes = 0;  // streamed, these leave the device
+  std::string stream_refused;  // why streamed parameters were not measured (ParameterStream's error)
   std::vector<Measurement> measured;
+
+  // Whether streamed parameters are a choice: offload allowed, and chains to stream block by block.
+  bool streams() const { return options.offload() && !chains.empty(); }
   // By precision: each chain's profile at the two sizes.
   std::map<Precision, std::vector<std::pair<ChainProfile, ChainProfile>>> profiles;
 
@@ -296,10 +306,10 @@ std::vector<Event> ModuleStepModel::Impl::measure_at(const StepSettings& s, int6
                                                      Capture* capture, int64_t* state_bytes) {
   detail::ModuleStateGuard restore(*probe.module);
   auto rec = std::make_shared<Recorder>(base.device(), chains.size());
-  ChainTaps taps(chains, rec);
   compat::WarningCapture quiet;  // micro-batches of a model with batch statistics: the plan says so
   auto trainer = probe.make_trainer(
       trainer_options(StepSettings(s).micro_batch(m), base).batch_size(2 * m).save_dir(""));
+  ChainTaps taps(chains, rec);  // after the Trainer: around its stream's runner, and gone before it
   trainer.add_component(std::make_shared<RecordStep>(rec));
   ParameterMarks parameter_marks(probe.module->parameters(), rec);
   rec->record_inputs = capture != nullptr;
@@ -372,7 +382,8 @@ Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
 const Measurement& ModuleStepModel::Impl::find(const StepSettings& s) const {
   for (const auto& m : measured) {
     if (m.settings.precision() == s.precision() && m.settings.offload_optimizer() == s.offload_optimizer() &&
-        m.settings.offload_gradients() == s.offload_gradients()) {
+        m.settings.offload_gradients() == s.offload_gradients() &&
+        m.settings.offload_parameters() == s.offload_parameters()) {
       return m;
     }
   }
@@ -399,7 +410,7 @@ ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, T
   im.probe = std::move(probe);
   im.options = std::move(options);
   im.base = std::move(base);
-  im.chains = find_chains(*im.probe.module);
+  im.chains = without_runners(find_chains(*im.probe.module));
   im.batch_statistics = batch_statistics_layer(*im.probe.module);
   im.m_large = std::min(im.options.profile_batch(), im.probe.examples / 2);
   im.m_small = im.m_large / 2;
@@ -412,8 +423,19 @@ ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, T
     offloads.push_back(StepSettings().offload_optimizer(Offload::kHost));
     offloads.push_back(StepSettings().offload_optimizer(Offload::kHost).offload_gradients(Offload::kHost));
   }
+  for (const auto& c : im.chains) im.chain_parameter_bytes += storage_bytes(c.chain->parameters());
   for (auto precision : im.options.precisions()) {
     for (const auto& o : offloads) im.measured.push_back(im.measure(StepSettings(o).precision(precision)));
+    // Streamed parameters (fp32 only): the chains' layers one at a time, the rest held per micro-batch.
+    if (im.streams() && precision == Precision::kFP32 && im.stream_refused.empty()) {
+      try {
+        im.measured.push_back(im.measure(StepSettings(offloads.back()).offload_parameters(Offload::kHost)));
+      } catch (const c10::OutOfMemoryError&) {
+        throw;
+      } catch (const c10::Error& e) {  // a module the stream refuses (tied weights): planned without it
+        im.stream_refused = e.msg();
+      }
+    }
   }
 }
 
@@ -531,6 +553,11 @@ StepPrediction ModuleStepModel::predict(int64_t batch, const StepSettings& setti
   TORCH_CHECK(schedules.empty() || schedules.size() == im.chains.size(), "ModuleStepModel::predict: ",
               im.chains.size(), " chains need as many schedules (or none), got ", schedules.size());
   const auto& meas = im.find(settings);
+  TORCH_CHECK(settings.offload_parameters() != Offload::kHost ||
+                  std::none_of(schedules.begin(), schedules.end(), detail::recomputes),
+              "ModuleStepModel::predict: streamed parameters are planned with each chain as measured (a "
+              "streamed layer is fetched, and recomputed where it is not a Linear, on its own); pass no "
+              "checkpoint schedules with offload_parameters kHost");
   const int64_t m = settings.micro_batch() > 0 ? std::min(settings.micro_batch(), batch) : batch;
   const int64_t steps = (batch + m - 1) / m;
   std::vector<ChainDelta> deltas(im.chains.size());
@@ -570,7 +597,8 @@ StepPrediction ModuleStepModel::predict(int64_t batch, const StepSettings& setti
   for (const auto& d : deltas) recompute += d.seconds;
   out.seconds = double(steps) * (per_micro + recompute) + std::min(ts.second, tl.second);
   out.memory.peak = out.peak_bytes;
-  out.memory.parameters = im.parameter_bytes;
+  out.memory.parameters = im.parameter_bytes -
+                          (settings.offload_parameters() == Offload::kHost ? im.chain_parameter_bytes : 0);
   out.memory.gradients = settings.offload_gradients() == Offload::kHost ? 0 : im.gradient_bytes;
   out.memory.optimizer_state = meas.state_bytes;
   out.memory.activations = std::max<int64_t>(
@@ -708,7 +736,10 @@ Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int
         out.fitting.push_back(c);  // timed, never chosen by prediction (best_fitting keeps to the limit)
         out.fitting.back().edge = true;
       }
-      if (c.predicted.peak_bytes > limit && o.checkpointing() && !chains.empty()) {
+      // Streamed chains run as measured: their layers come one at a time, and
+      // those recomputed keep only their input already (no schedule on top).
+      const bool streamed = s.offload_parameters() == Offload::kHost;
+      if (c.predicted.peak_bytes > limit && o.checkpointing() && !chains.empty() && !streamed) {
         const auto& meas = im.find(s);
         auto solved = solve_chains(model, meas, batch, s, limit, im.m_small, im.m_large, false);
         c.schedules = solved ? *solved : *solve_chains(model, meas, batch, s, limit, im.m_small, im.m_large, true);
@@ -818,7 +849,14 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   out.candidates = found.candidates;
   std::string precisions;
   for (auto p : o.precisions()) precisions += (precisions.empty() ? "" : ", ") + to_string(p);
-  const char* offloads = o.offload() ? "none, optimizer, optimizer and gradients" : "none";
+  const bool fp32 = std::find(o.precisions().begin(), o.precisions().end(), Precision::kFP32) != o.precisions().end();
+  const std::string offloads =
+      !o.offload() ? "none"
+      : !model.impl_->streams() || !fp32
+          ? "none, optimizer, optimizer and gradients"
+          : !model.impl_->stream_refused.empty()
+              ? "none, optimizer, optimizer and gradients; parameters not streamed: " + model.impl_->stream_refused
+              : "none, optimizer, optimizer and gradients, and in fp32 also the chains' parameters streamed";
   out.why.push_back(fmt::format("measured the module's step at micro-batches of {} and {} ({}; offload {}), "
                                 "{} chain(s): {}",
                                 model.impl_->m_small, model.impl_->m_large, precisions, offloads, chains.size(),

@@ -470,6 +470,9 @@ class RngStateGuard {
 
 // A module's parameters, buffers and gradients and the CPU RNG, copied to
 // the host and put back on destruction: planning trains the module itself.
+// A parameter that a streamed Trainer left in its host master's storage
+// (MasterWeights gives the model back in host memory) gets memory where it
+// was, from the allocator it came from, before its values are copied back.
 class ModuleStateGuard {
  public:
   explicit ModuleStateGuard(const torch::nn::Module& module) {
@@ -480,11 +483,14 @@ class ModuleStateGuard {
     for (const auto& t : tensors_) {
       saved_.push_back(t.detach().clone());
       grads_.push_back(t.grad());
+      places_.push_back(place_of(t));
+      options_.push_back(t.options());
     }
   }
   ~ModuleStateGuard() {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < tensors_.size(); ++i) {
+      if (place_of(tensors_[i]) != places_[i]) tensors_[i].set_data(torch::empty_like(saved_[i], options_[i]));
       tensors_[i].copy_(saved_[i]);
       tensors_[i].mutable_grad() = grads_[i];
     }
@@ -493,7 +499,14 @@ class ModuleStateGuard {
   ModuleStateGuard& operator=(const ModuleStateGuard&) = delete;
 
  private:
+  using Place = std::pair<const void*, c10::DeleterFnPtr>;  // the storage's memory and its allocator's deleter
+  static Place place_of(const torch::Tensor& t) {
+    const auto& data = t.storage().data_ptr();
+    return {data.get(), data.get_deleter()};
+  }
   std::vector<torch::Tensor> tensors_, saved_, grads_;
+  std::vector<Place> places_;
+  std::vector<torch::TensorOptions> options_;
   RngStateGuard rng_;  // put back after the tensors
 };
 

@@ -156,6 +156,36 @@ TEST_F(ModulePlanTest, AModuleWithoutAChainIsToldWhatWasTriedAndThatAChainAllows
                "plan needs a sample batch of at least 4 examples");
 }
 
+TEST_F(ModulePlanTest, StreamsTheChainsParametersWhereOffloadingTheirStateAndGradientsIsNotEnough) {
+  // Parameters dominate: 8 Linear(256, 256) in the chain (2.1 MB, with Adam
+  // 8.4 MB of state) against activations of 8 x 256 floats per layer.
+  ChainNet net(256, 8);
+  const auto batch = sample(8);
+  memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
+                                memfit::PlanOptions().measure_candidates(0));
+  const auto settings = model.measured_settings();
+  ASSERT_EQ(settings.size(), 4u) << "none, optimizer, optimizer and gradients, and streamed";
+  EXPECT_EQ(settings.back().offload_parameters(), memfit::Offload::kHost);
+  const auto offloaded = model.predict(8, settings[2], {});
+  const auto streamed = model.predict(8, settings[3], {});
+  const int64_t chain = 8 * (256 * 256 + 256) * 4;
+  EXPECT_LT(streamed.peak_bytes, offloaded.peak_bytes - chain / 2) << "the chain's parameters leave the device";
+  EXPECT_EQ(offloaded.memory.parameters - streamed.memory.parameters, chain);
+  expect_error([&] { model.predict(8, settings[3], {memfit::schedule_every(16, 4)}); },
+               "pass no checkpoint schedules with offload_parameters kHost");
+  // A budget between the two: only streaming fits, and its real steps stay within 5% of the prediction.
+  const int64_t budget = (streamed.peak_bytes + offloaded.peak_bytes) / 2;
+  const auto p = memfit::plan(model, budget);
+  ASSERT_TRUE(p.fits) << p.explain();
+  EXPECT_EQ(p.settings.offload_parameters(), memfit::Offload::kHost) << p.explain();
+  EXPECT_NE(p.explain().find("optimizer, gradients, parameters"), std::string::npos) << p.explain();
+  EXPECT_LE(p.measured_peak_bytes, budget);
+  EXPECT_NEAR(double(p.predicted.peak_bytes), double(p.measured_peak_bytes), 0.05 * double(p.measured_peak_bytes));
+  EXPECT_FALSE(net->body->layer_runner()) << "planning left no runner behind";
+  memfit::Trainer trainer(net, chain_loss, p.apply(*net));
+  EXPECT_LE(measured_peak(trainer, batch), budget) << "applied, the plan trains under the budget";
+}
+
 TEST_F(ModulePlanTest, TheChosenPlanRanUnderTheBudgetBeforeItWasReturnedUnlessVerifyIsOff) {
   ChainNet net(64, 8);
   const auto batch = sample(256);
