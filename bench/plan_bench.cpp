@@ -37,6 +37,15 @@
 // same batch: time per sample), each module a copy with the same weights.
 //
 //   build/bench/memfit_plan_bench --benchmark_filter=own
+//
+// stream/transformer/B: the same LM trained at batch B three ways, side by
+// side: plain; the optimizer state and gradients on the host (offloaded);
+// and also its parameters streamed, the blocks of its chain one at a time
+// and the embedding and head held per micro-batch (streamed). Reported:
+// each steady step's peak, the bytes streaming saves against offloaded, and
+// the times against plain (streamed_vs_offloaded: the price of streaming).
+//
+//   build/bench/memfit_plan_bench --benchmark_filter=stream
 
 #include "memfit/data.h"
 #include "memfit/memory.h"
@@ -297,6 +306,13 @@ void BM_Accuracy(benchmark::State& state, std::string kind) {
   }
 }
 
+// The first `batch` 64-token windows of the Jargon File's training split.
+torch::data::Example<> jargon_batch(const memfit::TextCorpus& corpus, int64_t batch) {
+  memfit::UntrackedGuard host;
+  const auto w = memfit::text_windows(corpus, 64, memfit::Split::kTrain);
+  return {w.images.narrow(0, 0, batch).clone(), w.labels.narrow(0, 0, batch).clone()};
+}
+
 // own/NAME/N for a module made by `make` (the same weights each time).
 template <class M, class Loss>
 void run_own(benchmark::State& state, const std::function<std::shared_ptr<M>()>& make, Loss loss,
@@ -344,15 +360,40 @@ void BM_Own(benchmark::State& state, const std::string& name, int64_t divisor) {
     return;
   }
   const auto corpus = memfit::load_jargon_file();
-  torch::data::Example<> batch;
-  {
-    memfit::UntrackedGuard host;
-    const auto w = memfit::text_windows(corpus, 64, memfit::Split::kTrain);
-    batch = {w.images.narrow(0, 0, 64).clone(), w.labels.narrow(0, 0, 64).clone()};
-  }
+  const auto batch = jargon_batch(corpus, 64);
   const int64_t vocab = corpus.vocab_size();
   run_own<LanguageModel>(state, [vocab] { return std::make_shared<LanguageModel>(vocab, 64, 128, 6, 4); },
                          next_token_loss, batch, memfit::TrainerOptions(), divisor);
+}
+
+void BM_Stream(benchmark::State& state, int64_t batch_size) {
+  const auto corpus = memfit::load_jargon_file();
+  const auto batch = jargon_batch(corpus, batch_size);
+  const int64_t vocab = corpus.vocab_size();
+  const auto offloaded = memfit::TrainerOptions().offload_optimizer(memfit::Offload::kHost)
+                             .offload_gradients(memfit::Offload::kHost);
+  const std::vector<std::pair<std::string, memfit::TrainerOptions>> ways = {
+      {"plain", memfit::TrainerOptions()},
+      {"offloaded", offloaded},
+      {"streamed", memfit::TrainerOptions(offloaded).offload_parameters(memfit::Offload::kHost)}};
+  std::vector<std::shared_ptr<memfit::Trainer>> trainers;
+  for (const auto& [name, options] : ways) {  // each peak with one model alive
+    torch::manual_seed(0);
+    auto t = std::make_shared<memfit::Trainer>(std::make_shared<LanguageModel>(vocab, 64, 128, 6, 4),
+                                               next_token_loss, options);
+    t->train_step(batch);  // the optimizer's state exists from here on
+    state.counters[name + "_peak_MiB"] = double(t->train_step(batch).peak_bytes) / (1 << 20);
+  }
+  state.counters["saved_MiB"] = state.counters["offloaded_peak_MiB"] - state.counters["streamed_peak_MiB"];
+  std::vector<memfit::bench::Variant> variants;
+  for (const auto& [name, options] : ways) {
+    torch::manual_seed(0);
+    auto t = std::make_shared<memfit::Trainer>(std::make_shared<LanguageModel>(vocab, 64, 128, 6, 4),
+                                               next_token_loss, options);
+    trainers.push_back(t);
+    variants.push_back({name, [t, &batch] { t->train_step(batch); }});
+  }
+  memfit::bench::side_by_side(state, variants, {{2, 1}});
 }
 
 // cost/{mlp,resnet,gpt}: what planning costs, as `memfit plan` plans (the
@@ -419,6 +460,10 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark(("own/" + name + "/" + std::to_string(divisor)).c_str(), BM_Own, name, divisor)
           ->Unit(benchmark::kMillisecond)->Iterations(name == "mnist" ? 20 : 6);
     }
+  }
+  for (int64_t batch : {4, 64}) {
+    benchmark::RegisterBenchmark(("stream/transformer/" + std::to_string(batch)).c_str(), BM_Stream, batch)
+        ->Unit(benchmark::kMillisecond)->Iterations(6);
   }
   return memfit::bench::run_benchmarks(argc, argv);
 }

@@ -5,7 +5,7 @@
 # `memfit --version` (LibTorch, BLAS) and the load, and closed by its wall time.
 #
 # Usage (after `make build`): bash bench/remeasure.sh [NAME...]
-#   NAMES: main memory checkpoint precision trainer tax tax_python plan accuracy own cost stability distributed
+#   NAMES: main memory checkpoint precision trainer tax tax_python plan accuracy own stream cost stability distributed
 #          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
 #          peers_torch2 peers_gpt_torch2  (peers with PyTorch 2.15's tools too: after
 #          `make build LIBTORCH=pip`; not in the default list)
@@ -48,6 +48,7 @@ measure() {
     plan) bench plan memfit_plan_bench --benchmark_filter=plan ;;
     accuracy) bench plan_accuracy memfit_plan_bench --benchmark_filter=accuracy ;;
     own) bench plan_own memfit_plan_bench --benchmark_filter=own ;;
+    stream) bench stream_own memfit_plan_bench --benchmark_filter=stream ;;
     cost) bench plan_cost memfit_plan_bench --benchmark_filter=cost ;;
     stability) run plan_stability bash bench/plan_stability.sh "$build" ;;
     distributed) bench distributed memfit_distributed_bench --steps 40 ;;
@@ -63,7 +64,7 @@ measure() {
   esac
 }
 
-all=(main memory checkpoint precision trainer tax tax_python plan accuracy own cost stability distributed gpt_train gpt_budget
+all=(main memory checkpoint precision trainer tax tax_python plan accuracy own stream cost stability distributed gpt_train gpt_budget
   peers peers_gpt)
 known=("${all[@]}" peers_torch2 peers_gpt_torch2)
 names=("$@")
