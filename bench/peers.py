@@ -409,6 +409,7 @@ def main():
     rows = [pytorch(name, step) for name, step in grid]
     base = rows[0]
     torch2 = run_torch2(a, a.torch2, a.torch2_build) if a.torch2 else None
+    exe2 = os.path.join(a.torch2_build, "memfit") if a.torch2 else None
     peers = rows + (torch2["rows"] if torch2 else [])
     same_math = [r for r in peers if "bf16" not in r["config"]]
     budgets = frontier_budgets(same_math, base)
@@ -430,8 +431,13 @@ def main():
                         return best
                     return pytorch(best["config"], steps[best["config"]], repeats=1)
                 def ours():
-                    return run_memfit(exe, model_args + extra + ["--precision", precision], b, a.batch, a.steps,
-                                      a.threads)
+                    # Against a --torch2 run, memfit built against that LibTorch: the same library on both sides.
+                    same_library = best is not None and best.get("second_process") and os.path.exists(exe2 or "")
+                    m = run_memfit(exe2 if same_library else exe, model_args + extra + ["--precision", precision], b,
+                                   a.batch, a.steps, a.threads)
+                    if same_library:
+                        m["config"] = f"[{a.torch2_build}] " + m["config"]
+                    return m
                 if i % 2 == 0:
                     p_ = peer()
                     m_ = ours()
@@ -502,9 +508,12 @@ def print_report(a, description, base, rows, torch2, blas, fp32_pairs, any_pairs
     print(f"Model: {description}; batch {a.batch}, Adam, {a.steps} steps, {a.threads} threads; peak from memfit's "
           f"byte-exact meter on both sides; step time the median of steps 2..{a.steps}, the fastest of "
           f"{a.repeats} run(s).")
-    memfit_env = next((m["environment"] for p in fp32_pairs + any_pairs for m in p["memfit"] if "environment" in m),
-                      "no memfit run succeeded")
+    envs = sorted({m["environment"] for p in fp32_pairs + any_pairs for m in p["memfit"] if "environment" in m})
+    memfit_env = "; and ".join(envs) if envs else "no memfit run succeeded"
     print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads, BLAS: {blas}; memfit: {memfit_env}.")
+    if torch2:
+        print(f"Against a {torch2['rows'][0]['side']} run, memfit's plan runs from {a.torch2_build}/memfit (built "
+              f"against that LibTorch; its plans are marked [{a.torch2_build}]), so both sides run the same library.")
     if torch2:
         t2 = torch2["rows"][0]["side"]
         print(f"{t2} (--torch2 {a.torch2}): {torch2['threads']} threads, BLAS: {torch2['blas']}; its own meter "
