@@ -186,6 +186,36 @@ TEST_F(ModulePlanTest, StreamsTheChainsParametersWhereOffloadingTheirStateAndGra
   EXPECT_LE(measured_peak(trainer, batch), budget) << "applied, the plan trains under the budget";
 }
 
+// A chain whose first Linear's weight the head reuses (tied weights).
+struct TiedNetImpl : torch::nn::Module {
+  TiedNetImpl() {
+    body = register_module("body", memfit::CheckpointedSequential(torch::nn::Sequential(
+                                       torch::nn::Linear(16, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16))));
+    tied = register_parameter("tied", body->sequential()->ptr(0)->parameters()[0]);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::nn::functional::linear(body->forward(x), tied); }
+  memfit::CheckpointedSequential body{nullptr};
+  torch::Tensor tied;
+};
+torch::Tensor tied_loss(TiedNetImpl& net, const torch::data::Example<>& b) {
+  return torch::nn::functional::cross_entropy(net.forward(b.data), b.target);
+}
+
+TEST_F(ModulePlanTest, AModuleTheStreamRefusesIsPlannedWithoutStreamingAndThePlanSaysWhy) {
+  auto net = std::make_shared<TiedNetImpl>();
+  memfit::ModuleStepModel model(memfit::detail::make_probe(net, tied_loss, sample(8)),
+                                memfit::PlanOptions().measure_candidates(0));
+  const auto settings = model.measured_settings();
+  ASSERT_EQ(settings.size(), 3u) << "none, optimizer, optimizer and gradients: no streamed step";
+  for (const auto& s : settings) EXPECT_EQ(s.offload_parameters(), memfit::Offload::kNone);
+  const auto p = memfit::plan(model, 1 << 30);
+  ASSERT_TRUE(p.fits);
+  EXPECT_NE(p.explain().find("parameters not streamed: ParameterStream: a parameter of"), std::string::npos)
+      << p.explain();
+  EXPECT_NE(p.explain().find("is shared with a chain's layer (tied weights)"), std::string::npos) << p.explain();
+  EXPECT_FALSE(net->body->layer_runner()) << "the refused stream left no runner behind";
+}
+
 TEST_F(ModulePlanTest, TheChosenPlanRanUnderTheBudgetBeforeItWasReturnedUnlessVerifyIsOff) {
   ChainNet net(64, 8);
   const auto batch = sample(256);
