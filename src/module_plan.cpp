@@ -3,6 +3,7 @@
 #include "memfit/compat.h"
 #include "memfit/memory.h"
 #include "memfit/profile.h"
+#include "memfit/stream.h"
 #include "plan_internal.h"
 
 #include <fmt/format.h>
@@ -17,25 +18,6 @@
 #include <optional>
 
 namespace memfit {
-
-std::vector<FoundChain> find_chains(const torch::nn::Module& module) {
-  std::vector<FoundChain> out;
-  if (auto* self = dynamic_cast<const CheckpointedSequentialImpl*>(&module)) {
-    auto ptr = std::const_pointer_cast<CheckpointedSequentialImpl>(
-        std::dynamic_pointer_cast<const CheckpointedSequentialImpl>(self->shared_from_this()));
-    out.push_back({"", CheckpointedSequential(ptr)});
-    return out;  // every other chain is inside its layers
-  }
-  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
-    auto chain = std::dynamic_pointer_cast<CheckpointedSequentialImpl>(item.value());
-    if (!chain) continue;
-    const bool nested = std::any_of(out.begin(), out.end(), [&](const FoundChain& c) {
-      return item.key().rfind(c.name + ".", 0) == 0;
-    });
-    if (!nested) out.push_back({item.key(), CheckpointedSequential(chain)});
-  }
-  return out;
-}
 
 namespace {
 
@@ -424,17 +406,13 @@ ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, T
     offloads.push_back(StepSettings().offload_optimizer(Offload::kHost).offload_gradients(Offload::kHost));
   }
   for (const auto& c : im.chains) im.chain_parameter_bytes += storage_bytes(c.chain->parameters());
+  // A module the stream refuses (tied weights across a chain's edge) is planned without it, and the plan says why.
+  if (im.streams()) im.stream_refused = ParameterStream::refusal(*im.probe.module);
   for (auto precision : im.options.precisions()) {
     for (const auto& o : offloads) im.measured.push_back(im.measure(StepSettings(o).precision(precision)));
     // Streamed parameters (fp32 only): the chains' layers one at a time, the rest held per micro-batch.
     if (im.streams() && precision == Precision::kFP32 && im.stream_refused.empty()) {
-      try {
-        im.measured.push_back(im.measure(StepSettings(offloads.back()).offload_parameters(Offload::kHost)));
-      } catch (const c10::OutOfMemoryError&) {
-        throw;
-      } catch (const c10::Error& e) {  // a module the stream refuses (tied weights): planned without it
-        im.stream_refused = e.msg();
-      }
+      im.measured.push_back(im.measure(StepSettings(offloads.back()).offload_parameters(Offload::kHost)));
     }
   }
 }

@@ -597,4 +597,23 @@ torch::Tensor CheckpointedSequentialImpl::run_layer(int64_t i, const torch::Tens
   return runner_ ? runner_(i, m, x) : m.forward(x);
 }
 
+std::vector<FoundChain> find_chains(const torch::nn::Module& module) {
+  std::vector<FoundChain> out;
+  if (auto* self = dynamic_cast<const CheckpointedSequentialImpl*>(&module)) {
+    auto ptr = std::const_pointer_cast<CheckpointedSequentialImpl>(
+        std::dynamic_pointer_cast<const CheckpointedSequentialImpl>(self->shared_from_this()));
+    out.push_back({"", CheckpointedSequential(ptr)});
+    return out;  // every other chain is inside its layers
+  }
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+    auto chain = std::dynamic_pointer_cast<CheckpointedSequentialImpl>(item.value());
+    if (!chain) continue;
+    const bool nested = std::any_of(out.begin(), out.end(), [&](const FoundChain& c) {
+      return item.key().rfind(c.name + ".", 0) == 0;
+    });
+    if (!nested) out.push_back({item.key(), CheckpointedSequential(chain)});
+  }
+  return out;
+}
+
 } // namespace memfit

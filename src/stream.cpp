@@ -10,6 +10,8 @@
 #include <torch/nn/modules/linear.h>
 
 #include <algorithm>
+#include <string>
+#include <unordered_set>
 
 namespace memfit {
 
@@ -205,16 +207,12 @@ StreamedChain streamed_chain(const std::vector<torch::nn::AnyModule>& layers, Ma
   return chain;
 }
 
-// The outermost chains inside `module` (the module itself, if it is one),
-// and the modules outside every chain.
-void outermost_chains(const std::shared_ptr<torch::nn::Module>& module, std::vector<CheckpointedSequential>& chains,
-                      std::vector<std::shared_ptr<torch::nn::Module>>& outside) {
-  if (std::dynamic_pointer_cast<CheckpointedSequentialImpl>(module)) {
-    chains.emplace_back(std::dynamic_pointer_cast<CheckpointedSequentialImpl>(module));
-    return;
-  }
-  outside.push_back(module);
-  for (const auto& child : module->children()) outermost_chains(child, chains, outside);
+// Whether the parameter at path `name` lies inside one of `chains` (a chain
+// that is the module itself holds them all).
+bool in_a_chain(const std::string& name, const std::vector<FoundChain>& chains) {
+  return std::any_of(chains.begin(), chains.end(), [&](const FoundChain& c) {
+    return c.name.empty() || name.rfind(c.name + ".", 0) == 0;
+  });
 }
 
 void check_options(MasterWeights& master, const StreamOptions& options) {
@@ -280,34 +278,28 @@ ParameterStream::ParameterStream(std::shared_ptr<torch::nn::Module> module, Mast
   auto& s = *impl_;
   s.master = &master;
   s.options = options;
-  std::vector<CheckpointedSequential> chains;
-  std::vector<std::shared_ptr<torch::nn::Module>> outside;
-  outermost_chains(module, chains, outside);
-  TORCH_CHECK(!chains.empty(), "ParameterStream streams a module's chains block by block, but ", module->name(),
-              " holds no CheckpointedSequential: hold its repeated blocks in one, or keep the parameters on "
-              "the device (offload the optimizer state and gradients only)");
+  const std::string refused = refusal(*module);
+  TORCH_CHECK(refused.empty(), refused);
+  const auto chains = find_chains(*module);
   std::vector<bool> in_chain(master.model_parameters().size(), false);
-  for (auto& ck : chains) {
-    TORCH_CHECK(!ck->layer_runner(), "ParameterStream: chain ", ck->name(), " already runs its layers through "
-                "a layer runner (another ParameterStream, or a planner's probe): one at a time");
-    const auto& seq = ck->sequential();
+  for (const auto& found : chains) {
+    const auto& seq = found.chain->sequential();
     s.chains.push_back(streamed_chain({seq->begin(), seq->end()}, master, options));
-    s.chains.back().checkpointed = ck;
+    s.chains.back().checkpointed = found.chain;
     for (const auto& layer : s.chains.back().params) {
       for (size_t i : layer) in_chain[i] = true;
     }
   }
-  for (const auto& m : outside) {
-    for (const auto& p : m->parameters(/*recurse=*/false)) {
-      const int64_t k = master.index_of(p);
-      TORCH_CHECK(k >= 0, "ParameterStream: parameter of ", m->name(), " is not among the MasterWeights' "
-                  "parameters: build them over the same module");
-      TORCH_CHECK(!in_chain[static_cast<size_t>(k)], "ParameterStream: a parameter of ", m->name(),
-                  ", outside the chains, is shared with a chain's layer (tied weights); streaming would "
-                  "release it under the other: untie it, or keep the parameters on the device");
-      if (std::find(s.rest.begin(), s.rest.end(), static_cast<size_t>(k)) == s.rest.end()) {
-        s.rest.push_back(static_cast<size_t>(k));
-      }
+  std::vector<bool> in_rest(in_chain.size(), false);
+  for (const auto& item : module->named_parameters()) {
+    if (in_a_chain(item.key(), chains)) continue;
+    const int64_t k = master.index_of(item.value());
+    TORCH_CHECK(k >= 0, "ParameterStream: parameter ", item.key(), " is not among the MasterWeights' "
+                "parameters: build them over the same module");
+    TORCH_INTERNAL_ASSERT(!in_chain[static_cast<size_t>(k)], "refusal() let a tied parameter through: ", item.key());
+    if (!in_rest[static_cast<size_t>(k)]) {
+      in_rest[static_cast<size_t>(k)] = true;
+      s.rest.push_back(static_cast<size_t>(k));
     }
   }
   const size_t covered = static_cast<size_t>(std::count(in_chain.begin(), in_chain.end(), true)) + s.rest.size();
@@ -315,6 +307,32 @@ ParameterStream::ParameterStream(std::shared_ptr<torch::nn::Module> module, Mast
               master.model_parameters().size(), " parameters, but the module has ", covered,
               ": build them over the same module");
   set_runners(impl_);
+}
+
+std::string ParameterStream::refusal(const torch::nn::Module& module) {
+  const auto chains = find_chains(module);
+  if (chains.empty()) {
+    return c10::str("ParameterStream streams a module's chains block by block, but ", module.name(),
+                    " holds no CheckpointedSequential: hold its repeated blocks in one, or keep the parameters "
+                    "on the device (offload the optimizer state and gradients only)");
+  }
+  std::unordered_set<const c10::TensorImpl*> chained;
+  for (const auto& found : chains) {
+    const std::string name = found.name.empty() ? module.name() : found.name;
+    if (found.chain->layer_runner()) {
+      return c10::str("ParameterStream: chain ", name, " already runs its layers through a layer runner "
+                      "(another ParameterStream, or a planner's probe): one at a time");
+    }
+    for (const auto& p : found.chain->parameters()) chained.insert(p.unsafeGetTensorImpl());
+  }
+  for (const auto& item : module.named_parameters()) {
+    if (!in_a_chain(item.key(), chains) && chained.count(item.value().unsafeGetTensorImpl()) > 0) {
+      return c10::str("ParameterStream: parameter ", item.key(), ", outside the chains, is shared with a chain's "
+                      "layer (tied weights); streaming would release it under the other: untie it, or keep the "
+                      "parameters on the device");
+    }
+  }
+  return "";
 }
 
 ParameterStream::~ParameterStream() { clear_runners(impl_.get()); }

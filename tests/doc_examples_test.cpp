@@ -572,6 +572,11 @@ TEST_F(DocExamples, StreamHeader) {
     master.master_to_model();
     EXPECT_EQ(stream.chains(), 1u);
   }
+  {  // ParameterStream::refusal
+    torch::nn::Sequential flat(torch::nn::Linear(8, 8));
+    EXPECT_FALSE(memfit::ParameterStream::refusal(*flat).empty());  // no chain to stream
+    EXPECT_EQ(memfit::ParameterStream::refusal(*std::make_shared<StreamedNetImpl>()), "");
+  }
   EXPECT_EQ(memfit::linear_tile_rows(64, 64 * 400, 6400), 16);
   {  // streamed_bytes
     torch::nn::Linear lin(100, 64);  // 25.6 KB of weight

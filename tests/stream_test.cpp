@@ -291,6 +291,13 @@ TEST_F(ParameterStreamTest, AModulesStreamRefusesWhatWouldComputeOnReleasedParam
   auto tied = std::make_shared<TiedImpl>();
   MasterWeights tied_master(*tied, streamed());
   testing::expect_error([&] { ParameterStream(tied, tied_master); }, "is shared with a chain's layer (tied weights)");
+
+  // refusal() says the same before any MasterWeights exist, and names the parameter's path.
+  EXPECT_NE(ParameterStream::refusal(*tied).find("parameter tied, outside the chains, is shared"), std::string::npos)
+      << ParameterStream::refusal(*tied);
+  EXPECT_NE(ParameterStream::refusal(*net).find("already runs its layers"), std::string::npos);
+  EXPECT_NE(ParameterStream::refusal(*flat).find("holds no CheckpointedSequential"), std::string::npos);
+  EXPECT_EQ(ParameterStream::refusal(*std::make_shared<ChainedNetImpl>()), "");
 }
 
 class StreamedTrainerTest : public testing::WithFashionMnist {};

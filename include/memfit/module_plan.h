@@ -61,26 +61,6 @@
 
 namespace memfit {
 
-/// A chain found inside a module.
-struct FoundChain {
-  std::string name;              ///< Its path inside the module, as named_modules() gives it.
-  CheckpointedSequential chain;  ///< The chain (shared with the module).
-};
-
-/// Every outermost CheckpointedSequential inside `module` (the module itself
-/// included), in registration order; chains inside a chain's layers belong
-/// to those layers.
-///
-/// Example:
-/// \code
-///   torch::nn::Sequential blocks(torch::nn::Linear(8, 8), torch::nn::ReLU());
-///   auto net = std::make_shared<torch::nn::Module>();
-///   net->register_module("blocks", memfit::CheckpointedSequential(blocks));
-///   auto chains = memfit::find_chains(*net);
-///   assert(chains.size() == 1 && chains[0].name == "blocks");
-/// \endcode
-std::vector<FoundChain> find_chains(const torch::nn::Module& module);
-
 namespace detail {
 /// The planner's handle on a user's step (built by make_probe): a Trainer
 /// over the user's module and loss, and a train_step on the first examples

@@ -56,6 +56,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace memfit {
@@ -161,6 +162,17 @@ class ParameterStream {
   /// \endcode
   ParameterStream(std::shared_ptr<torch::nn::Module> module, MasterWeights& master,
                   StreamOptions options = StreamOptions());
+  /// Why the module form would refuse `module`, as the one line its
+  /// constructor throws; empty when its chains can stream. Checks the
+  /// module's structure only (chains, tied weights, layer runners), before
+  /// any MasterWeights exist.
+  ///
+  /// Example:
+  /// \code
+  ///   torch::nn::Sequential flat(torch::nn::Linear(8, 8));
+  ///   assert(!memfit::ParameterStream::refusal(*flat).empty());  // no chain to stream
+  /// \endcode
+  static std::string refusal(const torch::nn::Module& module);
   ~ParameterStream();
   ParameterStream(ParameterStream&&) noexcept;
   ParameterStream& operator=(ParameterStream&&) noexcept;
