@@ -20,7 +20,9 @@ optimizer (Adam) and thread count, trained for a few steps by
     fp32; and torch.autograd.graph.save_on_cpu;
   memfit (`memfit train --torchscript ... --budget B`, the plan chosen by
     itself) at each budget where the fastest fitting run changes, and at 1/2,
-    1/4 and 1/8 of the plain run's peak, in pairs alternating with that run.
+    1/4 and 1/8 of the plain run's peak, in pairs alternating with that run
+    (a fresh process for memfit each time, and for a PyTorch 2.x run too:
+    one sample against one, never against the fastest of --repeats).
 
 Both sides' peaks come from the same byte-exact meter: memfit's tracking
 allocator, loaded into this Python process from build/bench/libmemfit_meter.so
@@ -189,6 +191,9 @@ class Meter:
     def peak(self):
         return self.lib.memfit_meter_peak()
 
+    def allocated(self):
+        return self.lib.memfit_meter_allocated()
+
 
 def run_pytorch(name, step_fn, make, initial, images, labels, batch, steps, meter, repeats=1):
     """The run with the least median step time of `repeats` (the peak is the same each time)."""
@@ -198,13 +203,16 @@ def run_pytorch(name, step_fn, make, initial, images, labels, batch, steps, mete
 
 
 def run_pytorch_once(name, step_fn, make, initial, images, labels, batch, steps, meter):
+    # What an earlier run left behind (torch.compile's caches hold a few MiB) is not this run's: its
+    # peak counts from what is held before its model is made, as memfit's process counts from nothing.
+    meter.reset()
+    held = meter.allocated()
     torch.manual_seed(0)
     model = make()
     model.load_state_dict(initial)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     times = []
-    meter.reset()
     for s in range(steps):
         x = images[s * batch:(s + 1) * batch].clone()
         y = labels[s * batch:(s + 1) * batch].clone()
@@ -214,7 +222,7 @@ def run_pytorch_once(name, step_fn, make, initial, images, labels, batch, steps,
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
         del x, y
-    peak = meter.peak()
+    peak = meter.peak() - held
     del model, opt
     return {"side": f"PyTorch {TORCH_VERSION}", "config": name, "peak": peak,
             "seconds": statistics.median(times[1:]), "loss": float(loss)}
@@ -292,29 +300,35 @@ def compiled_forward(budget):
     return forward
 
 
-def torch2_rows(run, quick, segment_counts):
+def torch2_rows(run, quick, segment_counts, only=None):
     """What a user of PyTorch 2.x tunes by hand, each run through `run(name, step)`: accumulation ×
     (non-reentrant checkpoint_sequential segments, selective checkpointing, torch.compile's activation
-    memory budgets), in fp32; save_on_cpu alone."""
+    memory budgets), in fp32; save_on_cpu alone. `only`: just the row of that name."""
     tools = [("", lambda model, x: model(x))]
     tools += [(f"checkpoint_sequential {s} non-reentrant", checkpointed_forward(s, False))
               for s in (segment_counts[:1] if quick else segment_counts)]
     tools.append(("selective checkpointing (saves mm, bmm, addmm, convolution) each layer", selective_forward))
     tools += [(f"torch.compile activation_memory_budget {b}", compiled_forward(b)) for b in (1.0, 0.5, 0.25)]
-    rows = []
+    grid = []
     for k in (1, 2) if quick else (1, 2, 4, 8):
         for name, forward in tools:
             label = " × ".join(p for p in (f"accumulation {k}" if k > 1 else "", name) if p) or "plain"
-            rows.append(run(label, accumulated(k, forward, False)))
-    rows.append(run("save_on_cpu", on_cpu))
-    return rows
+            grid.append((label, accumulated(k, forward, False)))
+    grid.append(("save_on_cpu", on_cpu))
+    if only is not None:
+        grid = [(label, step) for label, step in grid if label == only]
+        if not grid:
+            sys.exit(f"peers.py: --only {only!r} names no PyTorch 2.x row")
+    return [run(label, step) for label, step in grid]
 
 
-def run_torch2(a, python, build):
-    """The PyTorch 2.x rows, from `python` running this script with --peer-rows."""
+def run_torch2(a, python, build, only=None, repeats=None):
+    """The PyTorch 2.x rows, from `python` running this script with --peer-rows (`only`: one row, in a
+    fresh process, as each pair runs it)."""
     cmd = [python, os.path.abspath(__file__), "--peer-rows", "--build", build, "--model", a.model,
-           "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(a.threads), "--repeats", str(a.repeats),
-           *(["--quick"] if a.quick else [])]
+           "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(a.threads),
+           "--repeats", str(repeats or a.repeats), *(["--quick"] if a.quick else []),
+           *(["--only", only] if only is not None else [])]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"peers.py: {' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
@@ -356,6 +370,7 @@ def main():
     p.add_argument("--torch2", metavar="PYTHON", help="a Python with PyTorch 2.x: its tools too, in a second process")
     p.add_argument("--torch2-build", default="build-pip", help="memfit built against that PyTorch (its meter)")
     p.add_argument("--peer-rows", action="store_true", help=argparse.SUPPRESS)  # --torch2's second process
+    p.add_argument("--only", help=argparse.SUPPRESS)  # with --peer-rows: just this row (a pair's peer run)
     a = p.parse_args()
     if a.pairs < 1 or a.repeats < 1 or a.steps < 2:
         sys.exit("peers.py: --pairs and --repeats must be positive and --steps at least 2")
@@ -402,7 +417,7 @@ def main():
     n_layers = len(make()) - (1 if a.model == "gpt" else 0)
     segment_counts = sorted({2, 3, 4, 5, 8, n_layers} & set(range(2, n_layers + 1)))
     if a.peer_rows:
-        rows = torch2_rows(pytorch, a.quick, segment_counts)
+        rows = torch2_rows(pytorch, a.quick, segment_counts, a.only)
         print(json.dumps({"rows": rows, "blas": blas, "threads": torch.get_num_threads()}))
         return
     grid = hand_grid(a.quick, segment_counts)
@@ -427,8 +442,8 @@ def main():
                 def peer():
                     if best is None:
                         return None
-                    if best.get("second_process"):  # a --torch2 row: its own process's fastest time
-                        return best
+                    if best.get("second_process"):  # a --torch2 row: run again once, in its own process, as memfit is
+                        return run_torch2(a, a.torch2, a.torch2_build, only=best["config"], repeats=1)["rows"][0]
                     return pytorch(best["config"], steps[best["config"]], repeats=1)
                 def ours():
                     # Against a --torch2 run, memfit built against that LibTorch: the same library on both sides.

@@ -9,6 +9,7 @@
 #          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
 #          peers_torch2 peers_gpt_torch2  (peers with PyTorch 2.15's tools too: after
 #          `make build LIBTORCH=pip`; not in the default list)
+#          tax_python_torch2 process_noise_torch2  (in PyTorch 2.15's Python, on build-pip: ditto)
 #   BUILD=build OUT=docs bash bench/remeasure.sh ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,14 +60,18 @@ measure() {
       --pairs 3 ;;
     peers_torch2) run peers_torch2 /usr/bin/python3 bench/peers.py --build "$build" --steps 8 --batch 128 --repeats 2 \
       --pairs 3 --no-low-precision --torch2 "$torch2" --torch2-build "${BUILD_PIP:-build-pip}" ;;
+    tax_python_torch2) build=${BUILD_PIP:-build-pip} run tax_python_torch2 "$torch2" bench/tax.py \
+      --build "${BUILD_PIP:-build-pip}" --model gpt --rounds 30 ;;
+    process_noise_torch2) build=${BUILD_PIP:-build-pip} run process_noise_torch2 /usr/bin/python3 \
+      bench/process_noise.py --build "${BUILD_PIP:-build-pip}" --python "$torch2" --rounds 8 ;;
     peers_gpt_torch2) run peers_gpt_torch2 /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 8 \
-      --batch 16 --repeats 3 --torch2 "$torch2" --torch2-build "${BUILD_PIP:-build-pip}" ;;
+      --batch 16 --repeats 3 --pairs 5 --torch2 "$torch2" --torch2-build "${BUILD_PIP:-build-pip}" ;;
   esac
 }
 
 all=(main memory checkpoint precision trainer tax tax_python plan accuracy own stream cost stability distributed gpt_train gpt_budget
   peers peers_gpt)
-known=("${all[@]}" peers_torch2 peers_gpt_torch2)
+known=("${all[@]}" peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${all[@]}")
 for name in "${names[@]}"; do  # every name checked before anything runs
