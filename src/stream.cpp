@@ -215,6 +215,32 @@ bool in_a_chain(const std::string& name, const std::vector<FoundChain>& chains) 
   });
 }
 
+// Why a module with these `chains` (find_chains of it) cannot stream; empty when it can.
+std::string refusal_of(const torch::nn::Module& module, const std::vector<FoundChain>& chains) {
+  if (chains.empty()) {
+    return c10::str("ParameterStream streams a module's chains block by block, but ", module.name(),
+                    " holds no CheckpointedSequential: hold its repeated blocks in one, or keep the parameters "
+                    "on the device (offload the optimizer state and gradients only)");
+  }
+  std::unordered_set<const c10::TensorImpl*> chained;
+  for (const auto& found : chains) {
+    const std::string name = found.name.empty() ? module.name() : found.name;
+    if (found.chain->layer_runner()) {
+      return c10::str("ParameterStream: chain ", name, " already runs its layers through a layer runner "
+                      "(another ParameterStream, or a planner's probe): one at a time");
+    }
+    for (const auto& p : found.chain->parameters()) chained.insert(p.unsafeGetTensorImpl());
+  }
+  for (const auto& item : module.named_parameters()) {
+    if (!in_a_chain(item.key(), chains) && chained.count(item.value().unsafeGetTensorImpl()) > 0) {
+      return c10::str("ParameterStream: parameter ", item.key(), ", outside the chains, is shared with a chain's "
+                      "layer (tied weights); streaming would release it under the other: untie it, or keep the "
+                      "parameters on the device");
+    }
+  }
+  return "";
+}
+
 void check_options(MasterWeights& master, const StreamOptions& options) {
   TORCH_CHECK(master.streamed(), "ParameterStream streams the parameters that MasterWeights released: "
               "build it with MasterWeightsOptions().dtype(kFloat).offload(kHost).gradients(kHost)"
@@ -278,9 +304,9 @@ ParameterStream::ParameterStream(std::shared_ptr<torch::nn::Module> module, Mast
   auto& s = *impl_;
   s.master = &master;
   s.options = options;
-  const std::string refused = refusal(*module);
-  TORCH_CHECK(refused.empty(), refused);
   const auto chains = find_chains(*module);
+  const std::string refused = refusal_of(*module, chains);
+  TORCH_CHECK(refused.empty(), refused);
   std::vector<bool> in_chain(master.model_parameters().size(), false);
   for (const auto& found : chains) {
     const auto& seq = found.chain->sequential();
@@ -310,29 +336,7 @@ ParameterStream::ParameterStream(std::shared_ptr<torch::nn::Module> module, Mast
 }
 
 std::string ParameterStream::refusal(const torch::nn::Module& module) {
-  const auto chains = find_chains(module);
-  if (chains.empty()) {
-    return c10::str("ParameterStream streams a module's chains block by block, but ", module.name(),
-                    " holds no CheckpointedSequential: hold its repeated blocks in one, or keep the parameters "
-                    "on the device (offload the optimizer state and gradients only)");
-  }
-  std::unordered_set<const c10::TensorImpl*> chained;
-  for (const auto& found : chains) {
-    const std::string name = found.name.empty() ? module.name() : found.name;
-    if (found.chain->layer_runner()) {
-      return c10::str("ParameterStream: chain ", name, " already runs its layers through a layer runner "
-                      "(another ParameterStream, or a planner's probe): one at a time");
-    }
-    for (const auto& p : found.chain->parameters()) chained.insert(p.unsafeGetTensorImpl());
-  }
-  for (const auto& item : module.named_parameters()) {
-    if (!in_a_chain(item.key(), chains) && chained.count(item.value().unsafeGetTensorImpl()) > 0) {
-      return c10::str("ParameterStream: parameter ", item.key(), ", outside the chains, is shared with a chain's "
-                      "layer (tied weights); streaming would release it under the other: untie it, or keep the "
-                      "parameters on the device");
-    }
-  }
-  return "";
+  return refusal_of(module, find_chains(module));
 }
 
 ParameterStream::~ParameterStream() { clear_runners(impl_.get()); }
