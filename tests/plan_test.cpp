@@ -530,7 +530,9 @@ TEST(PlanChoice, RealStepsDecideWherePredictionsCannotTell) {
     ran.push_back(i);
     return detail::StepTiming{truth[i], 1000};
   };
-  auto m = detail::choose_measured(predicted, order, run);
+  // A quiet machine, whatever this one's load (a busy one's: OnABusyMachineWhatThePlansDoDecide…).
+  const auto quiet = [] { return static_cast<double>(at::get_num_threads()); };
+  auto m = detail::choose_measured(predicted, order, run, quiet);
   EXPECT_EQ(m.chosen, 0) << "the measured fastest";
   EXPECT_EQ(ran, (std::vector<size_t>{4, 3, 1, 0, 0, 1, 3}))
       << "two passes, the second in reverse order, without what ran out of memory; steady times settle it";
@@ -540,7 +542,7 @@ TEST(PlanChoice, RealStepsDecideWherePredictionsCannotTell) {
   // Each one's faster pass counts: a slow first pass does not decide.
   int calls = 0;
   const auto drift = [&](size_t i) { return detail::StepTiming{truth[i] * (calls++ < 4 ? 3.0 : 1.0), 0}; };
-  m = detail::choose_measured(predicted, {1, 0, 3}, drift);
+  m = detail::choose_measured(predicted, {1, 0, 3}, drift, quiet);
   EXPECT_EQ(m.chosen, 0);
   EXPECT_DOUBLE_EQ(m.timed[1].seconds, truth[0]);
   EXPECT_EQ(m.passes, 3) << "a contender's two fastest steps disagreed after two passes";
@@ -548,15 +550,15 @@ TEST(PlanChoice, RealStepsDecideWherePredictionsCannotTell) {
   std::mt19937 rng(3);
   std::uniform_real_distribution<double> noise(1.0, 1.5);
   const auto noisy = [&](size_t i) { return detail::StepTiming{truth[i] * noise(rng), 0}; };
-  m = detail::choose_measured(predicted, {1, 0}, noisy);
+  m = detail::choose_measured(predicted, {1, 0}, noisy, quiet);
   EXPECT_GE(m.chosen, 0);
   EXPECT_LE(m.passes, detail::kMaxPasses);
   EXPECT_GT(m.passes, detail::kMinPasses);
   // Measured times within 3% are a tie, settled as predicted ones are.
   const auto tie = [&](size_t i) { return detail::StepTiming{i == 0 ? 0.180 : 0.176, 0}; };
-  EXPECT_EQ(detail::choose_measured(predicted, {1, 0}, tie).chosen, 0)
+  EXPECT_EQ(detail::choose_measured(predicted, {1, 0}, tie, quiet).chosen, 0)
       << "2 micro-batches within 3% of 4 win by being fewer";
-  EXPECT_EQ(detail::choose_measured(predicted, {4}, run).chosen, -1) << "none ran";
+  EXPECT_EQ(detail::choose_measured(predicted, {4}, run, quiet).chosen, -1) << "none ran";
 }
 
 // The tie band widens to the noise of the candidates in contention only: a
@@ -651,10 +653,11 @@ TEST(PlanChoice, AnEdgeCandidateFitsByItsStepsNeverByPrediction) {
   const auto order = detail::to_time(candidates, {0, 1}, 1.0, 4);
   EXPECT_EQ(order, (std::vector<size_t>{1, 0})) << "the prediction's pick first, then the edge one";
   EXPECT_EQ(detail::to_time({candidates[0]}, {0}, 1.0, 4), std::vector<size_t>{0}) << "timed though alone";
+  const auto quiet = [] { return static_cast<double>(at::get_num_threads()); };  // whatever this machine's load
   const auto fits = [](size_t i) { return detail::StepTiming{i == 0 ? 0.17 : 0.20, 100}; };
-  EXPECT_EQ(detail::choose_measured(candidates, order, fits).chosen, 0) << "its steps fit and are faster";
+  EXPECT_EQ(detail::choose_measured(candidates, order, fits, quiet).chosen, 0) << "its steps fit and are faster";
   const auto overruns = [](size_t i) { return detail::StepTiming{i == 0 ? 0.0 : 0.20, 100}; };
-  EXPECT_EQ(detail::choose_measured(candidates, order, overruns).chosen, 1) << "its steps ran out of memory";
+  EXPECT_EQ(detail::choose_measured(candidates, order, overruns, quiet).chosen, 1) << "its steps ran out of memory";
   PlanOptions o;
   EXPECT_TRUE(detail::is_edge(o, true, 99, 97, 100));
   EXPECT_FALSE(detail::is_edge(o, true, 97, 97, 100)) << "within the margin: an ordinary candidate";
