@@ -346,6 +346,11 @@ Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
               m_large, " passed different points; the planner needs a step whose control flow does "
               "not depend on the batch size");
   if (profile_chains) {
+    // The chains' layers run where their inputs were captured: on the step's
+    // device (each measured step's Trainer put the module there, and its guard
+    // put it back where the user left it, as this one does).
+    detail::ModuleStateGuard restore(*probe.module);
+    probe.module->to(base.device());
     auto& p = profiles[s.precision()];
     for (size_t c = 0; c < chains.size(); ++c) {
       TORCH_CHECK(small.inputs[c].defined() && large.inputs[c].defined(), "plan: chain '", chains[c].name,

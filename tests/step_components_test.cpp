@@ -113,13 +113,15 @@ TEST_F(OwnModelTest, TrainStepOnAUsersNetIsBitwiseAHandWrittenLoop) {
 }
 
 // Every allowed combination of micro-batching, precision, master weights,
-// offload and clipping, each against the plain step: bitwise where the math
-// is unchanged (offload moves the same fp32 numbers), within rounding for
-// micro-batches (a sum in another order), within bf16's resolution for
-// bf16 (autocast changes the math). Without dropout: its masks are drawn
-// per micro-batch.
-TEST_F(OwnModelTest, EveryCombinationOfComponentsTrainsLikeThePlainStep) {
-  const auto base = TrainerOptions().optimizer(OptimizerKind::kAdam).lr(1e-2);
+// offload and clipping, each against the plain step on `device`: bitwise
+// where the math is unchanged (offload moves the same fp32 numbers), within
+// rounding for micro-batches (a sum in another order), within bf16's
+// resolution for bf16 (autocast changes the math). On CUDA, Adam on the host
+// (optimizer offload) rounds as the CPU's kernels do, not as the device's,
+// which fuse multiply-adds: within rounding there too. Without dropout: its
+// masks are drawn per micro-batch.
+void expect_every_combination_like_the_plain_step(const torch::Device& device) {
+  const auto base = TrainerOptions().optimizer(OptimizerKind::kAdam).lr(1e-2).device(device);
   const auto plain = trained_with(base, 0.0);
   const auto plain_clipped = trained_with(TrainerOptions(base).max_grad_norm(0.5), 0.0);
   struct Offloads {
@@ -147,12 +149,13 @@ TEST_F(OwnModelTest, EveryCombinationOfComponentsTrainsLikeThePlainStep) {
             const auto got = trained_with(o, 0.0);
             const auto& want = clip > 0 ? plain_clipped : plain;
             const double diff = testing::max_relative_difference(got, want);
-            const std::string what = "micro " + std::to_string(micro) + " " + to_string(precision) +
-                                     " master " + std::to_string(static_cast<int>(master)) + " offload " +
-                                     off.name + " clip " + std::to_string(clip);
+            const std::string what = device.str() + " micro " + std::to_string(micro) + " " +
+                                     to_string(precision) + " master " + std::to_string(static_cast<int>(master)) +
+                                     " offload " + off.name + " clip " + std::to_string(clip);
+            const bool other_kernels = device.is_cuda() && off.optimizer == Offload::kHost;
             if (precision == Precision::kBF16) {
               EXPECT_LT(diff, 3e-2) << what;
-            } else if (micro > 0) {
+            } else if (micro > 0 || other_kernels) {
               EXPECT_LT(diff, 1e-5) << what;
             } else {
               EXPECT_EQ(diff, 0.0) << what;
@@ -164,6 +167,10 @@ TEST_F(OwnModelTest, EveryCombinationOfComponentsTrainsLikeThePlainStep) {
     }
   }
   EXPECT_EQ(combinations, 3 * 2 * (3 + 3 + 1 + 3));  // micro × clip × (fp32 + bf16's three master modes)
+}
+
+TEST_F(OwnModelTest, EveryCombinationOfComponentsTrainsLikeThePlainStep) {
+  expect_every_combination_like_the_plain_step(torch::kCPU);
 }
 
 TEST_F(OwnModelTest, MicroBatchesFitABudgetThePlainStepDoesNot) {
@@ -263,16 +270,19 @@ TEST_F(OwnModelTest, AUsersOptimizerFactoryAndComponentTakePart) {
                                                    "stepped", "end"}));
 }
 
-TEST_F(OwnModelTest, FitReadsAMapStyleDataSetBatchByBatchLikeAnImageDataset) {
+// fit over a map-style torch::data data set (and memfit's ExampleDataset)
+// reads the same batches as over tensors in memory, on `device`.
+void expect_data_sets_train_like_tensors_in_memory(const torch::Device& device) {
   ImageDataset whole;
   whole.images = torch::randn({100, 20});
   whole.labels = torch::randint(5, {100});
   auto run = [&](const std::function<TrainReport(Trainer&)>& fit) {
     torch::manual_seed(7);
     OwnNet net;
-    Trainer trainer(net, nll, TrainerOptions().batch_size(16).epochs(2).micro_batch_size(5).seed(3));
+    Trainer trainer(net, nll, TrainerOptions().batch_size(16).epochs(2).micro_batch_size(5).seed(3).device(device));
     const auto report = fit(trainer);
     EXPECT_EQ(report.steps.size(), 14u);  // ceil(100 / 16) × 2
+    EXPECT_GT(report.peak_bytes, 0);
     return values(net->parameters());
   };
   const auto from_tensors = run([&](Trainer& t) { return t.fit(whole); });
@@ -285,9 +295,14 @@ TEST_F(OwnModelTest, FitReadsAMapStyleDataSetBatchByBatchLikeAnImageDataset) {
     return t.fit(data);
   });
   for (size_t i = 0; i < from_tensors.size(); ++i) {
+    EXPECT_EQ(from_tensors[i].device(), device);
     EXPECT_TRUE(from_data_set[i].equal(from_tensors[i])) << "parameter " << i;
     EXPECT_TRUE(from_example_data_set[i].equal(from_tensors[i])) << "parameter " << i;
   }
+}
+
+TEST_F(OwnModelTest, FitReadsAMapStyleDataSetBatchByBatchLikeAnImageDataset) {
+  expect_data_sets_train_like_tensors_in_memory(torch::kCPU);
 }
 
 TEST_F(OwnModelTest, AMovedTrainerTrainsAndMeasuresLikeOneThatStayed) {
@@ -374,6 +389,42 @@ TEST_F(OwnModelTest, WhatAUsersCodeGetsWrongIsNamed) {
             .fit(data);
       },
       "call train_step in a loop of your own");
+}
+
+// The same contracts on the device: the module, its gradients and Adam's
+// state in device memory, the batches read on the host and staged per
+// micro-batch.
+class CudaOwnModelTest : public testing::OnCuda {};
+
+TEST_F(CudaOwnModelTest, TrainStepOnTheDeviceIsBitwiseAHandWrittenDeviceLoop) {
+  const auto options = TrainerOptions().optimizer(OptimizerKind::kSGD).lr(0.1).momentum(0.9).device(cuda);
+  const auto by_trainer = trained_with(options);  // with dropout: the CUDA generator, seeded alike
+
+  torch::manual_seed(7);
+  OwnNet net;
+  net->to(cuda);
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int64_t i = 0; i < 3; ++i) {
+    const auto b = batch_of(24, i);
+    torch::manual_seed(100 + i);
+    sgd.zero_grad();
+    nll(*net, {b.data.to(cuda), b.target.to(cuda)}).backward();
+    sgd.step();
+  }
+  const auto by_hand = values(net->parameters());
+  ASSERT_EQ(by_trainer.size(), by_hand.size());
+  for (size_t i = 0; i < by_hand.size(); ++i) {
+    EXPECT_TRUE(by_trainer[i].is_cuda());
+    EXPECT_TRUE(by_trainer[i].equal(by_hand[i])) << "parameter " << i;
+  }
+}
+
+TEST_F(CudaOwnModelTest, EveryCombinationOfComponentsTrainsLikeThePlainStep) {
+  expect_every_combination_like_the_plain_step(cuda);
+}
+
+TEST_F(CudaOwnModelTest, FitReadsAMapStyleDataSetOntoTheDeviceLikeTensorsInMemory) {
+  expect_data_sets_train_like_tensors_in_memory(cuda);
 }
 
 } // namespace
