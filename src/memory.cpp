@@ -289,6 +289,18 @@ void set_memory_budget(torch::Device device, int64_t bytes) {
   const int64_t total = compat::cuda_total_memory(index);
   TORCH_CHECK(bytes <= total, "memfit: budget ", format_bytes(bytes), " exceeds ",
               device.str(), "'s ", format_bytes(total), "; use at most that or 0");
+  // The fraction caps reserved bytes: in segments cached whole, free space
+  // split between them would fail an allocation that fits the budget, so
+  // segments grow by pages instead, unless the user configured the allocator.
+  static const bool user_configured =
+      std::getenv("PYTORCH_CUDA_ALLOC_CONF") != nullptr || std::getenv("PYTORCH_ALLOC_CONF") != nullptr;
+  if (bytes > 0 && !user_configured) {
+    static std::once_flag expandable;
+    std::call_once(expandable, compat::cuda_use_expandable_segments);
+  }
+  // Segments cached before (made whole, before the first budget) would count
+  // against it though nothing lives in them: they go back to the driver.
+  if (bytes > 0) compat::cuda_empty_cache();
   compat::cuda_set_memory_fraction(bytes == 0 ? 1.0 : double(bytes) / double(total), index);
   cuda_budgets[index].store(bytes);
 #endif

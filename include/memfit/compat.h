@@ -112,6 +112,14 @@ inline int64_t cuda_total_memory(c10::DeviceIndex device) {
 inline void cuda_set_memory_fraction(double fraction, c10::DeviceIndex device) {
   c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device);
 }
+/// Segments that grow page by page (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True),
+/// for the segments made from now on: reserved bytes then follow allocated
+/// ones within 2 MiB pages, not whole cached segments.
+inline void cuda_use_expandable_segments() {
+#if MEMFIT_TORCH_AT_LEAST(2, 1)  // setAllocatorSettings came with PyTorch 2.1
+  c10::cuda::CUDACachingAllocator::setAllocatorSettings("expandable_segments:True");
+#endif
+}
 #endif
 
 /// Whether CUDA device `device` computes in bfloat16 natively (compute capability 8.0+).

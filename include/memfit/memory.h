@@ -16,7 +16,8 @@
 /// counters; the allocator's size table in 16 locked shards); UntrackedGuard
 /// is thread-local.
 /// Sync points: none (the CPU counters are plain atomics; CUDA stats are host
-/// side).
+/// side), except set_memory_budget and empty_cache on CUDA, which free the
+/// cached segments (cudaFree waits for the device).
 /// Extra memory: one entry of a side table (about 40 bytes of host memory)
 /// per live tracked CPU allocation, not counted, so counts equal tensor bytes
 /// exactly; the data itself is laid out as LibTorch's default allocator lays
@@ -98,7 +99,13 @@ void empty_cache(torch::Device device = torch::kCPU);
 /// allocated") and changes nothing, so the caller can free memory and go on.
 /// A budget below what is already allocated is allowed: only new allocations
 /// fail. CUDA: sets the caching allocator's per-process memory fraction to
-/// bytes / total memory (which limits reserved, not allocated, bytes).
+/// bytes / total memory (which limits reserved, not allocated, bytes); the
+/// first budget also turns on expandable segments (unless
+/// PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set), so that reserved
+/// bytes follow allocated ones within 2 MiB pages and free space split among
+/// cached segments does not fail an allocation the budget allows; and each
+/// budget first empties the cache (a sync point: cudaFree waits for the
+/// device), so that segments cached before it do not count against it.
 ///
 /// Example:
 /// \code
