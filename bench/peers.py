@@ -29,9 +29,20 @@ allocator, loaded into this Python process from build/bench/libmemfit_meter.so
 (it becomes LibTorch's CPU allocator here, as it is in memfit's process).
 Step time is the median over the steps after the first.
 
+With --device cuda (a GPU machine; python3 there is PyTorch 2.x with CUDA, and
+memfit is built against it, e.g. by scripts/cuda-check.sh into build-cuda):
+both sides train on the GPU, the batch copied from host memory inside each
+timed step, and both peaks are the CUDA caching allocator's allocated bytes
+(torch.cuda.max_memory_allocated here; memfit reads the same counter), each
+run's cuBLAS workspaces included: this process drops them before each run,
+as memfit's fresh process starts without them. Timing synchronizes the device.
+
 Usage (after `make`, and `make LIBTORCH=pip` for --torch2):
   /usr/bin/python3 bench/peers.py [--model cnn|gpt] [--build build] [--batch 128] [--steps 6] [--threads 2]
                                   [--repeats 1] [--torch2 ~/.cache/memfit/torch-2.15/bin/python --torch2-build build-pip]
+On a GPU machine:
+  python3 bench/peers.py --device cuda --build build-cuda --torch2 "$(command -v python3)" --torch2-build build-cuda \
+                         --model gpt --gpt-size 256,4,4,256 --batch 32 [--no-compile]
 """
 import argparse
 import contextlib
@@ -58,6 +69,7 @@ except ImportError as e:  # exit 77: ctest's skip
     sys.exit(77)
 
 FASHION = "/usr/share/datasets/fashion-mnist"
+DEVICE = torch.device("cpu")  # --device
 TORCH_VERSION = torch.__version__.split("+")[0]
 TORCH2 = int(TORCH_VERSION.split(".")[0]) >= 2
 
@@ -103,7 +115,7 @@ class GptEmbedding(nn.Module):
         self.drop = nn.Dropout(0.0)
 
     def forward(self, ids):
-        pos = torch.arange(ids.shape[1], dtype=torch.long)
+        pos = torch.arange(ids.shape[1], dtype=torch.long, device=ids.device)
         return self.drop(self.tokens(ids) + self.positions(pos))
 
 
@@ -125,7 +137,7 @@ class GptBlock(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / (q.shape[-1] ** 0.5))
-        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         weights = torch.dropout(torch.softmax(scores.masked_fill(mask, float("-inf")), -1), 0.0, self.training)
         y = torch.matmul(weights, v).transpose(1, 2).reshape(b, t, c)
         h = x + self.drop(self.proj(y))
@@ -195,6 +207,25 @@ class Meter:
         return self.lib.memfit_meter_allocated()
 
 
+class CudaMeter:
+    """The CUDA caching allocator's allocated bytes: the counter memfit's CUDA peaks read."""
+
+    def reset(self):
+        torch.cuda.synchronize()
+        # Each run pays for its own cuBLAS workspaces, as memfit's fresh process does.
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak(self):
+        return torch.cuda.max_memory_allocated()
+
+    def allocated(self):
+        return torch.cuda.memory_allocated()
+
+
 def run_pytorch(name, step_fn, make, initial, images, labels, batch, steps, meter, repeats=1):
     """The run with the least median step time of `repeats` (the peak is the same each time)."""
     runs = [run_pytorch_once(name, step_fn, make, initial, images, labels, batch, steps, meter)
@@ -208,18 +239,27 @@ def run_pytorch_once(name, step_fn, make, initial, images, labels, batch, steps,
     meter.reset()
     held = meter.allocated()
     torch.manual_seed(0)
-    model = make()
+    model = make().to(DEVICE)
     model.load_state_dict(initial)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     times = []
+    cuda = DEVICE.type == "cuda"
     for s in range(steps):
-        x = images[s * batch:(s + 1) * batch].clone()
-        y = labels[s * batch:(s + 1) * batch].clone()
+        if not cuda:
+            x = images[s * batch:(s + 1) * batch].clone()
+            y = labels[s * batch:(s + 1) * batch].clone()
+        else:
+            torch.cuda.synchronize()
         start = time.perf_counter()
+        if cuda:  # the copy to the device is part of the step, as it is in memfit's
+            x = images[s * batch:(s + 1) * batch].to(DEVICE)
+            y = labels[s * batch:(s + 1) * batch].to(DEVICE)
         loss = step_fn(model, x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         del x, y
     peak = meter.peak() - held
@@ -279,7 +319,7 @@ def selective_forward(model, x):
 
 def on_cpu(model, x, y):
     """torch.autograd.graph.save_on_cpu: what backward needs, copied to the host (here already the host)."""
-    with torch.autograd.graph.save_on_cpu(pin_memory=False):
+    with torch.autograd.graph.save_on_cpu(pin_memory=DEVICE.type == "cuda"):
         out = model(x)
     loss = loss_of(out, y)
     loss.backward()
@@ -300,7 +340,7 @@ def compiled_forward(budget):
     return forward
 
 
-def torch2_rows(run, quick, segment_counts, only=None):
+def torch2_rows(run, quick, segment_counts, only=None, compile_=True):
     """What a user of PyTorch 2.x tunes by hand, each run through `run(name, step)`: accumulation ×
     (non-reentrant checkpoint_sequential segments, selective checkpointing, torch.compile's activation
     memory budgets), in fp32; save_on_cpu alone. `only`: just the row of that name."""
@@ -308,7 +348,8 @@ def torch2_rows(run, quick, segment_counts, only=None):
     tools += [(f"checkpoint_sequential {s} non-reentrant", checkpointed_forward(s, False))
               for s in (segment_counts[:1] if quick else segment_counts)]
     tools.append(("selective checkpointing (saves mm, bmm, addmm, convolution) each layer", selective_forward))
-    tools += [(f"torch.compile activation_memory_budget {b}", compiled_forward(b)) for b in (1.0, 0.5, 0.25)]
+    if compile_:
+        tools += [(f"torch.compile activation_memory_budget {b}", compiled_forward(b)) for b in (1.0, 0.5, 0.25)]
     grid = []
     for k in (1, 2) if quick else (1, 2, 4, 8):
         for name, forward in tools:
@@ -328,6 +369,8 @@ def run_torch2(a, python, build, only=None, repeats=None):
     cmd = [python, os.path.abspath(__file__), "--peer-rows", "--build", build, "--model", a.model,
            "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(a.threads),
            "--repeats", str(repeats or a.repeats), *(["--quick"] if a.quick else []),
+           "--device", a.device, *(["--gpt-size", a.gpt_size] if a.gpt_size else []),
+           *([] if a.compile else ["--no-compile"]),
            *(["--only", only] if only is not None else [])]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -339,18 +382,22 @@ def run_torch2(a, python, build, only=None, repeats=None):
 
 
 def run_memfit(exe, model_args, budget, batch, steps, threads):
+    """One fresh `memfit train` process (under --budget unless `budget` is None): its plan, peak, median
+    step time after the first, and final loss, or its error."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "run.json")
         cmd = [exe, "train", *model_args, "--batch", str(batch), "--steps", str(steps),
-               "--budget", str(budget), "--no-eval", "-q", "--threads", str(threads), "--report", report]
+               *([] if budget is None else ["--budget", str(budget)]), "--no-eval", "-q", "--threads", str(threads),
+               "--report", report, "--device", str(DEVICE)]
         done = subprocess.run(cmd, capture_output=True, text=True)
+        under = "" if budget is None else f"--budget {mib(budget)}"
         if done.returncode != 0:
-            return {"side": "memfit", "config": f"--budget {mib(budget)}", "error": done.stderr.strip()}
+            return {"side": "memfit", "config": under, "error": done.stderr.strip()}
         with open(report) as f:
             r = json.load(f)
         knobs = plan_knobs(r.get("plan", {}), batch)
         steps_ = r["steps"]
-        return {"side": "memfit", "config": f"--budget {mib(budget)}: " + (", ".join(knobs) or "plain"),
+        return {"side": "memfit", "config": f"{under}: " + (", ".join(knobs) or "plain"),
                 "peak": max(s["peak_bytes"] for s in steps_), "seconds": statistics.median(s["seconds"] for s in steps_[1:]),
                 "loss": r["summary"]["final_loss"], "budget": budget, "environment": environment_text(r)}
 
@@ -369,6 +416,13 @@ def main():
     p.add_argument("--quick", action="store_true", help="a small grid (accumulation 1, 2; one segment count)")
     p.add_argument("--torch2", metavar="PYTHON", help="a Python with PyTorch 2.x: its tools too, in a second process")
     p.add_argument("--torch2-build", default="build-pip", help="memfit built against that PyTorch (its meter)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="train both sides on this device (cuda: peaks from the CUDA caching allocator)")
+    p.add_argument("--gpt-size", metavar="W,D,H,C",
+                   help="with --model gpt: width, depth, heads and context (default %s)" %
+                        ",".join(str(v) for v in GPT.values()))
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --torch2: torch.compile's rows too (inductor compiles each, which takes minutes)")
     p.add_argument("--peer-rows", action="store_true", help=argparse.SUPPRESS)  # --torch2's second process
     p.add_argument("--only", help=argparse.SUPPRESS)  # with --peer-rows: just this row (a pair's peer run)
     a = p.parse_args()
@@ -376,11 +430,19 @@ def main():
         sys.exit("peers.py: --pairs and --repeats must be positive and --steps at least 2")
     if a.torch2 and not os.path.exists(a.torch2):
         sys.exit(f"peers.py: --torch2 {a.torch2} does not exist: install it with scripts/install-torch.sh")
-    if a.peer_rows and not TORCH2:
-        sys.exit(f"peers.py: --peer-rows needs PyTorch 2.x, this is {TORCH_VERSION}")
+    global DEVICE
+    DEVICE = torch.device(a.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"peers.py: --device cuda, but PyTorch {torch.__version__} here sees no CUDA device")
+    if a.gpt_size:
+        try:
+            GPT.update(zip(GPT.keys(), (int(v) for v in a.gpt_size.split(",")), strict=True))
+        except ValueError:
+            sys.exit(f"peers.py: --gpt-size {a.gpt_size}: give width,depth,heads,context, e.g. 256,4,4,256")
     exe = os.path.join(a.build, "memfit")
     meter_lib = os.path.join(a.build, "bench", "libmemfit_meter.so")
-    for f in ([meter_lib] if a.peer_rows else [exe, meter_lib]):
+    meters = [] if DEVICE.type == "cuda" else [meter_lib]
+    for f in (meters if a.peer_rows else [exe, *meters]):
         if not os.path.exists(f):
             sys.exit(f"peers.py: {f} is missing: build memfit first (make)")
     torch.set_num_threads(a.threads)
@@ -409,15 +471,21 @@ def main():
         description = "a ResNet-style chain of 15 layers (width 16, 3 stages of 3 blocks) on Fashion-MNIST"
     torch.manual_seed(0)
     initial = {k: v.clone() for k, v in make().state_dict().items()}
-    meter = Meter(meter_lib)  # from here on every CPU tensor byte is counted
+    meter = CudaMeter() if DEVICE.type == "cuda" else Meter(meter_lib)  # from here on every tensor byte is counted
 
     def pytorch(name, fn, repeats=a.repeats):
         return run_pytorch(name, fn, make, initial, images, labels, a.batch, a.steps, meter, repeats)
 
     n_layers = len(make()) - (1 if a.model == "gpt" else 0)
     segment_counts = sorted({2, 3, 4, 5, 8, n_layers} & set(range(2, n_layers + 1)))
-    if a.peer_rows:
-        rows = torch2_rows(pytorch, a.quick, segment_counts, a.only)
+    if a.peer_rows:  # PyTorch 1.x: the hand-tuning grid's rows (process_noise.py's peer)
+        if TORCH2:
+            rows = torch2_rows(pytorch, a.quick, segment_counts, a.only, a.compile)
+        else:
+            grid = [(n, step) for n, step in hand_grid(a.quick, segment_counts) if a.only in (None, n)]
+            if not grid:
+                sys.exit(f"peers.py: --only {a.only!r} names no row of the hand-tuning grid")
+            rows = [pytorch(n, step) for n, step in grid]
         print(json.dumps({"rows": rows, "blas": blas, "threads": torch.get_num_threads()}))
         return
     grid = hand_grid(a.quick, segment_counts)
@@ -465,6 +533,11 @@ def main():
                     if "error" not in m_:
                         ratios.append(m_["seconds"] / p_["seconds"])
             out.append({"budget": b, "best": best, "memfit": mine, "peer": theirs, "ratios": ratios})
+            # As it goes, so that a run cut short (a lent GPU's time limit) still tells what it measured.
+            print(f"peers.py: {precision} {mib(b)}: memfit " + ", ".join(
+                f"{1e3 * m['seconds']:.1f} ms ({m['config']})" if "error" not in m else "does not fit" for m in mine) +
+                  (f"; {best['side']} {best['config']}: " + ", ".join(f"{1e3 * r['seconds']:.1f} ms" for r in theirs)
+                   if best else "; none fits"), file=sys.stderr, flush=True)
         return out
 
     fp32_pairs = pair_rows(same_math, budgets, "fp32")
@@ -498,7 +571,7 @@ def accumulated(k, forward, low):
     def step(model, x, y):
         total = 0.0
         for xs, ys in zip(x.chunk(k), y.chunk(k)):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=low):
                 out = forward(model, xs)
             loss = loss_of(out, ys)
             if k > 1:
@@ -520,9 +593,10 @@ def frontier_budgets(runs, base):
 
 
 def print_report(a, description, base, rows, torch2, blas, fp32_pairs, any_pairs):
-    print(f"Model: {description}; batch {a.batch}, Adam, {a.steps} steps, {a.threads} threads; peak from memfit's "
-          f"byte-exact meter on both sides; step time the median of steps 2..{a.steps}, the fastest of "
-          f"{a.repeats} run(s).")
+    meter = ("the CUDA caching allocator's allocated bytes (cuBLAS workspaces included) on both sides, on "
+             f"{torch.cuda.get_device_name()}" if DEVICE.type == "cuda" else "memfit's byte-exact meter on both sides")
+    print(f"Model: {description}; batch {a.batch}, Adam, {a.steps} steps, {a.threads} threads; peak from {meter}; "
+          f"step time the median of steps 2..{a.steps}, the fastest of {a.repeats} run(s).")
     envs = sorted({m["environment"] for p in fp32_pairs + any_pairs for m in p["memfit"] if "environment" in m})
     memfit_env = "; and ".join(envs) if envs else "no memfit run succeeded"
     print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads, BLAS: {blas}; memfit: {memfit_env}.")
@@ -558,7 +632,10 @@ def pair_table(pairs, base):
     for p in pairs:
         ok = [m for m in p["memfit"] if "error" not in m]
         if not ok:
-            print(f"| {mib(p['budget'])} | | | does not fit: {p['memfit'][0]['error'].splitlines()[-1][:120]} | | |")
+            best = f"{p['best']['side']}: {p['best']['config']}" if p["best"] else "none fits"
+            theirs = f"{1e3 * statistics.median(r['seconds'] for r in p['peer']):.0f} ms" if p["peer"] else ""
+            print(f"| {mib(p['budget'])} | {best} | {theirs} | does not fit: "
+                  f"{p['memfit'][0]['error'].splitlines()[-1][:240]} | | |")
             continue
         plans = sorted({m["config"] for m in ok})
         mine = statistics.median(m["seconds"] for m in ok)

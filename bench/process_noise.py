@@ -16,22 +16,17 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peers import GPT  # noqa: E402
+from peers import GPT, run_memfit  # noqa: E402
 
 
 def memfit_once(build, steps):
-    with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "run.json")
-        cmd = [os.path.join(build, "memfit"), "train", "--model", "gpt", *[f"--{k}={v}" for k, v in GPT.items()],
-               "--batch", "16", "--micro-batch", "8", "--steps", str(steps), "--no-eval", "-q", "--threads", "2",
-               "--report", report]
-        subprocess.run(cmd, check=True, capture_output=True)
-        with open(report) as f:
-            seconds = [s["seconds"] for s in json.load(f)["steps"]]
-    return statistics.median(seconds[1:])
+    gpt = ["--model", "gpt", *[f"--{k}={v}" for k, v in GPT.items()], "--micro-batch", "8"]
+    run = run_memfit(os.path.join(build, "memfit"), gpt, None, 16, steps, 2)
+    if "error" in run:
+        sys.exit(f"process_noise.py: memfit train failed: {run['error'][-2000:]}")
+    return run["seconds"]
 
 
 def python_once(python, build, steps):

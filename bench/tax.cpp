@@ -7,7 +7,7 @@
 // allocator, side by side.
 //
 //   lib = ctypes.CDLL("build/bench/libmemfit_tax.so")
-//   lib.memfit_tax_setup(b"cnn", batch, micro, 0, 0, 0, 0, 0, b"")   # 0: whole batches
+//   lib.memfit_tax_setup(b"cnn", batch, micro, 0, 0, 0, 0, 0, b"", b"cpu")   # 0: whole batches
 //   lib.memfit_tax_set_data(...); lib.memfit_tax_set_parameter(i, ptr, numel) ...
 //   loss = lib.memfit_tax_step(0, 1 or 2, step)   # the loop, the Trainer, the Trainer on TorchScript
 //
@@ -15,16 +15,22 @@
 // out-of-place ReLUs, as bench/peers.py's make_chain) and make_gpt; the
 // optimizer is Adam (lr 1e-3) on every side; a step of `micro` examples at a
 // time weights each micro-batch's loss by its share and reads it once.
+// On a CUDA device the models, gradients and Adam's state are there; the
+// data stays in host memory and each side copies its batch to the device
+// inside its step (the loop the whole batch, the Trainer each micro-batch).
 // Errors come back as a negative result (NaN for a step) and
 // memfit_tax_error()'s text: nothing here throws across the C boundary.
 
+#include "memfit/compat.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
 #include "memfit/trainer.h"
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <memory>
 #include <string>
@@ -32,6 +38,7 @@
 namespace {
 
 struct Tax {
+  torch::Device device{torch::kCPU};
   int64_t batch = 0;
   int64_t micro = 0;
   torch::Tensor inputs, targets;
@@ -44,16 +51,27 @@ struct Tax {
 };
 
 std::unique_ptr<Tax> tax;
+torch::Device meter_device{torch::kCPU};  // the meter's, from memfit_tax_setup on
+// A Trainer step's own peak: on CUDA its per-phase meter resets the device's
+// one peak statistic, so the meter read after the step would miss it.
+int64_t trainer_peak = 0;
 std::string last_error;
 
+// Runs f, turning an exception into `failed` and last_error. LibTorch's
+// warnings (the Trainer's about BatchNorm and micro-batches) are caught here
+// and printed to stderr: the calling Python process's own warning handler
+// must not run from a ctypes call, which holds no GIL.
 template <class F>
 auto guarded(F f, decltype(f()) failed) {
+  memfit::compat::WarningCapture warnings;
+  auto out = failed;
   try {
-    return f();
+    out = f();
   } catch (const std::exception& e) {
     last_error = e.what();
-    return failed;
   }
+  for (const auto& m : warnings.messages) std::fprintf(stderr, "libmemfit_tax: warning: %s\n", m.c_str());
+  return out;
 }
 
 torch::nn::Sequential make(const std::string& kind, int64_t vocab, int64_t width, int64_t depth, int64_t heads,
@@ -70,7 +88,9 @@ torch::Tensor loss_of(const torch::Tensor& out, const torch::Tensor& y) {
 }
 
 // The hand-written loop: what a LibTorch user writes for accumulation.
-double loop_step(Tax& t, const torch::Tensor& x, const torch::Tensor& y) {
+double loop_step(Tax& t, const torch::Tensor& host_x, const torch::Tensor& host_y) {
+  const auto x = host_x.to(t.device);
+  const auto y = host_y.to(t.device);
   const int64_t m = t.micro > 0 ? t.micro : t.batch;
   double total = 0;
   for (int64_t start = 0; start < t.batch; start += m) {
@@ -99,24 +119,28 @@ const char* memfit_tax_error() { return last_error.c_str(); }
 /// Builds the C++ sides (model "cnn" or "gpt"; the GPT's sizes from the
 /// arguments; with `script` a TorchScript file of the same model, a third
 /// side: the Trainer on load_torchscript's chain); micro 0 runs whole
-/// batches. Returns 0, or -1.
+/// batches; `device` is "cpu" or "cuda". Returns 0, or -1.
 int memfit_tax_setup(const char* model, int64_t batch, int64_t micro, int64_t vocab, int64_t width, int64_t depth,
-                     int64_t heads, int64_t context, const char* script) {
+                     int64_t heads, int64_t context, const char* script, const char* device) {
   return guarded(
       [&] {
         auto t = std::make_unique<Tax>();
+        t->device = torch::Device(device);
         t->batch = batch;
         t->micro = micro;
         t->loop_model = make(model, vocab, width, depth, heads, context);
+        t->loop_model->to(t->device);
         t->loop_optimizer = std::make_unique<torch::optim::Adam>(t->loop_model->parameters(),
                                                                  torch::optim::AdamOptions(1e-3));
         t->trainer_model = make(model, vocab, width, depth, heads, context);
-        const auto options = memfit::TrainerOptions().batch_size(batch).micro_batch_size(micro).lr(1e-3);
+        const auto options =
+            memfit::TrainerOptions().batch_size(batch).micro_batch_size(micro).lr(1e-3).device(t->device);
         t->trainer = std::make_unique<memfit::Trainer>(t->trainer_model, options);
         if (script != nullptr && *script != 0) {
           t->script_model = memfit::load_torchscript(script);
           t->script_trainer = std::make_unique<memfit::Trainer>(t->script_model, options);
         }
+        meter_device = t->device;
         tax = std::move(t);
         return 0;
       },
@@ -172,18 +196,27 @@ double memfit_tax_step(int side, int64_t step) {
         if (side == 0) return loop_step(*tax, x, y);
         auto& trainer = side == 1 ? tax->trainer : tax->script_trainer;
         TORCH_CHECK(trainer, "memfit_tax_step: no side ", side, " (side 2 needs a TorchScript file)");
-        return trainer->train_step(torch::data::Example<>(x, y)).loss;
+        const auto rec = trainer->train_step(torch::data::Example<>(x, y));
+        trainer_peak = rec.peak_bytes;
+        return rec.loss;
       },
       std::numeric_limits<double>::quiet_NaN());
 }
 
-/// memfit's meter, as libmemfit_meter.so's: bytes allocated now, the peak
-/// since the last reset, and a reset.
-int64_t memfit_tax_allocated() { return memfit::memory_allocated(torch::kCPU); }
-int64_t memfit_tax_peak() { return memfit::max_memory_allocated(torch::kCPU); }
-void memfit_tax_reset_peak() { memfit::reset_peak_memory_stats(torch::kCPU); }
+/// memfit's meter, as libmemfit_meter.so's (on CUDA, the caching
+/// allocator's counters): bytes allocated now, the peak since the last
+/// reset, and a reset.
+int64_t memfit_tax_allocated() { return memfit::memory_allocated(meter_device); }
+int64_t memfit_tax_peak() { return std::max(memfit::max_memory_allocated(meter_device), trainer_peak); }
+void memfit_tax_reset_peak() {
+  trainer_peak = 0;
+  memfit::reset_peak_memory_stats(meter_device);
+}
 
 /// Frees both C++ sides.
-void memfit_tax_teardown() { tax.reset(); }
+void memfit_tax_teardown() {
+  tax.reset();
+  meter_device = torch::kCPU;
+}
 
 }  // extern "C"

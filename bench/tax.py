@@ -23,8 +23,16 @@ median step time, its step peak, its losses (equal when the math is), and the
 ratios trainer/loop, trainer/python and loop/python, each as the median of the
 per-round ratios with the 10th–90th percentile spread.
 
+With --device cuda (a GPU machine; its python3's PyTorch, memfit built against
+it): every side trains on the GPU, copies its batch from host memory inside
+its step, and is timed to the end of its device work; peaks are the CUDA
+caching allocator's. Python's Adam is then its default multi-tensor
+(foreach) kernel, LibTorch's C++ Adam one kernel sequence per parameter: the
+losses may part by rounding, and are reported, not required equal.
+
 Usage (after `make`; against the pip torch, its venv's python and build-pip):
   /usr/bin/python3 bench/tax.py [--model cnn|gpt|both] [--rounds 30] [--threads 2] [--build build]
+                                [--device cuda] [--gpt-size W,D,H,C] [--gpt-batch 16]
 """
 import argparse
 import ctypes
@@ -35,6 +43,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
 from peers import (FASHION, GPT, TORCH_VERSION, loss_of, make_chain, make_gpt, read_idx,  # noqa: E402
                    read_jargon, np, torch)
 from run_report import mib, python_blas  # noqa: E402
@@ -44,6 +53,7 @@ BATCHES = 4  # distinct batches, cycled
 
 
 def python_step(model, opt, x, y, micro):
+    x, y = x.to(peers.DEVICE), y.to(peers.DEVICE)
     k = 1 if micro == 0 else len(x) // micro
     total = 0.0
     for xs, ys in zip(x.chunk(k), y.chunk(k)):
@@ -60,7 +70,7 @@ def python_step(model, opt, x, y, micro):
 def load(lib_path):
     lib = ctypes.CDLL(lib_path)
     lib.memfit_tax_error.restype = ctypes.c_char_p
-    lib.memfit_tax_setup.argtypes = [ctypes.c_char_p] + [ctypes.c_int64] * 7 + [ctypes.c_char_p]
+    lib.memfit_tax_setup.argtypes = [ctypes.c_char_p] + [ctypes.c_int64] * 7 + [ctypes.c_char_p, ctypes.c_char_p]
     lib.memfit_tax_set_data.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
                                         ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
     lib.memfit_tax_parameter_count.restype = ctypes.c_int64
@@ -99,8 +109,8 @@ def setup(lib, kind, batch, micro, script):
     model.train()
     if kind == "cnn":
         torch.jit.script(model).save(script)
-    check(lib, lib.memfit_tax_setup(kind.encode(), batch, micro, *sizes, script.encode() if kind == "cnn" else b""),
-          "setup")
+    check(lib, lib.memfit_tax_setup(kind.encode(), batch, micro, *sizes, script.encode() if kind == "cnn" else b"",
+                                    str(peers.DEVICE).encode()), "setup")
     s, d = shape_of(inputs)
     ts, td = shape_of(targets)
     check(lib, lib.memfit_tax_set_data(inputs.data_ptr(), int(not inputs.is_floating_point()), s, d,
@@ -111,6 +121,7 @@ def setup(lib, kind, batch, micro, script):
     for i, p in enumerate(params):
         c = p.detach().contiguous()
         check(lib, lib.memfit_tax_set_parameter(i, c.data_ptr(), c.numel()), f"parameter {i}")
+    model.to(peers.DEVICE)
     return model, torch.optim.Adam(model.parameters(), lr=1e-3), inputs, targets
 
 
@@ -129,12 +140,17 @@ def measure(lib, kind, batch, micro, rounds, script):
     peaks = {side: 0 for side in sides}
     losses = {side: [] for side in sides}
     warmup = 2
+    cuda = peers.DEVICE.type == "cuda"
     for r in range(warmup + rounds):
         order = sides[r % len(sides):] + sides[:r % len(sides)]
         for side in order:
             lib.memfit_tax_reset_peak()
+            if cuda:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             loss = step(side, r)
+            if cuda:  # to the end of the step's device work
+                torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             if loss != loss:
                 sys.exit(f"tax.py: the {side} step failed: {lib.memfit_tax_error().decode()}")
@@ -174,7 +190,16 @@ def main():
     p.add_argument("--model", choices=["cnn", "gpt", "both"], default="both")
     p.add_argument("--rounds", type=int, default=30, help="timed rounds per configuration (after 2 warm-up rounds)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--gpt-size", metavar="W,D,H,C", help="the GPT's width, depth, heads and context")
+    p.add_argument("--gpt-batch", type=int, default=16, help="the GPT's batch (micro-batches of half of it)")
     a = p.parse_args()
+    peers.DEVICE = torch.device(a.device)
+    if a.gpt_size:
+        try:
+            GPT.update(zip(GPT.keys(), (int(v) for v in a.gpt_size.split(",")), strict=True))
+        except ValueError:
+            sys.exit(f"tax.py: --gpt-size {a.gpt_size}: give width,depth,heads,context, e.g. 256,4,4,256")
     if a.rounds < 1 or a.threads < 1:
         sys.exit("tax.py: --rounds and --threads must be positive")
     lib_path = os.path.join(a.build, "bench", "libmemfit_tax.so")
@@ -186,7 +211,8 @@ def main():
     blas, warning = python_blas()
     if warning:
         print(f"tax.py: warning: {warning}", file=sys.stderr)
-    print(f"PyTorch {TORCH_VERSION} in this process and memfit on its LibTorch, {torch.get_num_threads()} threads, "
+    on = f", on {torch.cuda.get_device_name()} (peaks: the CUDA caching allocator's)" if a.device == "cuda" else ""
+    print(f"PyTorch {TORCH_VERSION} in this process and memfit on its LibTorch{on}, {torch.get_num_threads()} threads, "
           f"BLAS: {blas}; Adam (lr 1e-3); {a.rounds} rounds of one step per side in rotating order after 2 "
           f"warm-up rounds; time: median step; ratios: median of the per-round ratios (10th–90th percentile); "
           f"peak: the step's peak above what is held before it, memfit's meter; loss drift: the largest "
@@ -198,13 +224,13 @@ def main():
     if a.model in ("cnn", "both"):
         configs += [("cnn", 128, 0), ("cnn", 128, 64)]
     if a.model in ("gpt", "both"):
-        configs += [("gpt", 16, 0), ("gpt", 16, 8)]
+        configs += [("gpt", a.gpt_batch, 0), ("gpt", a.gpt_batch, a.gpt_batch // 2)]
     drift = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for kind, batch, micro in configs:
             drift = max(drift, report(kind, batch, micro,
                                       *measure(lib, kind, batch, micro, a.rounds, os.path.join(tmp, "chain.pt"))))
-    if drift > 1e-6:  # the same kernels in the same order give the same losses
+    if drift > 1e-6 and peers.DEVICE.type == "cpu":  # the same kernels in the same order give the same losses
         sys.exit(f"tax.py: the sides' losses differ by up to {drift:.1e}: they do not run the same math, "
                  f"so their times do not compare")
 
