@@ -217,17 +217,11 @@ int64_t affine_bytes(int64_t small, int64_t large, int64_t b_small, int64_t b_la
 
 ChainProfile scale_profile(const ChainProfile& a, const ChainProfile& b, int64_t ma, int64_t mb, int64_t m) {
   ChainProfile out = b;
+  detail::scale_layer_bytes(out, a, b, [&](int64_t x, int64_t y) { return affine_bytes(x, y, ma, mb, m); });
   for (size_t i = 0; i < out.layers.size(); ++i) {
     auto& l = out.layers[i];
-    const auto& x = a.layers[i];
-    const auto& y = b.layers[i];
-    l.input_bytes = affine_bytes(x.input_bytes, y.input_bytes, ma, mb, m);
-    l.output_bytes = affine_bytes(x.output_bytes, y.output_bytes, ma, mb, m);
-    l.kept_bytes = affine_bytes(x.kept_bytes, y.kept_bytes, ma, mb, m);
-    l.forward_peak_bytes = affine_bytes(x.forward_peak_bytes, y.forward_peak_bytes, ma, mb, m);
-    l.backward_overhead_bytes = affine_bytes(x.backward_overhead_bytes, y.backward_overhead_bytes, ma, mb, m);
-    l.forward_seconds = detail::line(x.forward_seconds, y.forward_seconds, ma, mb, m);
-    l.backward_seconds = detail::line(x.backward_seconds, y.backward_seconds, ma, mb, m);
+    l.forward_seconds = detail::line(a.layers[i].forward_seconds, b.layers[i].forward_seconds, ma, mb, m);
+    l.backward_seconds = detail::line(a.layers[i].backward_seconds, b.layers[i].backward_seconds, ma, mb, m);
   }
   return out;
 }

@@ -490,16 +490,10 @@ ChainProfile StepModel::scaled_profile(Precision precision, int64_t micro_batch,
   const auto& little = it->second.small;
   const int64_t bl = large_batch_, bs = bl / 2;
   ChainProfile scaled = big;
+  detail::scale_layer_bytes(scaled, little, big,
+                            [&](int64_t a, int64_t b) { return line_bytes(a, b, bs, bl, micro_batch); });
   for (size_t i = 0; i < scaled.layers.size(); ++i) {
     auto& l = scaled.layers[i];
-    const auto& a = little.layers[i];
-    const auto& b = big.layers[i];
-    l.input_bytes = line_bytes(a.input_bytes, b.input_bytes, bs, bl, micro_batch);
-    l.output_bytes = line_bytes(a.output_bytes, b.output_bytes, bs, bl, micro_batch);
-    l.kept_bytes = line_bytes(a.kept_bytes, b.kept_bytes, bs, bl, micro_batch);
-    l.forward_peak_bytes = line_bytes(a.forward_peak_bytes, b.forward_peak_bytes, bs, bl, micro_batch);
-    l.backward_overhead_bytes =
-        line_bytes(a.backward_overhead_bytes, b.backward_overhead_bytes, bs, bl, micro_batch);
     // Times: between the two measured batches around micro_batch (the
     // lowest two below them, the highest two above them).
     const auto& timed = it->second.timed;

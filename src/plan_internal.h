@@ -38,6 +38,23 @@ inline double line(double small, double large, int64_t b_small, int64_t b_large,
   return intercept + slope * double(m);
 }
 
+// `out`'s layers' byte figures (input, output, kept, forward peak, backward
+// overhead), each bytes(a's, b's): from two profiles of one chain at two
+// batches, a line through them (each planner draws its own).
+template <class Bytes>
+void scale_layer_bytes(ChainProfile& out, const ChainProfile& a, const ChainProfile& b, const Bytes& bytes) {
+  for (size_t i = 0; i < out.layers.size(); ++i) {
+    auto& l = out.layers[i];
+    const auto& x = a.layers[i];
+    const auto& y = b.layers[i];
+    l.input_bytes = bytes(x.input_bytes, y.input_bytes);
+    l.output_bytes = bytes(x.output_bytes, y.output_bytes);
+    l.kept_bytes = bytes(x.kept_bytes, y.kept_bytes);
+    l.forward_peak_bytes = bytes(x.forward_peak_bytes, y.forward_peak_bytes);
+    l.backward_overhead_bytes = bytes(x.backward_overhead_bytes, y.backward_overhead_bytes);
+  }
+}
+
 // The largest b in [1, top] with fits(b), for fits monotone (true up to
 // some b, false above); 0 when fits(1) is false.
 inline int64_t largest_fitting(int64_t top, const std::function<bool(int64_t)>& fits) {
