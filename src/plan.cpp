@@ -1219,7 +1219,9 @@ std::vector<Schedule> schedules_from_wire(const nlohmann::json& wire) {
   return out;
 }
 
-nlohmann::json plan_wire(const Plan& plan) {
+// A plan as JSON that gives every field back exactly (not Plan::to_json,
+// which reports), and back.
+static nlohmann::json plan_wire(const Plan& plan) {
   auto timed = nlohmann::json::array();
   for (const auto& t : plan.timed) {
     timed.push_back({{"settings", settings_wire(t.settings)},
@@ -1243,7 +1245,7 @@ nlohmann::json plan_wire(const Plan& plan) {
           {"why", plan.why}};
 }
 
-void plan_from_wire(const nlohmann::json& j, Plan& plan) {
+static void plan_from_wire(const nlohmann::json& j, Plan& plan) {
   plan.fits = j.at("fits").get<bool>();
   plan.budget = j.at("budget").get<int64_t>();
   plan.batch = j.at("batch").get<int64_t>();

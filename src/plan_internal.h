@@ -126,13 +126,11 @@ inline std::string settings_text(const StepSettings& s, int64_t batch) {
 // micro-batches of 32 without, measured 7.6% slower side by side).
 constexpr double kTimeTie = 0.03;
 
-// A plan as JSON that gives every field back exactly (broadcast_plan; not
-// Plan::to_json, which reports), and back; a ModulePlan adds its chains.
-nlohmann::json plan_wire(const Plan& plan);
-void plan_from_wire(const nlohmann::json& wire, Plan& plan);
+// Chain schedules as JSON that gives them back exactly (what a ModulePlan
+// adds to broadcast_plan's wire), and back.
 nlohmann::json schedules_wire(const std::vector<Schedule>& schedules);
 std::vector<Schedule> schedules_from_wire(const nlohmann::json& wire);
-// broadcast_plan: rank `root`'s plan_wire, with what `add` puts in it, on
+// broadcast_plan: rank `root`'s plan as exact JSON, with what `add` puts in it, on
 // every rank of `group`; the other ranks read it into `plan` and give it to
 // `take`. Every rank's reasons then say whose plan it is.
 void broadcast_plan_wire(Plan& plan, ProcessGroup& group, int64_t root,
