@@ -157,6 +157,14 @@ class GptHead(nn.Module):
 GPT = {"width": 64, "depth": 4, "heads": 4, "context": 128}
 
 
+def set_gpt_size(text, prog):
+    """--gpt-size W,D,H,C into GPT (exits with a one-line usage error when it is not four integers)."""
+    try:
+        GPT.update(zip(GPT.keys(), (int(v) for v in text.split(",")), strict=True))
+    except ValueError:
+        sys.exit(f"{prog}: --gpt-size {text}: give width,depth,heads,context, e.g. 256,4,4,256")
+
+
 def make_gpt(vocab):
     g = GPT
     return nn.Sequential(GptEmbedding(vocab, g["context"], g["width"]),
@@ -397,7 +405,7 @@ def run_memfit(exe, model_args, budget, batch, steps, threads):
             r = json.load(f)
         knobs = plan_knobs(r.get("plan", {}), batch)
         steps_ = r["steps"]
-        return {"side": "memfit", "config": f"{under}: " + (", ".join(knobs) or "plain"),
+        return {"side": "memfit", "config": ": ".join(p for p in (under, ", ".join(knobs) or "plain") if p),
                 "peak": max(s["peak_bytes"] for s in steps_), "seconds": statistics.median(s["seconds"] for s in steps_[1:]),
                 "loss": r["summary"]["final_loss"], "budget": budget, "environment": environment_text(r)}
 
@@ -435,10 +443,7 @@ def main():
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         sys.exit(f"peers.py: --device cuda, but PyTorch {torch.__version__} here sees no CUDA device")
     if a.gpt_size:
-        try:
-            GPT.update(zip(GPT.keys(), (int(v) for v in a.gpt_size.split(",")), strict=True))
-        except ValueError:
-            sys.exit(f"peers.py: --gpt-size {a.gpt_size}: give width,depth,heads,context, e.g. 256,4,4,256")
+        set_gpt_size(a.gpt_size, "peers.py")
     exe = os.path.join(a.build, "memfit")
     meter_lib = os.path.join(a.build, "bench", "libmemfit_meter.so")
     meters = [] if DEVICE.type == "cuda" else [meter_lib]

@@ -51,7 +51,8 @@ struct Tax {
 };
 
 std::unique_ptr<Tax> tax;
-torch::Device meter_device{torch::kCPU};  // the meter's, from memfit_tax_setup on
+// The meter's device: the models', once they are set up.
+torch::Device meter_device() { return tax ? tax->device : torch::Device(torch::kCPU); }
 // A Trainer step's own peak: on CUDA its per-phase meter resets the device's
 // one peak statistic, so the meter read after the step would miss it.
 int64_t trainer_peak = 0;
@@ -140,7 +141,6 @@ int memfit_tax_setup(const char* model, int64_t batch, int64_t micro, int64_t vo
           t->script_model = memfit::load_torchscript(script);
           t->script_trainer = std::make_unique<memfit::Trainer>(t->script_model, options);
         }
-        meter_device = t->device;
         tax = std::move(t);
         return 0;
       },
@@ -206,17 +206,14 @@ double memfit_tax_step(int side, int64_t step) {
 /// memfit's meter, as libmemfit_meter.so's (on CUDA, the caching
 /// allocator's counters): bytes allocated now, the peak since the last
 /// reset, and a reset.
-int64_t memfit_tax_allocated() { return memfit::memory_allocated(meter_device); }
-int64_t memfit_tax_peak() { return std::max(memfit::max_memory_allocated(meter_device), trainer_peak); }
+int64_t memfit_tax_allocated() { return memfit::memory_allocated(meter_device()); }
+int64_t memfit_tax_peak() { return std::max(memfit::max_memory_allocated(meter_device()), trainer_peak); }
 void memfit_tax_reset_peak() {
   trainer_peak = 0;
-  memfit::reset_peak_memory_stats(meter_device);
+  memfit::reset_peak_memory_stats(meter_device());
 }
 
 /// Frees both C++ sides.
-void memfit_tax_teardown() {
-  tax.reset();
-  meter_device = torch::kCPU;
-}
+void memfit_tax_teardown() { tax.reset(); }
 
 }  // extern "C"

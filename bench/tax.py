@@ -45,7 +45,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
 from peers import (FASHION, GPT, TORCH_VERSION, loss_of, make_chain, make_gpt, read_idx,  # noqa: E402
-                   read_jargon, np, torch)
+                   read_jargon, set_gpt_size, np, torch)
 from run_report import mib, python_blas  # noqa: E402
 
 SIDES = ("python", "loop", "trainer", "script")
@@ -196,10 +196,7 @@ def main():
     a = p.parse_args()
     peers.DEVICE = torch.device(a.device)
     if a.gpt_size:
-        try:
-            GPT.update(zip(GPT.keys(), (int(v) for v in a.gpt_size.split(",")), strict=True))
-        except ValueError:
-            sys.exit(f"tax.py: --gpt-size {a.gpt_size}: give width,depth,heads,context, e.g. 256,4,4,256")
+        set_gpt_size(a.gpt_size, "tax.py")
     if a.rounds < 1 or a.threads < 1:
         sys.exit("tax.py: --rounds and --threads must be positive")
     lib_path = os.path.join(a.build, "bench", "libmemfit_tax.so")
