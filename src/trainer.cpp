@@ -6,6 +6,7 @@
 #include "memfit/freeze.h"
 #include "memfit/state.h"
 #include "memory_internal.h"
+#include "read_ahead.h"
 #include "step_components.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -196,6 +197,9 @@ void Trainer::check_options() const {
   TORCH_CHECK(options_.micro_batch_size() >= 0,
               "micro_batch_size must be >= 0 (0: the whole batch at once), got ",
               options_.micro_batch_size());
+  TORCH_CHECK(options_.prefetch_factor() >= 0,
+              "prefetch_factor must be >= 0 (0: each batch is read when its step starts), got ",
+              options_.prefetch_factor());
   TORCH_CHECK(options_.save_every() >= 0, "save_every must be >= 0 (0: save at the end only), got ",
               options_.save_every());
   if (!options_.save_dir().empty()) {  // a run never fails at its end for its folder
@@ -586,21 +590,48 @@ TrainReport Trainer::fit(const ImageDataset& data, const StepCallback& on_step) 
               "Trainer::fit cuts torch::data::Example<> batches from an ImageDataset, but the Trainer's loss takes ",
               c10::demangle(loss_.type().name()), ": call train_step in a loop of your own");
   const auto* loss = loss_for<torch::data::Example<>>();
-  return run_fit(data.size(),
-                 [this, &data, loss](const std::vector<size_t>& indices, std::shared_ptr<void>& holder) {
-                   auto batch = std::make_shared<torch::data::Example<>>();
-                   {
-                     UntrackedGuard host;  // the batch lives on the host until staged
-                     const auto idx = torch::tensor(std::vector<int64_t>(indices.begin(), indices.end()));
-                     *batch = {data.images.index_select(0, idx), data.labels.index_select(0, idx)};
-                   }
-                   holder = batch;
-                   return input_of(*batch, loss);
-                 },
-                 on_step);
+  return run_fit(
+      data.size(),
+      [&data](const std::vector<size_t>& indices, bool pin) -> std::shared_ptr<void> {
+        UntrackedGuard host;  // the batch lives on the host until staged
+        const auto idx = torch::tensor(std::vector<int64_t>(indices.begin(), indices.end()));
+        torch::data::Example<> batch(data.images.index_select(0, idx), data.labels.index_select(0, idx));
+        return std::make_shared<torch::data::Example<>>(pin ? pinned(batch) : std::move(batch));
+      },
+      [this, loss](const std::shared_ptr<void>& batch) {
+        return input_of(*static_cast<const torch::data::Example<>*>(batch.get()), loss);
+      },
+      on_step);
 }
 
-TrainReport Trainer::run_fit(int64_t n, const BatchSource& source, const StepCallback& on_step) {
+namespace {
+// Draws a new epoch's order from `generator` when `order` is used up (or
+// none is drawn yet); true when it did.
+bool next_epoch(torch::Tensor& order, int64_t& cursor, int64_t n, at::Generator& generator) {
+  if (order.defined() && cursor < n) return false;
+  UntrackedGuard host;  // the sampler's indices live on the host
+  order = torch::randperm(n, generator, torch::kInt64);
+  cursor = 0;
+  return true;
+}
+} // namespace
+
+std::vector<size_t> Trainer::share_of(const torch::Tensor& order, int64_t cursor, int64_t& global) const {
+  UntrackedGuard host;
+  // The step's examples: `global` from the permutation (the last batch of an
+  // epoch holds what is left, like drop_last=false); with data parallelism
+  // this rank takes every world-th of them.
+  const int64_t n = order.size(0);
+  const int64_t world = data_ranks();
+  global = std::min(options_.batch_size() * world, n - cursor);
+  auto mine = order.narrow(0, cursor, global);
+  if (world > 1) mine = mine.slice(0, rank(), global, world);
+  mine = mine.contiguous();
+  const int64_t* p = mine.data_ptr<int64_t>();
+  return std::vector<size_t>(p, p + mine.numel());
+}
+
+TrainReport Trainer::run_fit(int64_t n, const BatchReader& read, const BatchView& view, const StepCallback& on_step) {
   TORCH_CHECK(n > 0, "Trainer::fit needs a non-empty data set");
   const int64_t total = total_steps_of(n);
   if (step_ >= total) {  // a finished run: start a new one (the generator goes on)
@@ -620,29 +651,37 @@ TrainReport Trainer::run_fit(int64_t n, const BatchSource& source, const StepCal
   int64_t samples = 0;
   double save_seconds = 0;
   int64_t last_saved = -1;
-  while (step_ < total) {
-    std::vector<size_t> indices;
-    int64_t global = 0;
-    {
-      UntrackedGuard host;  // the sampler's indices live on the host
-      if (!order_.defined() || cursor_ >= n) {
-        order_ = torch::randperm(n, generator_, torch::kInt64);
-        cursor_ = 0;
-        ++epoch_;
-      }
-      // The step's examples: `global` from the permutation (the last batch of
-      // an epoch holds what is left, like drop_last=false); with data
-      // parallelism this rank takes every world-th of them.
-      const int64_t world = data_ranks();
-      global = std::min(options_.batch_size() * world, n - cursor_);
-      auto mine = order_.narrow(0, cursor_, global);
-      if (world > 1) mine = mine.slice(0, rank(), global, world);
-      mine = mine.contiguous();
-      const int64_t* p = mine.data_ptr<int64_t>();
-      indices.assign(p, p + mine.numel());
+  // Reading ahead: the sampler's walk is repeated from the run's position
+  // with a copy of its generator, so the position itself moves only with
+  // the steps taken.
+  const bool pin = options_.device().is_cuda();
+  std::unique_ptr<detail::ReadAhead> ahead;
+  torch::Tensor ahead_order = order_;
+  int64_t ahead_cursor = cursor_;
+  int64_t ahead_step = step_;
+  at::Generator ahead_generator;
+  if (options_.prefetch_factor() > 0) {
+    ahead = std::make_unique<detail::ReadAhead>(static_cast<size_t>(options_.prefetch_factor()));
+    ahead_generator = generator_.clone();
+  }
+  auto read_ahead = [&] {
+    while (ahead && ahead_step < total && ahead->has_room()) {
+      next_epoch(ahead_order, ahead_cursor, n, ahead_generator);
+      int64_t global = 0;
+      auto indices = share_of(ahead_order, ahead_cursor, global);
+      ahead_cursor += global;
+      ++ahead_step;
+      ahead->push(indices, [&read, indices, pin] { return read(indices, pin); });
     }
-    std::shared_ptr<void> holder;  // the step's batch
-    detail::StepInput in = source(indices, holder);
+  };
+  while (step_ < total) {
+    if (next_epoch(order_, cursor_, n, generator_)) ++epoch_;
+    int64_t global = 0;
+    const auto indices = share_of(order_, cursor_, global);
+    read_ahead();
+    const std::shared_ptr<void> batch = ahead ? ahead->pop(indices) : read(indices, false);
+    read_ahead();  // the next batches are read while this step runs
+    detail::StepInput in = view(batch);
     in.global_examples = global;
     StepRecord rec = run_step(in);
     report.skipped_steps += rec.skipped ? 1 : 0;

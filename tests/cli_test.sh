@@ -45,7 +45,7 @@ expect help 0 'train' out -- --help
 for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --seed --budget \
             --data --report --eval-batch --no-eval --quiet --threads --checkpoint \
             --checkpoint-budget --offload-checkpoints --precision --master-weights --device --clip-grad-norm --skip-nonfinite \
-            --micro-batch --freeze --offload --offload-tile --save --save-every --resume --plan --dist-timeout \
+            --micro-batch --prefetch-factor --freeze --offload --offload-tile --save --save-every --resume --plan --dist-timeout \
             --zero-stage --parallel --chunks --schedule --heads --context --dropout --selective-recompute --text \
             --torchscript; do
   expect "train-help-documents$flag" 0 "$flag" out -- train --help
@@ -192,6 +192,13 @@ fi
 small=(train --model mlp --width 32 --depth 1 --no-eval -q)
 expect micro-batch-run 0 'batch 100 in micro-batches of 32' out -- "${small[@]}" --steps 2 --batch 100 --micro-batch 32
 expect negative-micro-batch 2 'micro-batch' err -- train --micro-batch -1
+# Reading ahead trains on the same batches with the same peak.
+"$bin" "${small[@]}" --steps 3 >"$tmp/in_step" 2>&1
+"$bin" "${small[@]}" --steps 3 --prefetch-factor 2 >"$tmp/ahead" 2>&1
+loss_and_peak() { grep -E '^(final loss|peak memory)' "$1" | cut -d'|' -f1; }
+in_step=$(loss_and_peak "$tmp/in_step")
+check prefetch-same-loss-and-peak test "$(echo "$in_step" | wc -l)" -eq 2 -a "$in_step" = "$(loss_and_peak "$tmp/ahead")"
+expect negative-prefetch 2 'prefetch-factor must be an integer from 0 to 64, got -1' err -- train --prefetch-factor -1
 expect freeze-run 0 'parameters, 25120 frozen' out -- "${small[@]}" --steps 2 --freeze 'fc0.*'
 expect freeze-no-match 2 "pattern 'layer9.\*' matches no parameter name; names look like: fc0.weight" err -- \
   "${small[@]}" --steps 1 --freeze 'layer9.*'

@@ -602,6 +602,13 @@ TEST_F(DocExamples, BatchTraitsOfAUsersOwnBatch) {
   const Pair b{torch::ones({6, 3}), torch::zeros({6, 3})};
   EXPECT_EQ(memfit::BatchTraits<Pair>::size(b), 6);
   EXPECT_EQ(memfit::BatchTraits<Pair>::slice(b, 2, 3).tokens.size(0), 3);
+  // Without a `pin` of its own, the batch is staged as it is.
+  EXPECT_TRUE(memfit::pinned(b).tokens.is_same(b.tokens));
+}
+
+TEST_F(DocExamples, Pinned) {
+  auto batch = torch::data::Example<>(torch::ones({4, 3}), torch::zeros({4}));
+  if (torch::cuda::is_available()) EXPECT_TRUE(memfit::pinned(batch).data.is_pinned());
 }
 
 TEST_F(DocExamples, ToDevice) {

@@ -8,9 +8,15 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
+#include <chrono>
+#include <filesystem>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
+
+#include <unistd.h>
 
 namespace {
 
@@ -271,38 +277,166 @@ TEST_F(OwnModelTest, AUsersOptimizerFactoryAndComponentTakePart) {
 }
 
 // fit over a map-style torch::data data set (and memfit's ExampleDataset)
-// reads the same batches as over tensors in memory, on `device`.
+// reads the same batches as over tensors in memory, on `device`, and reading
+// them ahead (pinned, on a CUDA device) changes neither the model nor the
+// bytes of any step.
 void expect_data_sets_train_like_tensors_in_memory(const torch::Device& device) {
   ImageDataset whole;
   whole.images = torch::randn({100, 20});
   whole.labels = torch::randint(5, {100});
-  auto run = [&](const std::function<TrainReport(Trainer&)>& fit) {
+  struct Run {
+    std::vector<torch::Tensor> parameters;
+    std::vector<int64_t> peaks;
+  };
+  auto run = [&](int64_t prefetch, const std::function<TrainReport(Trainer&)>& fit) {
     torch::manual_seed(7);
     OwnNet net;
-    Trainer trainer(net, nll, TrainerOptions().batch_size(16).epochs(2).micro_batch_size(5).seed(3).device(device));
+    Trainer trainer(net, nll,
+                    TrainerOptions().batch_size(16).epochs(2).micro_batch_size(5).seed(3).device(device).prefetch_factor(
+                        prefetch));
+    const int64_t before = memory_allocated(device);  // the earlier runs' parameters stay
     const auto report = fit(trainer);
     EXPECT_EQ(report.steps.size(), 14u);  // ceil(100 / 16) × 2
     EXPECT_GT(report.peak_bytes, 0);
-    return values(net->parameters());
+    Run r{values(net->parameters()), {}};
+    for (const auto& step : report.steps) r.peaks.push_back(step.peak_bytes - before);
+    return r;
   };
-  const auto from_tensors = run([&](Trainer& t) { return t.fit(whole); });
-  const auto from_data_set = run([&](Trainer& t) {
-    auto data = Rows(whole.images, whole.labels).map(torch::data::transforms::Stack<>());
-    return t.fit(data);
-  });
-  const auto from_example_data_set = run([&](Trainer& t) {
-    ExampleDataset data(whole);  // what fashion_mnist_dataset and jargon_dataset return
-    return t.fit(data);
-  });
-  for (size_t i = 0; i < from_tensors.size(); ++i) {
-    EXPECT_EQ(from_tensors[i].device(), device);
-    EXPECT_TRUE(from_data_set[i].equal(from_tensors[i])) << "parameter " << i;
-    EXPECT_TRUE(from_example_data_set[i].equal(from_tensors[i])) << "parameter " << i;
+  const auto from_tensors = run(0, [&](Trainer& t) { return t.fit(whole); });
+  for (int64_t prefetch : {0, 1, 3}) {
+    SCOPED_TRACE("prefetch_factor " + std::to_string(prefetch));
+    const auto ahead_from_tensors = run(prefetch, [&](Trainer& t) { return t.fit(whole); });
+    const auto from_data_set = run(prefetch, [&](Trainer& t) {
+      auto data = Rows(whole.images, whole.labels).map(torch::data::transforms::Stack<>());
+      return t.fit(data);
+    });
+    const auto from_example_data_set = run(prefetch, [&](Trainer& t) {
+      ExampleDataset data(whole);  // what fashion_mnist_dataset and jargon_dataset return
+      return t.fit(data);
+    });
+    for (const auto* r : {&ahead_from_tensors, &from_data_set, &from_example_data_set}) {
+      EXPECT_EQ(r->peaks, from_tensors.peaks);
+      for (size_t i = 0; i < from_tensors.parameters.size(); ++i) {
+        EXPECT_EQ(r->parameters[i].device(), device);
+        EXPECT_TRUE(r->parameters[i].equal(from_tensors.parameters[i])) << "parameter " << i;
+      }
+    }
   }
 }
 
 TEST_F(OwnModelTest, FitReadsAMapStyleDataSetBatchByBatchLikeAnImageDataset) {
   expect_data_sets_train_like_tensors_in_memory(torch::kCPU);
+}
+
+// Rows that records which examples were asked for, and can hold a read until released.
+struct WatchedRows : torch::data::datasets::Dataset<WatchedRows> {
+  WatchedRows(torch::Tensor x, torch::Tensor y) : x(std::move(x)), y(std::move(y)) {}
+  torch::data::Example<> get(size_t i) override {
+    reads->fetch_add(1);
+    return {x[i], y[i]};
+  }
+  torch::optional<size_t> size() const override { return static_cast<size_t>(x.size(0)); }
+  torch::Tensor x, y;
+  std::shared_ptr<std::atomic<int64_t>> reads = std::make_shared<std::atomic<int64_t>>(0);
+};
+
+TEST_F(OwnModelTest, ReadingAheadReadsTheNextBatchWhileTheStepRuns) {
+  // Each step's loss waits (up to 20 s) until the next step's examples have
+  // been read: only a reading thread can read them meanwhile.
+  WatchedRows rows(torch::randn({64, 20}), torch::randint(5, {64}));
+  const auto reads = rows.reads;
+  auto data = std::move(rows).map(torch::data::transforms::Stack<>());
+  int64_t step = 0;
+  bool waited_in_vain = false;
+  auto loss = [&](OwnNetImpl& n, const torch::data::Example<>& b) {
+    ++step;
+    const int64_t wanted = std::min<int64_t>(16 * (step + 1), 64);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (reads->load() < wanted && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    waited_in_vain |= reads->load() < wanted;
+    return nll(n, b);
+  };
+  const int threads = at::get_num_threads();
+  Trainer trainer(OwnNet(0.0), loss, TrainerOptions().batch_size(16).steps(4).prefetch_factor(1));
+  trainer.fit(data);
+  EXPECT_EQ(step, 4);
+  EXPECT_FALSE(waited_in_vain) << "a step's loss ran before the next batch was read";
+  EXPECT_EQ(reads->load(), 64) << "nothing is read beyond the run's last step";
+  // The reading thread's single thread stays its own.
+  EXPECT_EQ(at::get_num_threads(), threads);
+  int later = 0;
+  std::thread([&] { later = at::get_num_threads(); }).join();
+  EXPECT_EQ(later, threads) << "a thread started after the run gets the process's count";
+}
+
+TEST_F(OwnModelTest, ReadingAheadKeepsTheRunsPositionAcrossAStopAnEpochAndAResume) {
+  // 100 examples in batches of 16: epoch 0 ends at step 7. Stopped at step
+  // 6, the reading thread has already read steps 7 to 9, two of them from
+  // epoch 1's order; the position saved is still step 6's.
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("memfit_read_ahead_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  ImageDataset whole;
+  whole.images = torch::randn({100, 20});
+  whole.labels = torch::randint(5, {100});
+  auto options = [](int64_t prefetch) {
+    return TrainerOptions().batch_size(16).steps(14).seed(5).optimizer(OptimizerKind::kAdam).prefetch_factor(prefetch);
+  };
+  auto net = [] {
+    torch::manual_seed(7);
+    return OwnNet();
+  };
+  OwnNet straight_net = net();
+  Trainer straight(straight_net, nll, options(0));
+  const auto all = straight.fit(whole);
+
+  OwnNet stopped_net = net();
+  Trainer stopped(stopped_net, nll, options(3));
+  const auto first = stopped.fit(whole, [&](const StepRecord& r) {
+    if (r.step == 6) stopped.request_stop();
+  });
+  ASSERT_EQ(first.steps.size(), 6u);
+  stopped.save(dir.string());
+  const auto continued = stopped.fit(whole);  // dropout draws on from where the straight run's did
+  OwnNet resumed_net = net();
+  Trainer resumed(resumed_net, nll, options(3));
+  resumed.resume(dir.string());  // and the global generator as saved
+  const auto rest = resumed.fit(whole);
+  ASSERT_EQ(rest.steps.size(), 8u);
+  ASSERT_EQ(continued.steps.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(rest.steps[i].loss, all.steps[6 + i].loss) << "resumed, step " << 7 + i;
+    EXPECT_EQ(continued.steps[i].loss, all.steps[6 + i].loss) << "continued, step " << 7 + i;
+    EXPECT_EQ(rest.steps[i].epoch, all.steps[6 + i].epoch);
+  }
+  const auto a = values(straight_net->parameters()), b = values(resumed_net->parameters());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].equal(b[i])) << "parameter " << i;
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(OwnModelTest, AReadThatFailsEndsFitAtItsStepAsReadingInTheStepDoes) {
+  // Example 3 is longer than the others: the batch holding it cannot be stacked.
+  auto ended = [](int64_t prefetch) {
+    auto data = Rows(torch::randn({64, 20}), torch::randint(5, {64}), /*ragged=*/true)
+                    .map(torch::data::transforms::Stack<>());
+    torch::manual_seed(7);
+    Trainer trainer(OwnNet(0.0), nll, TrainerOptions().batch_size(8).steps(8).seed(2).prefetch_factor(prefetch));
+    std::string message;
+    try {
+      trainer.fit(data);
+    } catch (const c10::Error& e) {
+      message = e.what_without_backtrace();
+    }
+    return std::make_pair(trainer.step(), message);
+  };
+  const auto in_step = ended(0);
+  const auto ahead = ended(2);
+  EXPECT_NE(in_step.second.find("the examples of a batch need one shape"), std::string::npos) << in_step.second;
+  EXPECT_EQ(ahead.second, in_step.second);
+  EXPECT_EQ(ahead.first, in_step.first) << "the steps before the failing read are taken, and no more";
+  EXPECT_LT(in_step.first, 8);
 }
 
 TEST_F(OwnModelTest, AMovedTrainerTrainsAndMeasuresLikeOneThatStayed) {

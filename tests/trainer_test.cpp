@@ -113,6 +113,8 @@ TEST_F(TrainerTest, BadOptionsAreRejectedInTheConstructor) {
   EXPECT_THROW(Trainer(model, TrainerOptions().batch_size(0)), c10::Error);
   EXPECT_THROW(Trainer(model, TrainerOptions().lr(-1)), c10::Error);
   EXPECT_THROW(Trainer(model, TrainerOptions().steps(-3)), c10::Error);
+  testing::expect_error([&] { Trainer(model, TrainerOptions().prefetch_factor(-1)); },
+                        "prefetch_factor must be >= 0 (0: each batch is read when its step starts), got -1");
   EXPECT_THROW(parse_optimizer_kind("lamb"), c10::Error);
 }
 

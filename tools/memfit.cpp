@@ -85,6 +85,7 @@ struct TrainArgs : ModelArgs {
   double clip_grad_norm = 0;
   bool skip_nonfinite = false;
   int64_t micro_batch = 0;
+  int64_t prefetch_factor = 0;
   std::vector<std::string> freeze;
   std::vector<std::string> offload;
   std::string offload_tile;
@@ -341,6 +342,11 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                     "Examples per forward/backward; gradients accumulate over the --batch "
                     "(0: the whole batch at once)")
       ->check(memfit::tools::integer(0, kMaxBatch))
+      ->capture_default_str();
+  train->add_option("--prefetch-factor", a.prefetch_factor,
+                    "Batches read ahead on a reading thread while the step runs, pinned for a CUDA "
+                    "device (0: each batch is read when its step starts)")
+      ->check(memfit::tools::integer(0, 64))
       ->capture_default_str();
   train->add_option("--freeze", a.freeze,
                     "Freeze the parameters whose names match this glob, e.g. 'fc0.*' or "
@@ -843,6 +849,7 @@ int run_train(const TrainArgs& a) {
   torch::nn::Sequential model = pipelined ? chain : torch::nn::Sequential(checkpointed);
   memfit::TrainerOptions options;
   options.batch_size(a.batch)
+      .prefetch_factor(a.prefetch_factor)
       .steps(a.epochs > 0 ? 0 : a.steps)
       .epochs(std::max<int64_t>(a.epochs, 1))
       .lr(a.lr)

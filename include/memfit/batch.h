@@ -7,10 +7,13 @@
 /// memfit knows `torch::data::Example<>` (data and target, the common case),
 /// a bare `torch::Tensor`, and `std::vector<torch::data::Example<>>` (what a
 /// LibTorch DataLoader yields without a Stack transform). A user's own batch
-/// type works once it specializes BatchTraits with the same three functions.
+/// type works once it specializes BatchTraits with the same three functions;
+/// a fourth, `pin`, is optional (without it, a batch read ahead for a CUDA
+/// device is staged from pageable memory).
 ///
 /// Sync points: none. Extra memory: to() copies host memory to the device
-/// (memfit::to_device); slice() makes views.
+/// (memfit::to_device); slice() makes views; pin() copies host memory into
+/// pinned host memory.
 
 #include "memfit/memory.h"
 
@@ -19,6 +22,8 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace memfit {
@@ -59,6 +64,10 @@ struct BatchTraits<torch::Tensor> {
   static torch::Tensor to(const torch::Tensor& batch, const torch::Device& device) {
     return to_device(batch, device);
   }
+  /// The batch in pinned host memory (as it is when it already is, or is not on the host).
+  static torch::Tensor pin(const torch::Tensor& batch) {
+    return !batch.defined() || !batch.device().is_cpu() || batch.is_pinned() ? batch : batch.pin_memory();
+  }
 };
 
 /// Data and target, both indexed by example in their first dimension (the
@@ -81,6 +90,10 @@ struct BatchTraits<torch::data::Example<>> {
   /// Data and target in the device's memory (to_device).
   static torch::data::Example<> to(const torch::data::Example<>& batch, const torch::Device& device) {
     return {to_device(batch.data, device), to_device(batch.target, device)};
+  }
+  /// Data and target in pinned host memory.
+  static torch::data::Example<> pin(const torch::data::Example<>& batch) {
+    return {BatchTraits<torch::Tensor>::pin(batch.data), BatchTraits<torch::Tensor>::pin(batch.target)};
   }
 };
 
@@ -105,6 +118,38 @@ struct BatchTraits<std::vector<torch::data::Example<>>> {
     for (const auto& e : batch) out.push_back(BatchTraits<torch::data::Example<>>::to(e, device));
     return out;
   }
+  /// Every example in pinned host memory.
+  static std::vector<torch::data::Example<>> pin(const std::vector<torch::data::Example<>>& batch) {
+    std::vector<torch::data::Example<>> out;
+    out.reserve(batch.size());
+    for (const auto& e : batch) out.push_back(BatchTraits<torch::data::Example<>>::pin(e));
+    return out;
+  }
 };
+
+namespace detail {
+template <class Batch, class = void>
+struct HasPin : std::false_type {};
+template <class Batch>
+struct HasPin<Batch, std::void_t<decltype(BatchTraits<Batch>::pin(std::declval<const Batch&>()))>>
+    : std::true_type {};
+} // namespace detail
+
+/// `batch` in pinned host memory through BatchTraits<Batch>::pin, or as it
+/// is when the traits have no `pin`.
+///
+/// Example:
+/// \code
+///   auto batch = torch::data::Example<>(torch::ones({4, 3}), torch::zeros({4}));
+///   if (torch::cuda::is_available()) assert(memfit::pinned(batch).data.is_pinned());
+/// \endcode
+template <class Batch>
+Batch pinned(const Batch& batch) {
+  if constexpr (detail::HasPin<Batch>::value) {
+    return BatchTraits<Batch>::pin(batch);
+  } else {
+    return batch;
+  }
+}
 
 } // namespace memfit

@@ -110,6 +110,15 @@ struct TrainerOptions {
   TORCH_ARG(int64_t, steps) = 0;
   /// Passes over the data when `steps` is 0.
   TORCH_ARG(int64_t, epochs) = 1;
+  /// Batches fit reads ahead, on one reading thread of its own, while the
+  /// step runs (DataLoader's num_workers=1 with this prefetch_factor); 0:
+  /// each batch is read when its step starts. Read ahead on a CUDA device,
+  /// a batch is copied into pinned host memory, so that staging it is
+  /// asynchronous (DataLoader's pin_memory). The batches, their order and a
+  /// resumed run's position are the same either way, and so are the bytes
+  /// counted: batches wait in host memory, as the data set does. The data
+  /// set is read by one thread at a time, but not by the caller's.
+  TORCH_ARG(int64_t, prefetch_factor) = 0;
   /// Learning rate.
   TORCH_ARG(double, lr) = 1e-3;
   /// The optimizer (when optimizer_factory is empty).
@@ -423,13 +432,14 @@ class Trainer {
     const auto size = dataset.size();
     TORCH_CHECK(size.has_value(), "Trainer::fit reads a map-style data set with a size; this one has none: "
                 "call train_step in a loop over its batches");
-    return run_fit(static_cast<int64_t>(*size),
-                   [this, &dataset, loss](const std::vector<size_t>& indices, std::shared_ptr<void>& holder) {
-                     auto batch = std::make_shared<Batch>(read_batch(dataset, indices));
-                     holder = batch;
-                     return input_of(*batch, loss);
-                   },
-                   on_step);
+    return run_fit(
+        static_cast<int64_t>(*size),
+        [&dataset](const std::vector<size_t>& indices, bool pin) -> std::shared_ptr<void> {
+          auto batch = read_batch(dataset, indices);
+          return std::make_shared<Batch>(pin ? pinned(batch) : std::move(batch));
+        },
+        [this, loss](const std::shared_ptr<void>& batch) { return input_of(*static_cast<const Batch*>(batch.get()), loss); },
+        on_step);
   }
   /// Trains on `data` until step total_steps(data); calls `on_step` after
   /// every step. Each step cuts a batch from a per-epoch shuffle of the data
@@ -552,11 +562,16 @@ class Trainer {
                   "); the examples of a batch need one shape to be stacked");
     }
   }
-  // Reads the examples at the given indices of the data set (one rank's share
-  // of a step) and returns the step's view of them, kept alive by `holder`.
-  using BatchSource =
-      std::function<detail::StepInput(const std::vector<size_t>& indices, std::shared_ptr<void>& holder)>;
-  TrainReport run_fit(int64_t examples, const BatchSource& source, const StepCallback& on_step);
+  // Reads the examples at the given indices of the data set (one rank's
+  // share of a step) into host memory, pinned when asked; may run on a
+  // thread of its own (prefetch_factor).
+  using BatchReader = std::function<std::shared_ptr<void>(const std::vector<size_t>& indices, bool pin)>;
+  // The step's view of a batch that a BatchReader returned, which must outlive it.
+  using BatchView = std::function<detail::StepInput(const std::shared_ptr<void>& batch)>;
+  TrainReport run_fit(int64_t examples, const BatchReader& read, const BatchView& view, const StepCallback& on_step);
+  // This rank's share of the step that starts at `cursor` in an epoch's
+  // `order`; `global` is set to the whole step's examples (all ranks').
+  std::vector<size_t> share_of(const torch::Tensor& order, int64_t cursor, int64_t& global) const;
   int64_t total_steps_of(int64_t examples) const;
   StepRecord run_step(const detail::StepInput& in);
   void check_options() const;
