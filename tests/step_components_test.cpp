@@ -70,6 +70,27 @@ struct memfit::BatchTraits<Pair> {
   }
 };
 
+namespace {
+// A batch type that records, as it is staged, whether its host memory was pinned.
+struct Staged {
+  torch::Tensor x, y;
+};
+std::vector<bool> staged_from_pinned;
+} // namespace
+
+template <>
+struct memfit::BatchTraits<Staged> {
+  static int64_t size(const Staged& b) { return b.x.size(0); }
+  static Staged slice(const Staged& b, int64_t start, int64_t length) {
+    return {b.x.narrow(0, start, length), b.y.narrow(0, start, length)};
+  }
+  static Staged to(const Staged& b, const torch::Device& device) {
+    staged_from_pinned.push_back(b.x.is_pinned() && b.y.is_pinned());
+    return {memfit::to_device(b.x, device), memfit::to_device(b.y, device)};
+  }
+  static Staged pin(const Staged& b) { return {b.x.pin_memory(), b.y.pin_memory()}; }
+};
+
 namespace memfit {
 namespace {
 
@@ -559,6 +580,29 @@ TEST_F(CudaOwnModelTest, EveryCombinationOfComponentsTrainsLikeThePlainStep) {
 
 TEST_F(CudaOwnModelTest, FitReadsAMapStyleDataSetOntoTheDeviceLikeTensorsInMemory) {
   expect_data_sets_train_like_tensors_in_memory(cuda);
+}
+
+// Batches of the user's own type, from a data set of the user's own.
+struct StagedRows : torch::data::datasets::BatchDataset<StagedRows, Staged> {
+  Staged get_batch(c10::ArrayRef<size_t> indices) override {
+    const auto idx = torch::tensor(std::vector<int64_t>(indices.begin(), indices.end()));
+    return {x.index_select(0, idx), y.index_select(0, idx)};
+  }
+  torch::optional<size_t> size() const override { return static_cast<size_t>(x.size(0)); }
+  torch::Tensor x = torch::randn({64, 20}), y = torch::randint(5, {64});
+};
+
+TEST_F(CudaOwnModelTest, BatchesReadAheadAreStagedFromPinnedMemory) {
+  auto staged_with = [&](int64_t prefetch) {
+    staged_from_pinned.clear();
+    StagedRows data;
+    Trainer trainer(OwnNet(0.0), [](OwnNetImpl& n, const Staged& b) { return torch::nll_loss(n.forward(b.x), b.y); },
+                    TrainerOptions().batch_size(16).steps(4).micro_batch_size(8).prefetch_factor(prefetch).device(cuda));
+    trainer.fit(data);
+    return staged_from_pinned;
+  };
+  EXPECT_EQ(staged_with(2), std::vector<bool>(8, true)) << "every micro-batch of every step, from pinned memory";
+  EXPECT_EQ(staged_with(0), std::vector<bool>(8, false)) << "read in the step, a batch stays as the data set gave it";
 }
 
 } // namespace
