@@ -233,4 +233,40 @@ torch::Tensor checkpoint_sequential(const torch::nn::Sequential& sequential, int
   return run(end, n, x);
 }
 
+namespace {
+// The SelectivelyRecomputed modules inside `module`, itself first.
+std::vector<SelectivelyRecomputed*> recomputed_parts(const torch::nn::Module& module) {
+  std::vector<SelectivelyRecomputed*> out;
+  // Itself without shared_from_this (a module need not be held by a shared_ptr), then the rest.
+  if (auto* self = dynamic_cast<SelectivelyRecomputed*>(const_cast<torch::nn::Module*>(&module))) out.push_back(self);
+  for (const auto& m : module.modules(/*include_self=*/false)) {
+    if (auto* part = dynamic_cast<SelectivelyRecomputed*>(m.get())) out.push_back(part);
+  }
+  return out;
+}
+} // namespace
+
+int64_t set_selective_recompute(const torch::nn::Module& module, bool enabled) {
+  const auto parts = recomputed_parts(module);
+  for (auto* part : parts) part->set_selective_recompute(enabled);
+  return static_cast<int64_t>(parts.size());
+}
+
+SelectiveRecomputeGuard::SelectiveRecomputeGuard(const torch::nn::Module& module, bool enabled) {
+  for (auto* part : recomputed_parts(module)) {
+    parts_.emplace_back(part, part->selective_recompute());
+    part->set_selective_recompute(enabled);
+  }
+}
+
+SelectiveRecomputeGuard::~SelectiveRecomputeGuard() {
+  for (auto& [part, was] : parts_) part->set_selective_recompute(was);
+}
+
+bool selective_recompute(const torch::nn::Module& module) {
+  const auto parts = recomputed_parts(module);
+  return !parts.empty() &&
+         std::all_of(parts.begin(), parts.end(), [](const SelectivelyRecomputed* p) { return p->selective_recompute(); });
+}
+
 } // namespace memfit

@@ -97,7 +97,7 @@ torch::Tensor core_attention(const torch::Tensor& q, const torch::Tensor& k, con
 }
 
 // A pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)).
-struct GptBlockImpl : nn::Module {
+struct GptBlockImpl : nn::Module, SelectivelyRecomputed {
   GptBlockImpl(int64_t width, int64_t heads, double dropout, bool selective)
       : heads(heads),
         dropout(dropout),
@@ -135,6 +135,9 @@ struct GptBlockImpl : nn::Module {
     auto h = x + drop(proj(y));
     return h + drop(out(torch::gelu(fc(ln2(h)))));
   }
+
+  void set_selective_recompute(bool enabled) override { selective = enabled; }
+  bool selective_recompute() const override { return selective; }
 
   int64_t heads;
   double dropout;
@@ -339,30 +342,6 @@ torch::nn::Sequential make_resnet(const ModelOptions& o) {
   seq->push_back("flatten", nn::Flatten());
   seq->push_back("head", nn::Linear(channels, o.num_classes()));
   return seq;
-}
-
-namespace {
-// make_gpt's blocks inside `model`, at any depth.
-std::vector<GptBlockImpl*> gpt_blocks(const torch::nn::Sequential& model) {
-  std::vector<GptBlockImpl*> blocks;
-  if (model.is_empty()) return blocks;
-  for (const auto& m : model->modules(/*include_self=*/false)) {
-    if (auto* block = dynamic_cast<GptBlockImpl*>(m.get())) blocks.push_back(block);
-  }
-  return blocks;
-}
-} // namespace
-
-int64_t set_selective_recompute(const torch::nn::Sequential& model, bool enabled) {
-  const auto blocks = gpt_blocks(model);
-  for (auto* block : blocks) block->selective = enabled;
-  return static_cast<int64_t>(blocks.size());
-}
-
-bool selective_recompute(const torch::nn::Sequential& model) {
-  const auto blocks = gpt_blocks(model);
-  return !blocks.empty() &&
-         std::all_of(blocks.begin(), blocks.end(), [](const GptBlockImpl* b) { return b->selective; });
 }
 
 torch::nn::Sequential make_model(ModelKind kind, const ModelOptions& options) {

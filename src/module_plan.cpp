@@ -268,11 +268,20 @@ struct ModuleStepModel::Impl {
   std::string stream_refused;  // why streamed parameters were not measured (ParameterStream's error)
   std::vector<Measurement> measured;
 
+  // Selective recomputation's choices: both where the options allow it and
+  // the module has SelectivelyRecomputed parts; the first is the plain step's.
+  std::vector<bool> selective_choices = {false};
+
   // Whether streamed parameters are a choice: offload allowed, and chains to stream block by block.
   bool streams() const { return options.offload() && !chains.empty(); }
-  // By precision: each chain's profile at the two sizes.
-  std::map<Precision, std::vector<std::pair<ChainProfile, ChainProfile>>> profiles;
+  // By precision and selective recomputation: each chain's profile at the two sizes.
+  std::map<std::pair<Precision, bool>, std::vector<std::pair<ChainProfile, ChainProfile>>> profiles;
 
+  // The plain step: the first precision, without offload, selective
+  // recomputation only where the options fix it on.
+  StepSettings plain_settings() const {
+    return StepSettings().precision(options.precisions().front()).selective_recompute(selective_choices.front());
+  }
   Measurement measure(const StepSettings& s);
   std::vector<Event> measure_at(const StepSettings& s, int64_t m, Capture* capture, int64_t* state_bytes);
   const Measurement& find(const StepSettings& s) const;
@@ -330,7 +339,9 @@ std::vector<Event> ModuleStepModel::Impl::measure_at(const StepSettings& s, int6
 Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
   Measurement out;
   out.settings = s;
-  const bool profile_chains = !chains.empty() && profiles.count(s.precision()) == 0;
+  SelectiveRecomputeGuard selective(*probe.module, s.selective_recompute());
+  const auto key = std::make_pair(s.precision(), s.selective_recompute());
+  const bool profile_chains = !chains.empty() && profiles.count(key) == 0;
   Capture small, large;
   out.small = measure_at(s, m_small, profile_chains ? &small : nullptr, nullptr);
   out.large = measure_at(s, m_large, profile_chains ? &large : nullptr, &out.state_bytes);
@@ -345,7 +356,7 @@ Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
     // put it back where the user left it, as this one does).
     detail::ModuleStateGuard restore(*probe.module);
     probe.module->to(base.device());
-    auto& p = profiles[s.precision()];
+    auto& p = profiles[key];
     for (size_t c = 0; c < chains.size(); ++c) {
       TORCH_CHECK(small.inputs[c].defined() && large.inputs[c].defined(), "plan: chain '", chains[c].name,
                   "' did not run in a training step of the module; the planner needs every chain "
@@ -362,14 +373,16 @@ Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
 
 const Measurement& ModuleStepModel::Impl::find(const StepSettings& s) const {
   for (const auto& m : measured) {
-    if (m.settings.precision() == s.precision() && m.settings.offload_optimizer() == s.offload_optimizer() &&
+    if (m.settings.precision() == s.precision() && m.settings.selective_recompute() == s.selective_recompute() &&
+        m.settings.offload_optimizer() == s.offload_optimizer() &&
         m.settings.offload_gradients() == s.offload_gradients() &&
         m.settings.offload_parameters() == s.offload_parameters()) {
       return m;
     }
   }
   TORCH_CHECK(false, "ModuleStepModel: precision ", to_string(s.precision()), " with offload '",
-              offload_text(s), "' was not measured; PlanOptions::precisions and offload say what is");
+              offload_text(s), "'", s.selective_recompute() ? " and selective recomputation" : "",
+              " was not measured; PlanOptions::precisions, offload and selective_recompute say what is");
 }
 
 ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, TrainerOptions base)
@@ -405,13 +418,31 @@ ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, T
     offloads.push_back(StepSettings().offload_optimizer(Offload::kHost).offload_gradients(Offload::kHost));
   }
   for (const auto& c : im.chains) im.chain_parameter_bytes += storage_bytes(c.chain->parameters());
+  const bool recomputable = SelectiveRecomputeGuard(*im.probe.module, false).parts() > 0;  // counted, and put back
+  switch (im.options.selective_recompute()) {
+    case SelectiveRecompute::kOff:
+      break;
+    case SelectiveRecompute::kChoose:
+      if (recomputable) im.selective_choices = {false, true};
+      break;
+    case SelectiveRecompute::kOn:
+      TORCH_CHECK(recomputable, "PlanOptions::selective_recompute(kOn) needs a module with SelectivelyRecomputed "
+                  "parts (checkpoint.h); this one has none: use kChoose or kOff");
+      im.selective_choices = {true};
+      break;
+  }
   // A module the stream refuses (tied weights across a chain's edge) is planned without it, and the plan says why.
   if (im.streams()) im.stream_refused = ParameterStream::refusal(*im.probe.module);
   for (auto precision : im.options.precisions()) {
-    for (const auto& o : offloads) im.measured.push_back(im.measure(StepSettings(o).precision(precision)));
-    // Streamed parameters (fp32 only): the chains' layers one at a time, the rest held per micro-batch.
-    if (im.streams() && precision == Precision::kFP32 && im.stream_refused.empty()) {
-      im.measured.push_back(im.measure(StepSettings(offloads.back()).offload_parameters(Offload::kHost)));
+    for (bool selective : im.selective_choices) {
+      for (const auto& o : offloads) {
+        im.measured.push_back(im.measure(StepSettings(o).precision(precision).selective_recompute(selective)));
+      }
+      // Streamed parameters (fp32 only): the chains' layers one at a time, the rest held per micro-batch.
+      if (im.streams() && precision == Precision::kFP32 && im.stream_refused.empty()) {
+        im.measured.push_back(im.measure(
+            StepSettings(offloads.back()).offload_parameters(Offload::kHost).selective_recompute(selective)));
+      }
     }
   }
 }
@@ -431,12 +462,13 @@ std::vector<StepSettings> ModuleStepModel::measured_settings() const {
   return out;
 }
 
-ChainCosts ModuleStepModel::costs(size_t index, Precision precision, int64_t micro_batch) const {
+ChainCosts ModuleStepModel::costs(size_t index, Precision precision, int64_t micro_batch,
+                                  bool selective_recompute) const {
   const auto& im = *impl_;
   TORCH_CHECK(index < im.chains.size(), "ModuleStepModel::costs: chain ", index, " of ", im.chains.size());
-  auto it = im.profiles.find(precision);
+  auto it = im.profiles.find(std::make_pair(precision, selective_recompute));
   TORCH_CHECK(it != im.profiles.end(), "ModuleStepModel::costs: precision ", to_string(precision),
-              " was not measured");
+              selective_recompute ? " with selective recomputation" : "", " was not measured");
   const auto& p = it->second[index];
   auto c = costs_from_profile(scale_profile(p.first, p.second, im.m_small, im.m_large, micro_batch));
   const auto& in_place = im.chains[index].chain->in_place();
@@ -452,7 +484,7 @@ namespace {
 // windows); offloaded gradients leave the device.
 ChainCosts step_costs(const ModuleStepModel& model, size_t index, const StepSettings& settings, int64_t m,
                       bool single) {
-  auto c = model.costs(index, settings.precision(), m);
+  auto c = model.costs(index, settings.precision(), m, settings.selective_recompute());
   if (!single || settings.offload_gradients() == Offload::kHost) return c;
   const auto& layers = model.chains()[index].chain->sequential();
   c.gradient.assign(layers->size(), 0);
@@ -752,6 +784,7 @@ detail::StepTiming run_plan(const ModuleStepModel::Impl& im, const StepSettings&
   detail::ModuleStateGuard restore(*im.probe.module);
   compat::WarningCapture quiet;  // the Trainer's warnings repeat what the plan says
   ChainSchedules scheduled(im.chains, schedules);
+  SelectiveRecomputeGuard selective(*im.probe.module, settings.selective_recompute());
   auto trainer = im.probe.make_trainer(trainer_options(settings, im.base).batch_size(batch).save_dir(""));
   const int64_t outer = memory_budget(im.base.device());  // a caller's lower budget stays
   BudgetGuard scope(im.base.device(), outer > 0 ? std::min(outer, budget) : budget);
@@ -818,7 +851,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   out.budget = budget;
   out.batch = batch;
   for (const auto& f : chains) out.chains.push_back(f.name);
-  const auto plain = model.predict(batch, StepSettings().precision(o.precisions().front()), {});
+  const auto plain = model.predict(batch, model.impl_->plain_settings(), {});
   out.plain_peak_bytes = plain.peak_bytes;
   out.plain_seconds = plain.seconds;
   const bool micro_batching = detail::may_micro_batch(o, model.impl_->batch_statistics);
@@ -834,10 +867,13 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
           : !model.impl_->stream_refused.empty()
               ? "none, optimizer, optimizer and gradients; parameters not streamed: " + model.impl_->stream_refused
               : "none, optimizer, optimizer and gradients, and in fp32 also the chains' parameters streamed";
-  out.why.push_back(fmt::format("measured the module's step at micro-batches of {} and {} ({}; offload {}), "
+  out.why.push_back(fmt::format("measured the module's step at micro-batches of {} and {} ({}; offload {}{}), "
                                 "{} chain(s): {}",
-                                model.impl_->m_small, model.impl_->m_large, precisions, offloads, chains.size(),
-                                chains.empty() ? "none" : schedules_text(out.chains, {})));
+                                model.impl_->m_small, model.impl_->m_large, precisions, offloads,
+                                model.impl_->selective_choices.size() > 1 ? "; with and without selective recomputation"
+                                : model.impl_->selective_choices.front() ? "; with selective recomputation"
+                                                                         : "",
+                                chains.size(), chains.empty() ? "none" : schedules_text(out.chains, {})));
   out.why.push_back(fmt::format("plain step of {}: predicted peak {}, {:.4f} s", batch,
                                 format_bytes(plain.peak_bytes), plain.seconds));
   // Verified best first: a candidate whose real steps overrun the budget
@@ -931,6 +967,7 @@ std::string checkpoint_json(const std::vector<std::string>& chains, const std::v
 
 TrainerOptions ModulePlan::apply(torch::nn::Module& module, TrainerOptions base) const {
   set_schedules(module, chains, schedules, "ModulePlan::apply");
+  set_selective_recompute(module, settings.selective_recompute());
   return trainer_options(settings, std::move(base));
 }
 
@@ -988,7 +1025,7 @@ ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget, const
       while (found.batch > 0 && !choose(found.batch)) --found.batch;
     }
   };
-  const auto plain = StepSettings().precision(o.precisions().front());
+  const auto plain = im.plain_settings();
   run(out.plain, [&](int64_t b) -> std::optional<Candidate> {
     Candidate c{plain, std::vector<Schedule>(im.chains.size()), model.predict(b, plain, {})};
     if (c.predicted.peak_bytes > limit) return std::nullopt;
@@ -1008,15 +1045,16 @@ ModuleProfile profile(const ModuleStepModel& model) {
   ModuleProfile out;
   out.batch = im.probe.examples;
   out.precision = im.options.precisions().front();
-  const auto plain = StepSettings().precision(out.precision);
+  const auto plain = im.plain_settings();
   for (size_t c = 0; c < im.chains.size(); ++c) {
     out.chains.push_back(im.chains[c].name);
-    const auto& p = im.profiles.at(out.precision)[c];
+    const auto& p = im.profiles.at(std::make_pair(out.precision, plain.selective_recompute()))[c];
     out.layers.push_back(scale_profile(p.first, p.second, im.m_small, im.m_large, out.batch));
   }
   out.predicted = model.predict(out.batch, plain, {});
   // Three real steps: the first makes the optimizer's state.
   detail::ModuleStateGuard restore(*im.probe.module);
+  SelectiveRecomputeGuard selective(*im.probe.module, plain.selective_recompute());
   auto trainer = im.probe.make_trainer(trainer_options(plain, im.base).batch_size(out.batch).save_dir(""));
   for (int k = 0; k < 3; ++k) {
     const auto rec = im.probe.step(trainer, out.batch);

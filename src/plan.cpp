@@ -4,7 +4,6 @@
 #include "plan_internal.h"
 
 #include "memfit/compat.h"
-#include "memfit/models.h"
 
 #include <torch/optim.h>
 #include <torch/torch.h>
@@ -304,8 +303,8 @@ void StepModel::profile_layers(const torch::nn::Sequential& chain, const torch::
       selective_choices_ = has_blocks ? std::vector<bool>{false, true} : std::vector<bool>{false};
       break;
     case SelectiveRecompute::kOn:
-      TORCH_CHECK(has_blocks, "PlanOptions::selective_recompute(kOn) needs a model with transformer "
-                  "blocks (make_gpt's); this one has none: use kChoose or kOff");
+      TORCH_CHECK(has_blocks, "PlanOptions::selective_recompute(kOn) needs a model with SelectivelyRecomputed "
+                  "modules (make_gpt's blocks, or your own); this one has none: use kChoose or kOff");
       selective_choices_ = {true};
       break;
   }

@@ -117,7 +117,8 @@ inline std::string unlock_text(const PlanOptions& o, const std::optional<std::st
 // A plan's micro-batch, precision and offload, in a line of text.
 inline std::string settings_text(const StepSettings& s, int64_t batch) {
   const int64_t m = s.micro_batch() > 0 ? s.micro_batch() : batch;
-  return fmt::format("micro-batch {}, {}, offload {}", m, to_string(s.precision()), offload_text(s));
+  return fmt::format("micro-batch {}, {}, offload {}{}", m, to_string(s.precision()), offload_text(s),
+                     s.selective_recompute() ? ", selective recomputation" : "");
 }
 
 // Predicted times this close to the fastest are a tie: the time model's

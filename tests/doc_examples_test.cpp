@@ -166,13 +166,43 @@ TEST_F(DocExamples, ModelsHeader) {
     auto logits = gpt->forward(torch::zeros({2, 16}, torch::kLong));  // [2, 16, 50]
     EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 16, 50}));
   }
-  {  // set_selective_recompute, selective_recompute
-    auto gpt = memfit::make_gpt(memfit::ModelOptions().num_classes(50).width(32).depth(2).heads(2).context(16));
-    EXPECT_TRUE(memfit::set_selective_recompute(gpt, true) == 2 && memfit::selective_recompute(gpt));
-    EXPECT_FALSE(memfit::selective_recompute(memfit::make_mlp()));
-  }
   auto net = memfit::make_model(memfit::ModelKind::kMlp);
   EXPECT_FALSE(net.is_empty());
+}
+
+namespace doc_selective {
+struct BlockImpl : torch::nn::Module, memfit::SelectivelyRecomputed {
+  BlockImpl() : fc(register_module("fc", torch::nn::Linear(8, 8))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto core = [](const torch::Tensor& h) { return torch::softmax(h, -1); };
+    return fc(selective_ && is_training() ? memfit::checkpoint(core, x) : core(x));
+  }
+  void set_selective_recompute(bool enabled) override { selective_ = enabled; }
+  bool selective_recompute() const override { return selective_; }
+  torch::nn::Linear fc;
+  bool selective_ = false;
+};
+} // namespace doc_selective
+
+TEST_F(DocExamples, SelectiveRecomputation) {
+  {  // SelectivelyRecomputed
+    auto block = std::make_shared<doc_selective::BlockImpl>();
+    EXPECT_TRUE(memfit::set_selective_recompute(*block, true) == 1 && memfit::selective_recompute(*block));
+    block->forward(torch::randn({2, 8}, torch::requires_grad())).sum().backward();  // the recomputed path runs
+  }
+  {  // set_selective_recompute, selective_recompute
+    auto gpt = memfit::make_gpt(memfit::ModelOptions().num_classes(50).width(32).depth(2).heads(2).context(16));
+    EXPECT_TRUE(memfit::set_selective_recompute(*gpt, true) == 2 && memfit::selective_recompute(*gpt));
+    EXPECT_FALSE(memfit::selective_recompute(*memfit::make_mlp()));
+  }
+  {  // SelectiveRecomputeGuard
+    auto gpt = memfit::make_gpt(memfit::ModelOptions().num_classes(50).width(32).depth(2).heads(2).context(16));
+    {
+      memfit::SelectiveRecomputeGuard on(*gpt, true);
+      EXPECT_TRUE(on.parts() == 2 && memfit::selective_recompute(*gpt));
+    }
+    EXPECT_FALSE(memfit::selective_recompute(*gpt));
+  }
 }
 
 TEST_F(DocExamples, TextData) {

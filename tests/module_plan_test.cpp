@@ -68,6 +68,41 @@ int64_t measured_peak(memfit::Trainer& trainer, const torch::data::Example<>& ba
   return rec.peak_bytes;
 }
 
+// A user's block whose middle keeps a large tensor (an [N, W, W] softmax of
+// outer products, as attention keeps its scores) unless it recomputes that
+// middle selectively.
+struct ScoresBlockImpl : torch::nn::Module, memfit::SelectivelyRecomputed {
+  explicit ScoresBlockImpl(int64_t width) : fc(register_module("fc", torch::nn::Linear(width, width))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto core = [](const torch::Tensor& h) {
+      auto scores = torch::softmax(h.unsqueeze(2) * h.unsqueeze(1), -1);
+      return torch::matmul(scores, h.unsqueeze(2)).squeeze(2);
+    };
+    auto h = fc->forward(x);
+    return x + (selective && is_training() && torch::GradMode::is_enabled() ? memfit::checkpoint(core, h) : core(h));
+  }
+  void set_selective_recompute(bool enabled) override { selective = enabled; }
+  bool selective_recompute() const override { return selective; }
+  torch::nn::Linear fc;
+  bool selective = false;
+};
+TORCH_MODULE(ScoresBlock);
+
+struct ScoresNetImpl : torch::nn::Module {
+  ScoresNetImpl(int64_t width, int64_t depth) {
+    in = register_module("in", torch::nn::Linear(16, width));
+    torch::nn::Sequential blocks;
+    for (int64_t i = 0; i < depth; ++i) blocks->push_back(ScoresBlock(width));
+    body = register_module("body", memfit::CheckpointedSequential(blocks));
+    head = register_module("head", torch::nn::Linear(width, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head->forward(body->forward(in->forward(x))); }
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  memfit::CheckpointedSequential body{nullptr};
+};
+TORCH_MODULE(ScoresNet);
+torch::Tensor scores_loss(ScoresNetImpl& net, const torch::data::Example<>& b) { return cross_entropy_of(net, b); }
+
 using memfit::testing::expect_error;
 
 class ModulePlanTest : public memfit::testing::Seeded {};
@@ -595,4 +630,75 @@ TEST_F(ModulePlanTest, LayersThatLetTheirInputGoAreNeverACheckpointsStartAndThei
     }
   }
 }
+TEST_F(ModulePlanTest, MeasuresAUsersSelectivelyRecomputedBlocksBothWaysAndTurnsThemOnWhereThatFits) {
+  const auto batch = sample(256);
+  auto make = [] {
+    torch::manual_seed(3);
+    return ScoresNet(32, 4);
+  };
+  auto one_step = [&](ScoresNet net, const memfit::TrainerOptions& options, double* loss) {
+    memfit::Trainer trainer(net, scores_loss, options);
+    const int64_t peak = measured_peak(trainer, batch, loss);
+    std::vector<torch::Tensor> values;
+    for (const auto& p : net->parameters()) values.push_back(p.detach().clone());
+    return std::make_pair(peak, values);
+  };
+  double plain_loss = 0, selective_loss = 0, planned_loss = 0;
+  const auto plain = one_step(make(), memfit::TrainerOptions(), &plain_loss);
+  ScoresNet on = make();
+  memfit::set_selective_recompute(*on, true);
+  const auto selective = one_step(on, memfit::TrainerOptions(), &selective_loss);
+  ASSERT_LT(selective.first, plain.first * 3 / 4) << "the blocks' scores are most of the step";
+
+  // Only selective recomputation to choose: the rest is the plain step.
+  ScoresNet net = make();
+  memfit::ModuleStepModel model(
+      memfit::detail::make_probe(net.ptr(), scores_loss, batch),
+      memfit::PlanOptions().checkpointing(false).offload(false).micro_batching(false).measure_candidates(0));
+  const auto measured = model.measured_settings();
+  ASSERT_EQ(measured.size(), 2u);
+  EXPECT_FALSE(measured[0].selective_recompute());
+  EXPECT_TRUE(measured[1].selective_recompute());
+  EXPECT_FALSE(memfit::selective_recompute(*net)) << "the blocks' own setting is put back";
+  const auto predicted = model.predict(256, memfit::StepSettings().selective_recompute(true), {});
+  RecordProperty("plain_peak", std::to_string(plain.first));
+  RecordProperty("selective_peak", std::to_string(selective.first) + " predicted " + std::to_string(predicted.peak_bytes));
+  EXPECT_NEAR(double(predicted.peak_bytes), double(selective.first), 0.05 * double(selective.first));
+  EXPECT_NEAR(double(model.predict(256, memfit::StepSettings(), {}).peak_bytes), double(plain.first),
+              0.05 * double(plain.first));
+
+  const int64_t budget = (selective.first + plain.first) / 2;
+  const auto p = memfit::plan(model, budget);
+  ASSERT_TRUE(p.fits) << p.explain();
+  EXPECT_TRUE(p.settings.selective_recompute()) << p.explain();
+  EXPECT_NE(p.explain().find("with and without selective recomputation"), std::string::npos) << p.explain();
+  EXPECT_NE(p.explain().find("offload none, selective recomputation"), std::string::npos) << p.explain();
+  const auto options = p.apply(*net);
+  EXPECT_TRUE(memfit::selective_recompute(*net));
+  const auto planned = one_step(net, options, &planned_loss);
+  EXPECT_LE(planned.first, budget);
+  RecordProperty("planned_peak", std::to_string(planned.first) + " predicted " + std::to_string(p.predicted.peak_bytes) +
+                                     " budget " + std::to_string(budget));
+  // Recomputing the same ops gives the same numbers: the math is unchanged.
+  EXPECT_EQ(planned_loss, plain_loss);
+  for (size_t i = 0; i < plain.second.size(); ++i) {
+    EXPECT_TRUE(planned.second[i].equal(plain.second[i])) << "parameter " << i;
+  }
+}
+
+TEST_F(ModulePlanTest, SelectiveRecomputationFixedOnNeedsAModuleThatHasIt) {
+  ChainNet net(8, 2);
+  expect_error(
+      [&] {
+        memfit::ModuleStepModel(memfit::detail::make_probe(net.ptr(), chain_loss, sample(8)),
+                                memfit::PlanOptions().selective_recompute(memfit::SelectiveRecompute::kOn));
+      },
+      "PlanOptions::selective_recompute(kOn) needs a module with SelectivelyRecomputed parts (checkpoint.h); this "
+      "one has none: use kChoose or kOff");
+  ScoresNet scores(8, 2);
+  memfit::ModuleStepModel fixed(memfit::detail::make_probe(scores.ptr(), scores_loss, sample(8)),
+                                memfit::PlanOptions().selective_recompute(memfit::SelectiveRecompute::kOn).offload(false));
+  for (const auto& s : fixed.measured_settings()) EXPECT_TRUE(s.selective_recompute());
+}
+
 } // namespace

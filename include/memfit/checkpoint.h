@@ -40,6 +40,7 @@
 
 #include <functional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace memfit {
@@ -156,5 +157,98 @@ torch::Tensor checkpoint(const torch::nn::ModuleHolder<ModuleType>& module,
 torch::Tensor checkpoint_sequential(const torch::nn::Sequential& sequential, int64_t segments,
                                     const torch::Tensor& input,
                                     const CheckpointOptions& options = CheckpointOptions());
+
+/// A module that can recompute part of its forward during backward instead
+/// of keeping what that part saves: selective activation checkpointing (the
+/// ops a torch.utils.checkpoint policy would recompute), switched from
+/// outside. A module of the user's own derives from it beside
+/// torch::nn::Module and runs that part through memfit::checkpoint while it
+/// is on; the planner (module_plan.h, PlanOptions::selective_recompute)
+/// measures the module's step both ways and chooses. make_gpt's blocks
+/// recompute their attention scores, softmax and attention dropout.
+///
+/// Example:
+/// \code
+///   struct BlockImpl : torch::nn::Module, memfit::SelectivelyRecomputed {
+///     BlockImpl() : fc(register_module("fc", torch::nn::Linear(8, 8))) {}
+///     torch::Tensor forward(const torch::Tensor& x) {
+///       auto core = [](const torch::Tensor& h) { return torch::softmax(h, -1); };
+///       return fc(selective_ && is_training() ? memfit::checkpoint(core, x) : core(x));
+///     }
+///     void set_selective_recompute(bool enabled) override { selective_ = enabled; }
+///     bool selective_recompute() const override { return selective_; }
+///     torch::nn::Linear fc;
+///     bool selective_ = false;
+///   };
+///   auto block = std::make_shared<BlockImpl>();
+///   assert(memfit::set_selective_recompute(*block, true) == 1 && memfit::selective_recompute(*block));
+/// \endcode
+class SelectivelyRecomputed {
+ public:
+  virtual ~SelectivelyRecomputed() = default;
+  /// Recompute the part (true) or keep what it saves (false) from the next forward on.
+  virtual void set_selective_recompute(bool enabled) = 0;
+  /// Whether the part is recomputed.
+  virtual bool selective_recompute() const = 0;
+};
+
+/// Turns selective recomputation on or off in every SelectivelyRecomputed
+/// module inside `module` (itself included, at any depth) and returns how
+/// many there are; 0 leaves the module as it was.
+///
+/// Example:
+/// \code
+///   auto gpt = memfit::make_gpt(memfit::ModelOptions().num_classes(50).width(32).depth(2).heads(2).context(16));
+///   assert(memfit::set_selective_recompute(*gpt, true) == 2 && memfit::selective_recompute(*gpt));
+/// \endcode
+int64_t set_selective_recompute(const torch::nn::Module& module, bool enabled);
+
+/// Whether `module` holds SelectivelyRecomputed modules and all of them recompute.
+///
+/// Example:
+/// \code
+///   assert(!memfit::selective_recompute(*memfit::make_mlp()));
+/// \endcode
+bool selective_recompute(const torch::nn::Module& module);
+
+/// Sets selective recomputation in every SelectivelyRecomputed module
+/// inside `module` for a scope, and puts each one's own setting back at its
+/// end.
+///
+/// Example:
+/// \code
+///   auto gpt = memfit::make_gpt(memfit::ModelOptions().num_classes(50).width(32).depth(2).heads(2).context(16));
+///   {
+///     memfit::SelectiveRecomputeGuard on(*gpt, true);
+///     assert(on.parts() == 2 && memfit::selective_recompute(*gpt));
+///   }
+///   assert(!memfit::selective_recompute(*gpt));
+/// \endcode
+class SelectiveRecomputeGuard {
+ public:
+  /// Sets it to `enabled` in each such module inside `module` (itself included).
+  SelectiveRecomputeGuard(const torch::nn::Module& module, bool enabled);
+  /// Puts each module's own setting back.
+  ~SelectiveRecomputeGuard();
+  SelectiveRecomputeGuard(const SelectiveRecomputeGuard&) = delete;
+  SelectiveRecomputeGuard& operator=(const SelectiveRecomputeGuard&) = delete;
+  /// How many SelectivelyRecomputed modules the scope set.
+  int64_t parts() const { return static_cast<int64_t>(parts_.size()); }
+
+ private:
+  std::vector<std::pair<SelectivelyRecomputed*, bool>> parts_;
+};
+
+/// set_selective_recompute on a module holder's module (0 for an empty holder).
+template <class M>
+int64_t set_selective_recompute(const torch::nn::ModuleHolder<M>& module, bool enabled) {
+  return module.is_empty() ? 0 : set_selective_recompute(*module, enabled);
+}
+
+/// selective_recompute of a module holder's module (false for an empty holder).
+template <class M>
+bool selective_recompute(const torch::nn::ModuleHolder<M>& module) {
+  return !module.is_empty() && selective_recompute(*module);
+}
 
 } // namespace memfit

@@ -7,6 +7,8 @@
 /// Thread safety: construction is thread-safe. Sync points: none. Extra
 /// memory: the parameters and buffers themselves.
 
+#include "memfit/checkpoint.h"  // set_selective_recompute, for make_gpt's blocks
+
 #include <torch/arg.h>
 #include <torch//nn/modules/container/sequential.h>
 #include <torch/types.h>
@@ -126,28 +128,6 @@ torch::nn::Sequential make_gpt(const ModelOptions& options = ModelOptions());
 ///   auto chain = memfit::load_torchscript("resnet18.pt", torch::zeros({1, 1, 28, 28}));
 /// \endcode
 torch::nn::Sequential load_torchscript(const std::string& path, const torch::Tensor& check_input = torch::Tensor());
-
-/// Turns selective recomputation (ModelOptions::selective_recompute) on or
-/// off in every transformer block of `model` (make_gpt's, at any depth, also
-/// inside a CheckpointedSequential) and returns how many blocks have it; 0
-/// for models without such blocks, which are left as they were. The planner
-/// uses it to choose selective recomputation per plan.
-///
-/// Example:
-/// \code
-///   auto gpt = memfit::make_gpt(memfit::ModelOptions().num_classes(50).width(32).depth(2).heads(2).context(16));
-///   assert(memfit::set_selective_recompute(gpt, true) == 2 && memfit::selective_recompute(gpt));
-/// \endcode
-int64_t set_selective_recompute(const torch::nn::Sequential& model, bool enabled);
-
-/// Whether `model` has transformer blocks and all of them recompute
-/// selectively (see set_selective_recompute).
-///
-/// Example:
-/// \code
-///   assert(!memfit::selective_recompute(memfit::make_mlp()));
-/// \endcode
-bool selective_recompute(const torch::nn::Sequential& model);
 
 /// make_mlp, make_resnet or make_gpt by kind; rejects non-positive sizes with c10::Error.
 ///

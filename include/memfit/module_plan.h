@@ -122,7 +122,9 @@ struct ModuleProfile;
 /// The cost model of a user's training step (see the file comment).
 class ModuleStepModel {
  public:
-  /// Measures the step `probe` runs, for `options`' precisions and offloads;
+  /// Measures the step `probe` runs, for `options`' precisions and offloads,
+  /// with and without selective recomputation where the module has
+  /// SelectivelyRecomputed parts (PlanOptions::selective_recompute);
   /// `base` describes the step (optimizer, learning rate, device, clipping).
   ModuleStepModel(detail::StepProbe probe, PlanOptions options = PlanOptions(),
                   TrainerOptions base = TrainerOptions());
@@ -131,15 +133,17 @@ class ModuleStepModel {
   ModuleStepModel& operator=(ModuleStepModel&&) noexcept;
 
   /// Predicts a step over `batch` examples with `settings` (its micro-batch,
-  /// precision and offloads) and one schedule per chain (in chains()' order;
+  /// precision, offloads and selective recomputation) and one schedule per chain (in chains()' order;
   /// an empty schedule runs the chain plainly).
   StepPrediction predict(int64_t batch, const StepSettings& settings,
                          const std::vector<Schedule>& schedules) const;
   /// The chains found in the module.
   const std::vector<FoundChain>& chains() const;
-  /// Chain `index`'s costs at `micro_batch` examples in `precision`.
-  ChainCosts costs(size_t index, Precision precision, int64_t micro_batch) const;
-  /// The settings measured: the precisions × offloads the plan may use.
+  /// Chain `index`'s costs at `micro_batch` examples in `precision`, with or
+  /// without selective recomputation.
+  ChainCosts costs(size_t index, Precision precision, int64_t micro_batch, bool selective_recompute = false) const;
+  /// The settings measured: the precisions × selective recomputation ×
+  /// offloads the plan may use.
   std::vector<StepSettings> measured_settings() const;
   /// Examples in the sample batch: the logical batch plan() plans for.
   int64_t sample_examples() const;
@@ -165,8 +169,9 @@ struct ModulePlan : Plan {
   std::vector<std::string> chains;  ///< The chains' names, in the module's order.
   std::vector<Schedule> schedules;  ///< One per chain (empty: plain).
 
-  /// Sets every chain's schedule in `module` (found by name) and returns
-  /// `base` with the plan's micro-batch, precision and offloads.
+  /// Sets every chain's schedule in `module` (found by name) and its
+  /// selective recomputation (set_selective_recompute), and returns `base`
+  /// with the plan's micro-batch, precision and offloads.
   TrainerOptions apply(torch::nn::Module& module, TrainerOptions base = TrainerOptions()) const;
   /// Plan::to_json() with "chains": [{"name", "checkpoint"}].
   std::string to_json() const;

@@ -100,12 +100,13 @@ struct ModelProfile {
 ModelProfile profile(const torch::nn::Sequential& model, const torch::Tensor& sample_batch,
                      OptimizerKind optimizer = OptimizerKind::kAdam);
 
-/// Whether plans recompute attention selectively (ModelOptions::selective_recompute)
-/// in models whose blocks can (make_gpt's; others have nothing to choose).
+/// Whether plans turn on selective recomputation (checkpoint.h's
+/// SelectivelyRecomputed: make_gpt's blocks, or modules of the user's own)
+/// in models that have it; others have nothing to choose.
 enum class SelectiveRecompute {
-  kOff,     ///< Never: the blocks keep their attention scores.
-  kChoose,  ///< The planner chooses per plan (both are profiled).
-  kOn,      ///< Always (the model has such blocks, or StepModel refuses it).
+  kOff,     ///< Never: the modules keep what their recomputable part saves.
+  kChoose,  ///< The planner chooses per plan (both are profiled or measured).
+  kOn,      ///< Always (the model has such modules, or the planner refuses it).
 };
 
 /// Whether plans may micro-batch a model whose layers normalise with batch
@@ -175,7 +176,7 @@ struct PlanOptions {
   /// Whether it may also split the batch of a model with batch statistics
   /// (see BatchStatistics): by default it keeps them, as the math is the user's.
   TORCH_ARG(BatchStatistics, batch_statistics) = BatchStatistics::kKeep;
-  /// Selective recomputation of attention (see SelectiveRecompute).
+  /// Selective recomputation (see SelectiveRecompute).
   TORCH_ARG(SelectiveRecompute, selective_recompute) = SelectiveRecompute::kChoose;
   /// Plans for a user's module (module_plan.h): run the best candidates'
   /// real steps under the budget before choosing one. StepModel ignores it.
@@ -214,8 +215,9 @@ struct StepSettings {
   TORCH_ARG(Offload, offload_parameters) = Offload::kNone;
   /// Streamed Linear weights run in tiles of at most this many bytes; 0: untiled.
   TORCH_ARG(int64_t, tile_bytes) = 0;
-  /// Whether the model's transformer blocks recompute their attention scores,
-  /// softmax and attention dropout in backward (set_selective_recompute).
+  /// Whether the model's SelectivelyRecomputed modules recompute their part
+  /// in backward (set_selective_recompute): make_gpt's blocks their
+  /// attention scores, softmax and attention dropout.
   TORCH_ARG(bool, selective_recompute) = false;
 };
 
