@@ -371,12 +371,34 @@ Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
   return out;
 }
 
+namespace {
+// Tile sizes for streamed chains: a quarter, a sixteenth and a 64th of the
+// largest Linear weight that is a chain's layer (ParameterStream tiles those),
+// where a tile is at least 1 KiB; StepModel offers the same (offload_choices).
+std::vector<int64_t> tile_choices(const std::vector<FoundChain>& chains) {
+  int64_t largest = 0;
+  for (const auto& c : chains) {
+    const auto& layers = c.chain->sequential();
+    for (size_t i = 0; i < layers->size(); ++i) {
+      if (const auto* linear = layers->ptr(i)->as<torch::nn::Linear>()) {
+        largest = std::max<int64_t>(largest, linear->weight.numel() * static_cast<int64_t>(linear->weight.element_size()));
+      }
+    }
+  }
+  std::vector<int64_t> out;
+  for (int64_t k : {4, 16, 64}) {
+    if (largest >= 1024 * k) out.push_back((largest + k - 1) / k);
+  }
+  return out;
+}
+} // namespace
+
 const Measurement& ModuleStepModel::Impl::find(const StepSettings& s) const {
   for (const auto& m : measured) {
     if (m.settings.precision() == s.precision() && m.settings.selective_recompute() == s.selective_recompute() &&
         m.settings.offload_optimizer() == s.offload_optimizer() &&
         m.settings.offload_gradients() == s.offload_gradients() &&
-        m.settings.offload_parameters() == s.offload_parameters()) {
+        m.settings.offload_parameters() == s.offload_parameters() && m.settings.tile_bytes() == s.tile_bytes()) {
       return m;
     }
   }
@@ -438,10 +460,13 @@ ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, T
       for (const auto& o : offloads) {
         im.measured.push_back(im.measure(StepSettings(o).precision(precision).selective_recompute(selective)));
       }
-      // Streamed parameters (fp32 only): the chains' layers one at a time, the rest held per micro-batch.
+      // Streamed parameters (fp32 only): the chains' layers one at a time, the
+      // rest held per micro-batch; the chains' Linear layers also in tiles.
       if (im.streams() && precision == Precision::kFP32 && im.stream_refused.empty()) {
-        im.measured.push_back(im.measure(
-            StepSettings(offloads.back()).offload_parameters(Offload::kHost).selective_recompute(selective)));
+        const auto streamed =
+            StepSettings(offloads.back()).offload_parameters(Offload::kHost).selective_recompute(selective);
+        im.measured.push_back(im.measure(streamed));
+        for (int64_t tile : tile_choices(im.chains)) im.measured.push_back(im.measure(StepSettings(streamed).tile_bytes(tile)));
       }
     }
   }

@@ -458,8 +458,8 @@ auto find_profile(const Map& profiles, Precision precision, bool selective) {
   auto it = profiles.find(std::make_pair(precision, selective));
   TORCH_CHECK(it != profiles.end(), "the StepModel was not profiled in ", to_string(precision),
               selective ? " with" : " without", " selective recomputation: add the precision to "
-              "PlanOptions::precisions, and for selective recomputation use a model with transformer "
-              "blocks and PlanOptions::selective_recompute kChoose or kOn");
+              "PlanOptions::precisions, and for selective recomputation use a model with SelectivelyRecomputed "
+              "modules and PlanOptions::selective_recompute kChoose or kOn");
   return it;
 }
 } // namespace
@@ -759,10 +759,9 @@ std::string profiling_text(const StepModel& model) {
                          : "");
 }
 
-// A candidate's knobs in a line of text: settings_text, with its tiles and checkpoint.
+// A candidate's knobs in a line of text: settings_text, with its checkpoint.
 std::string candidate_text(const StepSettings& s, int64_t batch) {
-  return detail::settings_text(s, batch) + (s.tile_bytes() > 0 ? ", tiles of " + format_bytes(s.tile_bytes()) : "") +
-         (detail::recomputes(s.schedule()) ? ", checkpoint " + s.schedule().to_string() : "");
+  return detail::settings_text(s, batch) + (detail::recomputes(s.schedule()) ? ", checkpoint " + s.schedule().to_string() : "");
 }
 
 // Times the candidates of `fitting` that PlanOptions::measure_candidates

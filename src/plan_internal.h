@@ -117,7 +117,8 @@ inline std::string unlock_text(const PlanOptions& o, const std::optional<std::st
 // A plan's micro-batch, precision and offload, in a line of text.
 inline std::string settings_text(const StepSettings& s, int64_t batch) {
   const int64_t m = s.micro_batch() > 0 ? s.micro_batch() : batch;
-  return fmt::format("micro-batch {}, {}, offload {}{}", m, to_string(s.precision()), offload_text(s),
+  return fmt::format("micro-batch {}, {}, offload {}{}{}", m, to_string(s.precision()), offload_text(s),
+                     s.tile_bytes() > 0 ? ", tiles of " + format_bytes(s.tile_bytes()) : "",
                      s.selective_recompute() ? ", selective recomputation" : "");
 }
 

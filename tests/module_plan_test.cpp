@@ -251,8 +251,9 @@ TEST_F(ModulePlanTest, StreamsTheChainsParametersWhereOffloadingTheirStateAndGra
   memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
                                 memfit::PlanOptions().measure_candidates(0));
   const auto settings = model.measured_settings();
-  ASSERT_EQ(settings.size(), 4u) << "none, optimizer, optimizer and gradients, and streamed";
-  EXPECT_EQ(settings.back().offload_parameters(), memfit::Offload::kHost);
+  ASSERT_EQ(settings.size(), 7u) << "none, optimizer, optimizer and gradients, streamed, and streamed in 3 tilings";
+  EXPECT_EQ(settings[3].offload_parameters(), memfit::Offload::kHost);
+  EXPECT_EQ(settings[3].tile_bytes(), 0);
   const auto offloaded = model.predict(8, settings[2], {});
   const auto streamed = model.predict(8, settings[3], {});
   const int64_t chain = 8 * (256 * 256 + 256) * 4;
@@ -271,6 +272,52 @@ TEST_F(ModulePlanTest, StreamsTheChainsParametersWhereOffloadingTheirStateAndGra
   EXPECT_FALSE(net->body->layer_runner()) << "planning left no runner behind";
   memfit::Trainer trainer(net, chain_loss, p.apply(*net));
   EXPECT_LE(measured_peak(trainer, batch), budget) << "applied, the plan trains under the budget";
+}
+
+TEST_F(ModulePlanTest, StreamsTheChainsLinearLayersInTilesWhereWholeWeightsDoNotFit) {
+  // 8 Linear(256, 256) in the chain: streamed whole, the device holds a
+  // 256 KiB weight at a time; in tiles of a 64th, 4 KiB.
+  ChainNet net(256, 8);
+  const auto batch = sample(8);
+  memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
+                                memfit::PlanOptions().measure_candidates(0));
+  const auto settings = model.measured_settings();
+  ASSERT_EQ(settings.size(), 7u);
+  const int64_t weight = 256 * 256 * 4;
+  EXPECT_EQ(settings[4].tile_bytes(), weight / 4);
+  EXPECT_EQ(settings[5].tile_bytes(), weight / 16);
+  EXPECT_EQ(settings[6].tile_bytes(), weight / 64);
+  const auto whole = model.predict(8, settings[3], {});
+  const auto tiled = model.predict(8, settings[6], {});
+  EXPECT_LT(tiled.peak_bytes, whole.peak_bytes - weight / 2) << "a weight no longer comes whole";
+  const int64_t budget = (tiled.peak_bytes + whole.peak_bytes) / 2;
+  const auto p = memfit::plan(model, budget);
+  ASSERT_TRUE(p.fits) << p.explain();
+  EXPECT_GT(p.settings.tile_bytes(), 0) << p.explain();
+  RecordProperty("streamed", std::to_string(whole.peak_bytes) + " predicted; tiled " + std::to_string(tiled.peak_bytes) +
+                                 "; plan " + std::to_string(p.settings.tile_bytes()) + "-byte tiles, " +
+                                 std::to_string(p.predicted.peak_bytes) + " predicted, " +
+                                 std::to_string(p.measured_peak_bytes) + " measured, budget " + std::to_string(budget));
+  EXPECT_NE(p.explain().find("tiles of"), std::string::npos) << p.explain();
+  EXPECT_LE(p.measured_peak_bytes, budget);
+  EXPECT_NEAR(double(p.predicted.peak_bytes), double(p.measured_peak_bytes), 0.05 * double(p.measured_peak_bytes));
+  double plain_loss = 0, tiled_loss = 0;
+  std::vector<torch::Tensor> start;
+  {
+    memfit::UntrackedGuard host;  // the test's copies are not the step's memory
+    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+  }
+  {
+    memfit::Trainer plain(net, chain_loss, memfit::TrainerOptions());
+    measured_peak(plain, batch, &plain_loss);
+  }
+  {
+    torch::NoGradGuard no_grad;  // the tiled run starts from the same weights
+    for (size_t i = 0; i < start.size(); ++i) net->parameters()[i].copy_(start[i]);
+  }
+  memfit::Trainer trainer(net, chain_loss, p.apply(*net));
+  EXPECT_LE(measured_peak(trainer, batch, &tiled_loss), budget) << "applied, the plan trains under the budget";
+  EXPECT_NEAR(tiled_loss, plain_loss, 1e-5 * std::abs(plain_loss)) << "tiles sum the input's gradient tile by tile";
 }
 
 // A chain whose first Linear's weight the head reuses (tied weights).
