@@ -440,19 +440,8 @@ ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, T
     offloads.push_back(StepSettings().offload_optimizer(Offload::kHost).offload_gradients(Offload::kHost));
   }
   for (const auto& c : im.chains) im.chain_parameter_bytes += storage_bytes(c.chain->parameters());
-  const bool recomputable = SelectiveRecomputeGuard(*im.probe.module, false).parts() > 0;  // counted, and put back
-  switch (im.options.selective_recompute()) {
-    case SelectiveRecompute::kOff:
-      break;
-    case SelectiveRecompute::kChoose:
-      if (recomputable) im.selective_choices = {false, true};
-      break;
-    case SelectiveRecompute::kOn:
-      TORCH_CHECK(recomputable, "PlanOptions::selective_recompute(kOn) needs a module with SelectivelyRecomputed "
-                  "parts (checkpoint.h); this one has none: use kChoose or kOff");
-      im.selective_choices = {true};
-      break;
-  }
+  im.selective_choices =
+      detail::selective_choices(im.options, SelectiveRecomputeGuard(*im.probe.module, false).parts() > 0);
   // A module the stream refuses (tied weights across a chain's edge) is planned without it, and the plan says why.
   if (im.streams()) im.stream_refused = ParameterStream::refusal(*im.probe.module);
   for (auto precision : im.options.precisions()) {

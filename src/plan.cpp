@@ -292,28 +292,10 @@ void StepModel::profile_layers(const torch::nn::Sequential& chain, const torch::
     sizes[0] = n;
     return example.to(device_).expand(sizes).contiguous();
   };
-  // Selective recomputation: the choices the options allow and the model has.
-  const bool was_selective = selective_recompute(chain);
-  const bool has_blocks = set_selective_recompute(chain, was_selective) > 0;
-  switch (options_.selective_recompute()) {
-    case SelectiveRecompute::kOff:
-      selective_choices_ = {false};
-      break;
-    case SelectiveRecompute::kChoose:
-      selective_choices_ = has_blocks ? std::vector<bool>{false, true} : std::vector<bool>{false};
-      break;
-    case SelectiveRecompute::kOn:
-      TORCH_CHECK(has_blocks, "PlanOptions::selective_recompute(kOn) needs a model with SelectivelyRecomputed "
-                  "modules (make_gpt's blocks, or your own); this one has none: use kChoose or kOff");
-      selective_choices_ = {true};
-      break;
-  }
-  // The chain's own setting comes back however profiling ends.
-  struct Restore {
-    const torch::nn::Sequential& chain;
-    bool selective;
-    ~Restore() { set_selective_recompute(chain, selective); }
-  } restore{chain, was_selective};
+  // Selective recomputation: the choices the options allow and the model
+  // has; each module's own setting comes back however profiling ends.
+  SelectiveRecomputeGuard restore(*chain, false);
+  selective_choices_ = detail::selective_choices(options_, restore.parts() > 0);
   // The first profile's first pass runs ascending from 1 example, doubling
   // to options.profile_batch() while profiling fits options.profile_budget():
   // bytes are linear in the batch, so the two largest batches measured say

@@ -115,6 +115,22 @@ inline std::string unlock_text(const PlanOptions& o, const std::optional<std::st
 }
 
 // A plan's micro-batch, precision and offload, in a line of text.
+// Selective recomputation's choices for a model that has SelectivelyRecomputed
+// modules (`recomputable`) or not, as `options` allow; the first is the plain step's.
+inline std::vector<bool> selective_choices(const PlanOptions& options, bool recomputable) {
+  switch (options.selective_recompute()) {
+    case SelectiveRecompute::kOff:
+      return {false};
+    case SelectiveRecompute::kChoose:
+      return recomputable ? std::vector<bool>{false, true} : std::vector<bool>{false};
+    case SelectiveRecompute::kOn:
+      break;
+  }
+  TORCH_CHECK(recomputable, "PlanOptions::selective_recompute(kOn) needs a model with SelectivelyRecomputed "
+              "modules (checkpoint.h: make_gpt's blocks, or your own); this one has none: use kChoose or kOff");
+  return {true};
+}
+
 inline std::string settings_text(const StepSettings& s, int64_t batch) {
   const int64_t m = s.micro_batch() > 0 ? s.micro_batch() : batch;
   return fmt::format("micro-batch {}, {}, offload {}{}{}", m, to_string(s.precision()), offload_text(s),

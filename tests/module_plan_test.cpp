@@ -740,8 +740,8 @@ TEST_F(ModulePlanTest, SelectiveRecomputationFixedOnNeedsAModuleThatHasIt) {
         memfit::ModuleStepModel(memfit::detail::make_probe(net.ptr(), chain_loss, sample(8)),
                                 memfit::PlanOptions().selective_recompute(memfit::SelectiveRecompute::kOn));
       },
-      "PlanOptions::selective_recompute(kOn) needs a module with SelectivelyRecomputed parts (checkpoint.h); this "
-      "one has none: use kChoose or kOff");
+      "PlanOptions::selective_recompute(kOn) needs a model with SelectivelyRecomputed modules (checkpoint.h: "
+      "make_gpt's blocks, or your own); this one has none: use kChoose or kOff");
   ScoresNet scores(8, 2);
   memfit::ModuleStepModel fixed(memfit::detail::make_probe(scores.ptr(), scores_loss, sample(8)),
                                 memfit::PlanOptions().selective_recompute(memfit::SelectiveRecompute::kOn).offload(false));

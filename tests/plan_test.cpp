@@ -396,7 +396,7 @@ TEST_F(PlannerGpt, OffersTheChoiceOnlyWhereTheModelHasBlocks) {
   const auto image = torch::zeros({1, 1, 28, 28});
   EXPECT_EQ(StepModel(mlp, image, PlanOptions().profile_batch(2)).selective_choices(), std::vector<bool>{false});
   testing::expect_error([&] { StepModel(mlp, image, PlanOptions().selective_recompute(SelectiveRecompute::kOn)); },
-                        "needs a model with SelectivelyRecomputed modules (make_gpt's blocks, or your own)");
+                        "needs a model with SelectivelyRecomputed modules (checkpoint.h: make_gpt's blocks, or your own)");
   auto gpt = make_gpt(shape());
   set_selective_recompute(gpt, true);
   StepModel off(gpt, tokens(1).images, PlanOptions().profile_batch(2).selective_recompute(SelectiveRecompute::kOff));
