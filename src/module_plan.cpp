@@ -267,6 +267,10 @@ struct ModuleStepModel::Impl {
   int64_t chain_parameter_bytes = 0;  // streamed, these leave the device
   std::string stream_refused;  // why streamed parameters were not measured (ParameterStream's error)
   std::vector<Measurement> measured;
+  // Streamed settings (whole and in tiles), measured only once a plan needs
+  // them (measure_held_back): they cost as many steps as the rest together.
+  std::vector<StepSettings> held_back;
+  bool streamed_measured = false;
 
   // Selective recomputation's choices: both where the options allow it and
   // the module has SelectivelyRecomputed parts; the first is the plain step's.
@@ -283,6 +287,7 @@ struct ModuleStepModel::Impl {
     return StepSettings().precision(options.precisions().front()).selective_recompute(selective_choices.front());
   }
   Measurement measure(const StepSettings& s);
+  bool measure_held_back();
   std::vector<Event> measure_at(const StepSettings& s, int64_t m, Capture* capture, int64_t* state_bytes);
   const Measurement& find(const StepSettings& s) const;
 };
@@ -454,12 +459,22 @@ ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, T
       if (im.streams() && precision == Precision::kFP32 && im.stream_refused.empty()) {
         const auto streamed =
             StepSettings(offloads.back()).offload_parameters(Offload::kHost).selective_recompute(selective);
-        im.measured.push_back(im.measure(streamed));
-        for (int64_t tile : tile_choices(im.chains)) im.measured.push_back(im.measure(StepSettings(streamed).tile_bytes(tile)));
+        im.held_back.push_back(streamed);
+        for (int64_t tile : tile_choices(im.chains)) im.held_back.push_back(StepSettings(streamed).tile_bytes(tile));
       }
     }
   }
 }
+
+bool ModuleStepModel::Impl::measure_held_back() {
+  if (held_back.empty()) return false;
+  for (const auto& s : held_back) measured.push_back(measure(s));
+  held_back.clear();
+  streamed_measured = true;
+  return true;
+}
+
+bool ModuleStepModel::measure_held_back() { return impl_->measure_held_back(); }
 
 ModuleStepModel::~ModuleStepModel() = default;
 ModuleStepModel::ModuleStepModel(ModuleStepModel&&) noexcept = default;
@@ -789,23 +804,39 @@ std::vector<Candidate>::iterator best_fitting(std::vector<Candidate>& fitting, d
   return chosen < 0 ? fitting.end() : at[static_cast<size_t>(chosen)];
 }
 
-// `steps` real steps of `batch` examples with `settings` and `schedules`
-// under `budget`: the steady steps' peak and the faster one's time (seconds 0
-// and peak -1 when one ran out of memory under it). The first step creates
-// the optimizer's state and is not counted.
-detail::StepTiming run_plan(const ModuleStepModel::Impl& im, const StepSettings& settings,
-                            const std::vector<Schedule>& schedules, int64_t batch, int64_t budget, int steps = 3) {
+// Examples a timed or verifying step of `batch` runs with `settings`: the
+// whole batch up to kTimedExamples; above it, whole micro-batches, at least
+// two and about kTimedExamples in all. Such a step peaks as the whole one
+// does (the second micro-batch accumulates into the gradients the first
+// made, as every later one does), and costs the same however large the batch.
+constexpr int64_t kTimedExamples = 128;
+int64_t timed_examples(const StepSettings& s, int64_t batch) {
+  const int64_t m = s.micro_batch() > 0 ? s.micro_batch() : batch;
+  if (batch <= kTimedExamples || m >= batch) return batch;
+  return std::min(batch, std::max<int64_t>(2, kTimedExamples / m) * m);
+}
+
+// `steps` real steps with `settings` and `schedules` under `budget`, of
+// `batch` examples or, for a large micro-batched batch, of timed_examples:
+// the steady steps' peak and the faster one's time (seconds 0 and peak -1
+// when one ran out of memory under it), a shorter step's time scaled to the
+// batch by `model`'s prediction of both. The first step creates the
+// optimizer's state and is not counted.
+detail::StepTiming run_plan(const ModuleStepModel& model, const ModuleStepModel::Impl& im,
+                            const StepSettings& settings, const std::vector<Schedule>& schedules, int64_t batch,
+                            int64_t budget, int steps = 3) {
+  const int64_t examples = timed_examples(settings, batch);
   detail::ModuleStateGuard restore(*im.probe.module);
   compat::WarningCapture quiet;  // the Trainer's warnings repeat what the plan says
   ChainSchedules scheduled(im.chains, schedules);
   SelectiveRecomputeGuard selective(*im.probe.module, settings.selective_recompute());
-  auto trainer = im.probe.make_trainer(trainer_options(settings, im.base).batch_size(batch).save_dir(""));
+  auto trainer = im.probe.make_trainer(trainer_options(settings, im.base).batch_size(examples).save_dir(""));
   const int64_t outer = memory_budget(im.base.device());  // a caller's lower budget stays
   BudgetGuard scope(im.base.device(), outer > 0 ? std::min(outer, budget) : budget);
   detail::StepTiming out;
   try {
     for (int k = 0; k < steps; ++k) {
-      const auto rec = im.probe.step(trainer, batch);
+      const auto rec = im.probe.step(trainer, examples);
       if (k == 0) continue;
       out.peak_bytes = std::max(out.peak_bytes, rec.peak_bytes);
       out.seconds = k == 1 ? rec.seconds : std::min(out.seconds, rec.seconds);
@@ -813,14 +844,19 @@ detail::StepTiming run_plan(const ModuleStepModel::Impl& im, const StepSettings&
   } catch (const c10::OutOfMemoryError&) {
     return {0, -1};
   }
+  if (examples < batch) {
+    const double part = model.predict(examples, settings, schedules).seconds;
+    if (part > 0) out.seconds *= model.predict(batch, settings, schedules).seconds / part;
+  }
   return out;
 }
 
 // The fastest measured of the candidates PlanOptions::measure_candidates
 // names (detail::to_time), recorded in `out`; nullopt when none ran within
 // the budget.
-std::optional<Candidate> measured_choice(const ModuleStepModel::Impl& im, const std::vector<Candidate>& fitting,
-                                         int64_t batch, int64_t budget, ModulePlan& out) {
+std::optional<Candidate> measured_choice(const ModuleStepModel& model, const ModuleStepModel::Impl& im,
+                                         const std::vector<Candidate>& fitting, int64_t batch, int64_t budget,
+                                         ModulePlan& out) {
   std::vector<detail::Ranked> ranked;
   std::vector<int64_t> group;
   for (const auto& c : fitting) {
@@ -831,7 +867,7 @@ std::optional<Candidate> measured_choice(const ModuleStepModel::Impl& im, const 
   const auto& o = im.options;
   const auto order = detail::to_time(ranked, group, o.measure_within(), o.measure_candidates());
   const auto measured = detail::choose_measured(
-      ranked, order, [&](size_t i) { return run_plan(im, fitting[i].settings, fitting[i].schedules, batch, budget, 2); });
+      ranked, order, [&](size_t i) { return run_plan(model, im, fitting[i].settings, fitting[i].schedules, batch, budget, 2); });
   const auto& timings = measured.timed;
   const int64_t chosen = measured.chosen;
   std::vector<std::string> names;
@@ -849,6 +885,12 @@ std::optional<Candidate> measured_choice(const ModuleStepModel::Impl& im, const 
   }
   out.measured_tie = measured.tie;
   out.why.push_back(detail::timed_text(names, predictions, measured));
+  if (std::any_of(order.begin(), order.end(),
+                  [&](size_t i) { return timed_examples(fitting[i].settings, batch) < batch; })) {
+    out.why.push_back(fmt::format("micro-batched candidates ran steps of whole micro-batches, at least two and about "
+                                  "{} examples, not all {}: such a step peaks as the whole one does, and its time is "
+                                  "scaled to the batch by the prediction", kTimedExamples, batch));
+  }
   if (chosen < 0) return std::nullopt;
   return fitting[static_cast<size_t>(chosen)];
 }
@@ -870,6 +912,10 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   out.plain_seconds = plain.seconds;
   const bool micro_batching = detail::may_micro_batch(o, model.impl_->batch_statistics);
   auto found = search(model, *model.impl_, batch, budget, micro_batching);
+  // Streaming the parameters is measured only where nothing resident fits.
+  if (found.fitting.empty() && model.impl_->measure_held_back()) {  // a cache: the model stays logically const
+    found = search(model, *model.impl_, batch, budget, micro_batching);
+  }
   out.candidates = found.candidates;
   std::string precisions;
   for (auto p : o.precisions()) precisions += (precisions.empty() ? "" : ", ") + to_string(p);
@@ -880,7 +926,10 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
           ? "none, optimizer, optimizer and gradients"
           : !model.impl_->stream_refused.empty()
               ? "none, optimizer, optimizer and gradients; parameters not streamed: " + model.impl_->stream_refused
-              : "none, optimizer, optimizer and gradients, and in fp32 also the chains' parameters streamed";
+          : model.impl_->streamed_measured
+              ? "none, optimizer, optimizer and gradients, and in fp32 also the chains' parameters streamed"
+              : "none, optimizer, optimizer and gradients; the chains' parameters streamed are measured only where "
+                "those do not fit";
   out.why.push_back(fmt::format("measured the module's step at micro-batches of {} and {} ({}; offload {}{}), "
                                 "{} chain(s): {}",
                                 model.impl_->m_small, model.impl_->m_large, precisions, offloads,
@@ -895,7 +944,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   double correction = 1.0;
   std::optional<Candidate> best;
   if (o.verify() && o.measure_candidates() > 0 && !found.fitting.empty()) {
-    best = measured_choice(*model.impl_, found.fitting, batch, budget, out);
+    best = measured_choice(model, *model.impl_, found.fitting, batch, budget, out);
   }
   for (int attempts = 0; !found.fitting.empty() && !best && attempts < kVerifyAttempts;) {
     const auto it = best_fitting(found.fitting, correction, limit);  // still fits after the correction
@@ -907,7 +956,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
       break;
     }
     ++attempts;
-    const int64_t measured = run_plan(*model.impl_, c.settings, c.schedules, batch, budget).peak_bytes;
+    const int64_t measured = run_plan(model, *model.impl_, c.settings, c.schedules, batch, budget).peak_bytes;
     if (measured >= 0 && measured <= budget) {
       best = c;
       out.measured_peak_bytes = measured;
@@ -939,6 +988,11 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
                                 best->predicted.accumulation_steps, schedules_text(out.chains, best->schedules)));
   if (best->edge) {
     out.why.push_back(detail::edge_chosen_text(best->predicted.peak_bytes, limit, o, out.measured_peak_bytes));
+  }
+  for (auto& line : detail::settings_lines(best->settings, model.impl_->selective_choices.size() > 1,
+                                           any_recompute(best->schedules) ? schedules_text(out.chains, best->schedules)
+                                                                          : "")) {
+    out.why.push_back(std::move(line));
   }
   out.why.push_back(fmt::format("predicted peak {} of {} ({} phase), {:.4f} s per batch ({:.2f}x plain){}",
                                 format_bytes(best->predicted.peak_bytes), format_bytes(budget),
@@ -987,7 +1041,7 @@ TrainerOptions ModulePlan::apply(torch::nn::Module& module, TrainerOptions base)
 
 std::string ModulePlan::to_json() const {
   auto j = nlohmann::json::parse(Plan::to_json());
-  j.erase("checkpoint");
+  j["checkpoint"] = schedules_text(chains, schedules);
   j["chains"] = nlohmann::json::parse(checkpoint_json(chains, schedules));
   return j.dump(2);
 }
@@ -1011,6 +1065,7 @@ ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget, const
   TORCH_CHECK(budget > 0, "find_batch: budget must be positive, got ", budget);
   TORCH_CHECK(options.max_batch() > 0, "FindBatchOptions::max_batch must be positive, got ", options.max_batch());
   TORCH_CHECK(options.attempts() > 0, "FindBatchOptions::attempts must be positive, got ", options.attempts());
+  model.impl_->measure_held_back();  // streaming may fit a larger batch
   const auto& im = *model.impl_;
   const auto& o = im.options;
   const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
@@ -1029,7 +1084,7 @@ ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget, const
       found.predicted_peak_bytes = c.predicted.peak_bytes;
       if (!options.verify() || found.attempts >= options.attempts()) return;
       ++found.attempts;
-      const int64_t peak = run_plan(im, c.settings, c.schedules, found.batch, budget).peak_bytes;
+      const int64_t peak = run_plan(model, im, c.settings, c.schedules, found.batch, budget).peak_bytes;
       if (peak >= 0 && peak <= budget) {
         found.verified = true;
         found.measured_peak_bytes = peak;
@@ -1052,6 +1107,33 @@ ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget, const
     return *it;
   });
   return out;
+}
+
+namespace detail {
+StepProbe make_probe(torch::nn::Sequential model, const torch::data::Example<>& sample) {
+  TORCH_CHECK(!model.is_empty(), "plan needs a model, got an empty Sequential holder");
+  using Traits = BatchTraits<torch::data::Example<>>;
+  StepProbe probe;
+  probe.module = model.ptr();
+  probe.examples = Traits::size(sample);
+  probe.make_trainer = [model](const TrainerOptions& options) { return Trainer(model, options); };
+  probe.step = [sample](Trainer& trainer, int64_t examples) {
+    return trainer.train_step(Traits::slice(sample, 0, examples));
+  };
+  return probe;
+}
+} // namespace detail
+
+ModulePlan plan(torch::nn::Sequential model, const torch::data::Example<>& sample, int64_t budget,
+                PlanOptions options, TrainerOptions base) {
+  ModuleStepModel m(detail::make_probe(std::move(model), sample), std::move(options), std::move(base));
+  return plan(m, budget);
+}
+
+ModuleProfile profile(torch::nn::Sequential model, const torch::data::Example<>& sample, PlanOptions options,
+                      TrainerOptions base) {
+  ModuleStepModel m(detail::make_probe(std::move(model), sample), std::move(options), std::move(base));
+  return profile(m);
 }
 
 ModuleProfile profile(const ModuleStepModel& model) {
@@ -1122,6 +1204,8 @@ nlohmann::json found_json(const ModuleBatchFound& f, const std::vector<std::stri
   return {{"batch", f.batch},
           {"precision", to_string(f.settings.precision())},
           {"offload", offload_text(f.settings)},
+          {"selective_recompute", f.settings.selective_recompute()},
+          {"checkpoint", schedules_text(chains, f.schedules)},
           {"chains", nlohmann::json::parse(checkpoint_json(chains, f.schedules))},
           {"predicted_peak_bytes", f.predicted_peak_bytes},
           {"measured_peak_bytes", f.measured_peak_bytes},

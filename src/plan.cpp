@@ -899,42 +899,17 @@ Plan plan_with(const StepModel& model, const PlanOptions& o, int64_t batch, int6
     best.why.push_back(fmt::format("device workspaces (cuBLAS, held by every step): {}",
                                    format_bytes(model.workspace_bytes())));
   }
-  best.why.push_back(s.precision() == Precision::kFP32
-                         ? std::string("precision fp32: the math is unchanged")
-                         : fmt::format("precision {}: autocast lowers activation bytes and time "
-                                       "(numerics change within autocast's tolerance)",
-                                       to_string(s.precision())));
   best.why.push_back(detail::micro_batch_text(o, model.batch_statistics(), s.micro_batch(), p.accumulation_steps, batch));
-  if (model.selective_choices().back()) {
-    best.why.push_back(s.selective_recompute()
-                           ? std::string("selective recomputation: each block's attention scores, softmax and "
-                                         "attention dropout are recomputed in backward instead of kept")
-                           : std::string("no selective recomputation: each block keeps its attention scores"));
+  detail::SettingsDetail detail;
+  detail.optimizer_state = " (" + format_bytes(model.optimizer_state_bytes()) + ")";
+  detail.crossing = fmt::format(" ({:.1f} ms each time)", 1e3 * model.stream_seconds());
+  if (s.tile_bytes() > 0) {
+    detail.tiles = fmt::format(", whose smaller products add {:.1f} ms a micro-batch",
+                               1e3 * model.tile_seconds(s.micro_batch() > 0 ? s.micro_batch() : batch, s.tile_bytes()));
   }
-  best.why.push_back(s.schedule().segments.empty()
-                         ? std::string("no checkpointing: every activation is kept")
-                         : fmt::format("checkpoint schedule {} (optimal for the memory left): "
-                                       "recomputation instead of storage",
-                                       s.schedule().to_string()));
-  best.why.push_back(s.offload_optimizer() == Offload::kHost
-                         ? fmt::format("optimizer state ({}) in host memory, stepped there",
-                                       format_bytes(model.optimizer_state_bytes()))
-                         : std::string("optimizer state on the device"));
-  if (s.offload_gradients() == Offload::kHost) {
-    best.why.push_back("gradients moved to the host as backward produces them (accumulated there): "
-                       "the device holds about one parameter's gradient at a time");
-  }
-  if (s.offload_parameters() == Offload::kHost) {
-    best.why.push_back(fmt::format(
-        "parameters in host memory, streamed to the device layer by layer ({}): every parameter "
-        "crosses twice per micro-batch ({:.1f} ms each time), layers other than Linear run forward "
-        "once more",
-        s.tile_bytes() > 0
-            ? fmt::format("Linear weights in tiles of at most {}, whose smaller products add {:.1f} ms a "
-                          "micro-batch", format_bytes(s.tile_bytes()),
-                          1e3 * model.tile_seconds(s.micro_batch() > 0 ? s.micro_batch() : batch, s.tile_bytes()))
-            : std::string("untiled"),
-        1e3 * model.stream_seconds()));
+  for (auto& line : detail::settings_lines(s, model.selective_choices().back(),
+                                           s.schedule().segments.empty() ? "" : s.schedule().to_string(), detail)) {
+    best.why.push_back(std::move(line));
   }
   best.why.push_back(fmt::format("predicted peak {} ({} phase), {:.1f} ms per batch, {:.2f}x the "
                                  "plain step's time{}",

@@ -95,6 +95,51 @@ inline std::string micro_batch_text(const PlanOptions& o, const std::optional<st
   return "no micro-batching: the whole batch at once";
 }
 
+// Figures a planner knows about its chosen settings, for settings_lines ("" where it has none).
+struct SettingsDetail {
+  std::string optimizer_state;  // e.g. " (1.20 MiB)"
+  std::string crossing;         // what one crossing of the parameters costs, e.g. " (0.4 ms each time)"
+  std::string tiles;            // what the tiles' smaller products cost, e.g. ", whose ... add 0.1 ms"
+};
+
+// What each of the chosen settings does, one line each: precision, selective
+// recomputation (when it was measured both ways), checkpointing
+// (`checkpoint`: the schedules' text, "" for none), and offload.
+inline std::vector<std::string> settings_lines(const StepSettings& s, bool selective_measured,
+                                               const std::string& checkpoint, const SettingsDetail& d = {}) {
+  std::vector<std::string> out;
+  out.push_back(s.precision() == Precision::kFP32
+                    ? std::string("precision fp32: the math is unchanged")
+                    : fmt::format("precision {}: autocast lowers activation bytes and time (numerics change "
+                                  "within autocast's tolerance)", to_string(s.precision())));
+  if (selective_measured) {
+    out.push_back(s.selective_recompute()
+                      ? std::string("selective recomputation: the model's SelectivelyRecomputed parts (make_gpt's "
+                                    "blocks: attention scores, softmax and attention dropout) are recomputed in "
+                                    "backward instead of kept")
+                      : std::string("no selective recomputation: the SelectivelyRecomputed parts keep what they mark"));
+  }
+  out.push_back(checkpoint.empty() ? std::string("no checkpointing: every activation is kept")
+                                   : fmt::format("checkpoint schedule {} (optimal for the memory left): "
+                                                 "recomputation instead of storage", checkpoint));
+  out.push_back(s.offload_optimizer() == Offload::kHost
+                    ? fmt::format("optimizer state{} in host memory, stepped there", d.optimizer_state)
+                    : std::string("optimizer state on the device"));
+  if (s.offload_gradients() == Offload::kHost) {
+    out.push_back("gradients moved to the host as backward produces them (accumulated there): "
+                  "the device holds about one parameter's gradient at a time");
+  }
+  if (s.offload_parameters() == Offload::kHost) {
+    out.push_back(fmt::format(
+        "parameters in host memory, streamed to the device layer by layer ({}): every parameter crosses twice "
+        "per micro-batch{}, layers other than Linear run forward once more",
+        s.tile_bytes() > 0 ? fmt::format("Linear weights in tiles of at most {}{}", format_bytes(s.tile_bytes()), d.tiles)
+                           : std::string("untiled"),
+        d.crossing));
+  }
+  return out;
+}
+
 // What a plan that found nothing could still be allowed: "; ..." clauses naming the
 // options, or "".
 inline std::string unlock_text(const PlanOptions& o, const std::optional<std::string>& layer) {

@@ -805,6 +805,25 @@ TEST_F(DocExamples, PlanAnyModule) {
   EXPECT_TRUE(p.fits);
 }
 
+TEST_F(DocExamples, PlanASequentialClassifier) {
+  auto chain = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                                     torch::nn::Linear(64, 4));
+  auto net = torch::nn::Sequential(memfit::CheckpointedSequential(chain));
+  torch::data::Example<> sample(torch::randn({64, 32}), torch::zeros({64}, torch::kLong));
+  auto p = memfit::plan(net, sample, 1 << 20);
+  memfit::Trainer trainer(net, p.apply(*net, memfit::TrainerOptions().batch_size(64)));
+  trainer.train_step(sample);
+  EXPECT_TRUE(p.fits);
+}
+
+TEST_F(DocExamples, ProfileASequentialClassifier) {
+  auto net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                                   torch::nn::Linear(64, 4));
+  torch::data::Example<> sample(torch::randn({16, 32}), torch::zeros({16}, torch::kLong));
+  auto p = memfit::profile(net, sample);
+  EXPECT_TRUE(p.batch == 16 && p.step.peak > 0);
+}
+
 TEST_F(DocExamples, BatchStatisticsLayer) {
   torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
   EXPECT_TRUE(memfit::batch_statistics_layer(*net) == std::optional<std::string>("1"));

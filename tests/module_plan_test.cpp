@@ -250,6 +250,9 @@ TEST_F(ModulePlanTest, StreamsTheChainsParametersWhereOffloadingTheirStateAndGra
   const auto batch = sample(8);
   memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
                                 memfit::PlanOptions().measure_candidates(0));
+  EXPECT_EQ(model.measured_settings().size(), 3u) << "streaming is measured only where a plan needs it";
+  EXPECT_TRUE(model.measure_held_back());
+  EXPECT_FALSE(model.measure_held_back()) << "once";
   const auto settings = model.measured_settings();
   ASSERT_EQ(settings.size(), 7u) << "none, optimizer, optimizer and gradients, streamed, and streamed in 3 tilings";
   EXPECT_EQ(settings[3].offload_parameters(), memfit::Offload::kHost);
@@ -281,6 +284,7 @@ TEST_F(ModulePlanTest, StreamsTheChainsLinearLayersInTilesWhereWholeWeightsDoNot
   const auto batch = sample(8);
   memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
                                 memfit::PlanOptions().measure_candidates(0));
+  model.measure_held_back();
   const auto settings = model.measured_settings();
   ASSERT_EQ(settings.size(), 7u);
   const int64_t weight = 256 * 256 * 4;
@@ -339,6 +343,7 @@ TEST_F(ModulePlanTest, AModuleTheStreamRefusesIsPlannedWithoutStreamingAndThePla
   auto net = std::make_shared<TiedNetImpl>();
   memfit::ModuleStepModel model(memfit::detail::make_probe(net, tied_loss, sample(8)),
                                 memfit::PlanOptions().measure_candidates(0));
+  EXPECT_FALSE(model.measure_held_back()) << "no streamed step to hold back";
   const auto settings = model.measured_settings();
   ASSERT_EQ(settings.size(), 3u) << "none, optimizer, optimizer and gradients: no streamed step";
   for (const auto& s : settings) EXPECT_EQ(s.offload_parameters(), memfit::Offload::kNone);
@@ -400,6 +405,30 @@ TEST_F(ModulePlanTest, ChoosesTheFastestMeasuredOfTheClosestCandidatesUnderTheBu
   memfit::testing::expect_error(
       [&] { memfit::plan(net.ptr(), chain_loss, batch, 1 << 20, memfit::PlanOptions().measure_within(-1)); },
       "PlanOptions::measure_within must be >= 0, got -1");
+}
+
+TEST_F(ModulePlanTest, ALargeMicroBatchedBatchIsVerifiedOnAFewMicroBatchesThatPeakAsTheWholeStepDoes) {
+  ChainNet net(64, 8);
+  const auto batch = sample(4096);
+  int64_t examples = 0;  // every example the planner's steps forward
+  auto counting = [&examples](ChainNetImpl& n, const torch::data::Example<>& b) {
+    examples += b.data.size(0);
+    return cross_entropy_of(n, b);
+  };
+  // Verified by prediction (measure_candidates 0): one candidate's steps,
+  // unless its steps overrun the budget.
+  const auto p = memfit::plan(net.ptr(), counting, batch, 1 << 20, memfit::PlanOptions().measure_candidates(0));
+  ASSERT_TRUE(p.fits);
+  ASSERT_GT(p.settings.micro_batch(), 0) << "a batch of 4096 fits 1 MiB only micro-batched: " << p.explain();
+  // Measuring the step (independent of the batch) and three verifying
+  // steps of about 128 examples; three steps of the whole batch were 12,288.
+  EXPECT_LT(examples, 4096) << p.explain();
+  // Those steps peaked as the whole batch's steps do.
+  memfit::Trainer trainer(net, chain_loss, p.apply(*net, memfit::TrainerOptions().batch_size(4096)));
+  EXPECT_EQ(measured_peak(trainer, batch), p.measured_peak_bytes);
+  // Timed candidates run as many examples, their times scaled to the batch.
+  const auto timed = memfit::plan(net.ptr(), chain_loss, batch, 1 << 20, memfit::PlanOptions().measure_candidates(2));
+  EXPECT_NE(timed.explain().find("about 128 examples, not all 4096"), std::string::npos) << timed.explain();
 }
 
 TEST_F(ModulePlanTest, AStepPredictedAboveTheMarginFitsWhereItsRealStepsDo) {

@@ -382,7 +382,7 @@ TEST_F(PlannerGpt, ChoosesSelectiveRecomputationWhereOnlyItFitsAndTheStepHoldsTh
   const int64_t budget = static_cast<int64_t>(double(plain + selective) / 2 / model.options().margin());
   const auto p = plan(model, 32, budget);
   EXPECT_TRUE(p.settings.selective_recompute()) << p.explain();
-  EXPECT_NE(p.explain().find("selective recomputation: each block's attention scores"), std::string::npos);
+  EXPECT_NE(p.explain().find("selective recomputation: the model's SelectivelyRecomputed parts"), std::string::npos);
   EXPECT_TRUE(nlohmann::json::parse(p.to_json())["selective_recompute"].get<bool>());
   // Run: the plan holds the budget; the step without it would not.
   int64_t measured = 0;

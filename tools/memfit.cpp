@@ -7,6 +7,7 @@
 #include "memfit/freeze.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
+#include "memfit/module_plan.h"
 #include "memfit/plan.h"
 #include "memfit/precision.h"
 #include "memfit/schedule.h"
@@ -573,6 +574,9 @@ void validate_train(const TrainArgs& a) {
               "and only a --budget with nothing set by hand (--micro-batch, --checkpoint, --offload, "
               "--master-weights, --parallel pipeline, --plan none) is planned: add --budget SIZE, or name one "
               "precision (fp32, bf16, fp16, auto)");
+  usage_check(!plans_knobs(a) || a.batch >= 4, "--batch ", a.batch, " under --budget: the planner measures the "
+              "step in micro-batches of two sizes, so it plans batches of 4 examples or more; use --batch 4 or "
+              "more, or set the knobs by hand (--plan none)");
   check_device_and_precision(a.device, a.precision);
   const std::string resumed =
       a.resume.empty() ? "" : fs::is_directory(a.resume) ? (fs::path(a.resume) / "checkpoint.pt").string() : a.resume;
@@ -599,10 +603,36 @@ memfit::BatchStatistics batch_statistics(const ModelArgs& a) {
 // Every usage error of `memfit plan`, `profile` and `find-batch`.
 void validate_model_command(const PlanArgs& a) {
   check_device_and_precision(a.device, a.precision);
+  memfit::tools::usage_check(a.batch >= 4, "--batch ", a.batch, ": the planner measures the step in micro-batches of two "
+              "sizes, so it plans batches of 4 examples or more; use --batch 4 or more");
   check_model_fits(a);
 }
 
-// The three commands built on a StepModel.
+// The first `n` training examples: the batch the planner measures and plans
+// for (a view of the data set, in host memory like it).
+torch::data::Example<> sample_of(const memfit::ImageDataset& data, int64_t n) {
+  return {data.images.narrow(0, 0, n), data.labels.narrow(0, 0, n)};
+}
+
+// The planner's options from the model flags: the precisions it may use,
+// whether it may micro-batch batch statistics, how many candidates it times.
+memfit::PlanOptions plan_options(const ModelArgs& a, const std::vector<memfit::Precision>& precisions) {
+  return memfit::PlanOptions()
+      .precisions(precisions)
+      .batch_statistics(batch_statistics(a))
+      .measure_candidates(a.measure_candidates)
+      .selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
+                                                 : memfit::SelectiveRecompute::kChoose);
+}
+
+// The built-in or TorchScript model as `train` trains it: its layers in one
+// chain (named "0"), where the plan may checkpoint them.
+torch::nn::Sequential planned_model(const Workload& w) {
+  return torch::nn::Sequential(memfit::CheckpointedSequential(w.make()));
+}
+
+// The three commands built on the module planner (module_plan.h), which
+// measures the model's real training step as `train` runs it.
 enum class ModelCommand { kPlan, kProfile, kFindBatch };
 
 int run_model_command(const PlanArgs& a, ModelCommand command) {
@@ -611,151 +641,58 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
   const std::string blas_warning = set_threads(a.threads);  // printed once the usage checks pass
   torch::manual_seed(0);
   auto workload = load_workload(a, /*with_test=*/false);
-  if (command != ModelCommand::kProfile) check_batch_within_data(a.batch, workload);
+  check_batch_within_data(a.batch, workload);
   print_warning(blas_warning);
-  auto chain = workload.make();
-  chain->to(device);
-  const auto example = workload.train.images.narrow(0, 0, 1).to(device);  // one example, for profiling
-  memfit::PlanOptions options;
-  options.optimizer(memfit::parse_optimizer_kind(a.optimizer))
-      .precisions(plan_precisions(a.precision, device))
-      .time_batch(a.batch)
-      .profile_budget(a.budget.empty() ? 0 : memfit::parse_memory_size(a.budget))
-      .batch_statistics(batch_statistics(a))
-      .measure_candidates(a.measure_candidates);
-  // --selective-recompute fixes it on; otherwise the planner may choose it
-  // (profile measures the model as built).
-  options.selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
-                              : command == ModelCommand::kProfile ? memfit::SelectiveRecompute::kOff
-                                                                  : memfit::SelectiveRecompute::kChoose);
-  if (command == ModelCommand::kProfile) options.offload(false);
-  memfit::StepModel model(chain, example, options, device);
+  auto model = planned_model(workload);
+  auto options = plan_options(a, plan_precisions(a.precision, device));
+  const auto base = memfit::TrainerOptions()
+                        .optimizer(memfit::parse_optimizer_kind(a.optimizer))
+                        .device(device)
+                        .batch_size(a.batch);
   if (command == ModelCommand::kProfile) {
-    const auto precision = options.precisions().front();
-    const auto costs = model.costs(precision, a.batch);
-    auto profile = model.profile(precision);
-    for (size_t i = 0; i < profile.layers.size(); ++i) {  // scaled to --batch
-      profile.layers[i].input_bytes = costs.x[i];
-      profile.layers[i].kept_bytes = costs.kept[i];
-      profile.layers[i].forward_seconds = costs.forward[i];
-      profile.layers[i].backward_seconds = costs.backward[i];
-    }
-    const auto step = model.predict(a.batch, memfit::StepSettings().precision(precision));
-    // The whole step, measured: two real steps at --batch on a clone.
-    const auto measured = precision == memfit::Precision::kFP32
-                              ? std::optional<memfit::ModelProfile>(memfit::profile(
-                                    chain, example.expand({a.batch, -1, -1, -1}).contiguous(),
-                                    memfit::parse_optimizer_kind(a.optimizer)))
-                              : std::nullopt;
+    // The model as built, in the first precision, nothing else measured.
+    options.offload(false).selective_recompute(memfit::SelectiveRecompute::kOff);
+    const auto p = memfit::profile(model, sample_of(workload.train, a.batch), options, base);
     if (a.json) {
-      nlohmann::json j = {{"batch", a.batch},
-                          {"precision", memfit::to_string(precision)},
-                          {"layers", nlohmann::json::parse(profile.to_json())},
-                          {"predicted_step_peak_bytes", step.peak_bytes},
-                          {"predicted_step_seconds", step.seconds},
-                          {"workspace_bytes", model.workspace_bytes()},
-                          {"predicted_memory", nlohmann::json::parse(step.memory.to_json())}};
-      if (measured) {
-        j["measured_step_peak_bytes"] = measured->step.peak;
-        j["measured_memory"] = nlohmann::json::parse(measured->step.to_json());
-        j["measured_step_seconds"] = measured->step_seconds;
-      }
-      fmt::print("{}\n", j.dump(2));
-      return 0;
-    }
-    fmt::print("profile of {} at batch {} ({}; measured at batches {} and {}, scaled linearly):\n{}",
-               a.model, a.batch, memfit::to_string(precision), model.profile_batch() / 2,
-               model.profile_batch(), profile.table());
-    if (model.workspace_bytes() > 0) {
-      fmt::print("device workspaces held by every step (cuBLAS, allocated on first use): {}\n",
-                 memfit::format_bytes(model.workspace_bytes()));
-    }
-    fmt::print("predicted plain training step ({}): peak {} in the {} phase, {:.1f} ms\n{}",
-               a.optimizer, memfit::format_bytes(step.peak_bytes), step.phase, 1e3 * step.seconds,
-               step.memory.table());
-    if (measured) {
-      fmt::print("measured plain training step: peak {}, {:.1f} ms\n{}",
-                 memfit::format_bytes(measured->step.peak), 1e3 * measured->step_seconds,
-                 measured->step.table());
+      fmt::print("{}\n", p.to_json());
+    } else {
+      fmt::print("profile of {} at batch {} ({}):\n{}", a.torchscript.empty() ? a.model : a.torchscript, a.batch,
+                 memfit::to_string(p.precision), p.table());
     }
     return 0;
   }
-  chain = nullptr;  // only fresh models run from here on
-  const auto make = [&] {
-    torch::manual_seed(0);
-    return workload.make();
-  };
-  if (command == ModelCommand::kFindBatch) {
-    const int64_t budget = memfit::parse_memory_size(a.budget);
-    const auto found = memfit::find_batch(model, make, workload.train, budget,
-                                          memfit::FindBatchOptions().verify(!a.no_verify));
-    std::optional<memfit::Plan> logical;
-    try {
-      logical = a.no_verify ? memfit::plan(model, a.batch, budget)
-                            : memfit::plan(model, make, workload.train, a.batch, budget);
-    } catch (const c10::Error& e) {
-      fmt::print(stderr, "memfit find-batch: {}\n", e.msg());
-    }
-    auto describe = [&](const memfit::BatchFound& f) {
-      nlohmann::json j = {{"batch", f.batch},
-                          {"precision", memfit::to_string(f.settings.precision())},
-                          {"checkpoint", f.settings.schedule().segments.empty()
-                                             ? std::string("none")
-                                             : f.settings.schedule().to_string()},
-                          {"selective_recompute", f.settings.selective_recompute()},
-                          {"offload", memfit::offload_text(f.settings)},
-                          {"predicted_peak_bytes", f.predicted_peak_bytes},
-                          {"measured_peak_bytes", f.measured_peak_bytes},
-                          {"verified", f.verified},
-                          {"verification_runs", f.attempts}};
-      return j;
-    };
-    if (a.json) {
-      nlohmann::json j = {{"budget_bytes", budget},
-                          {"plain", describe(found.plain)},
-                          {"with_techniques", describe(found.techniques)}};
-      if (logical) j["plan_for_batch"] = nlohmann::json::parse(logical->to_json());
-      fmt::print("{}\n", j.dump(2));
-      return found.plain.batch > 0 || found.techniques.batch > 0 ? 0 : 1;
-    }
-    auto line = [&](const char* what, const memfit::BatchFound& f) {
-      if (f.batch == 0) {
-        fmt::print("{}: not even a batch of 1 fits {}\n", what, memfit::format_bytes(budget));
-        return;
-      }
-      fmt::print("{}: batch {} (predicted peak {}{}){}\n", what, f.batch,
-                 memfit::format_bytes(f.predicted_peak_bytes),
-                 f.verified ? fmt::format(", measured {} in {} verification run{}",
-                                          memfit::format_bytes(f.measured_peak_bytes), f.attempts,
-                                          f.attempts == 1 ? "" : "s")
-                            : std::string(", not verified"),
-                 fmt::format(" with precision {}, checkpoint {}{}, optimizer state {}",
-                             memfit::to_string(f.settings.precision()),
-                             f.settings.schedule().segments.empty() ? std::string("none")
-                                                                    : f.settings.schedule().to_string(),
-                             f.settings.selective_recompute() ? ", selective recomputation of attention" : "",
-                             f.settings.offload_optimizer() != memfit::Offload::kHost ? "on the device"
-                             : f.settings.offload_parameters() == memfit::Offload::kHost
-                                 ? "gradients and parameters on the host"
-                             : f.settings.offload_gradients() == memfit::Offload::kHost ? "and gradients on the host"
-                                                                                        : "on the host"));
-    };
-    fmt::print("largest batch in one pass under {} ({}):\n", memfit::format_bytes(budget), a.model);
-    line("  plainly", found.plain);
-    line("  with checkpointing, offload and precision", found.techniques);
-    if (logical) {
-      fmt::print("any logical batch fits with micro-batching; for --batch {}:\n{}", a.batch,
-                 memfit::tools::with_flag_names(logical->explain()));
-    }
-    return found.plain.batch > 0 || found.techniques.batch > 0 ? 0 : 1;
+  const int64_t budget = memfit::parse_memory_size(a.budget);
+  if (command == ModelCommand::kPlan) {
+    const auto plan = memfit::plan(model, sample_of(workload.train, a.batch), budget, options, base);
+    fmt::print("{}", a.json ? plan.to_json() + "\n" : memfit::tools::with_flag_names(plan.explain()));
+    return 0;
   }
-  const auto plan = memfit::plan(model, make, workload.train, a.batch, memfit::parse_memory_size(a.budget));
+  // find-batch: the step measured on the data set's first examples, as many
+  // as a verified answer may run.
+  const auto find = memfit::FindBatchOptions().verify(!a.no_verify);
+  const int64_t examples = std::min(workload.train.size(), find.max_batch());
+  const memfit::ModuleStepModel step(memfit::detail::make_probe(model, sample_of(workload.train, examples)),
+                                     options, base);
+  const auto found = memfit::find_batch(step, budget, find);
+  std::optional<memfit::ModulePlan> logical;  // micro-batched, for --batch
+  try {
+    logical = memfit::plan(model, sample_of(workload.train, a.batch), budget,
+                           memfit::PlanOptions(options).verify(!a.no_verify), base);
+  } catch (const c10::Error& e) {
+    fmt::print(stderr, "memfit find-batch: {}\n", memfit::tools::with_flag_names(e.msg()));
+  }
+  const int rc = found.plain.batch > 0 || found.techniques.batch > 0 ? 0 : 1;
   if (a.json) {
-    fmt::print("{}\n", plan.to_json());
-  } else {
-    fmt::print("{}", memfit::tools::with_flag_names(plan.explain()));
+    auto j = nlohmann::json::parse(found.to_json());
+    if (logical) j["plan_for_batch"] = nlohmann::json::parse(logical->to_json());
+    fmt::print("{}\n", j.dump(2));
+    return rc;
   }
-  return 0;
+  fmt::print("{}{}", found.explain(),
+             logical ? fmt::format("any logical batch fits with micro-batching; for --batch {}:\n{}", a.batch,
+                                   memfit::tools::with_flag_names(logical->explain()))
+                     : std::string());
+  return rc;
 }
 
 int run_train(const TrainArgs& a) {
@@ -807,32 +744,6 @@ int run_train(const TrainArgs& a) {
                                                        : memfit::Offload::kNone));
   const auto precisions = plan_precisions(a.precision, device);  // "any": the plan's choice of these
   const bool pipelined = a.parallel == "pipeline";
-  std::optional<memfit::Plan> plan;
-  if (plans_knobs(a)) {
-    chain->to(device);
-    memfit::StepModel step_model(
-        chain, train_data.images.narrow(0, 0, 1).to(device),
-        memfit::PlanOptions()
-            .optimizer(memfit::parse_optimizer_kind(a.optimizer))
-            .precisions(precisions)
-            .time_batch(a.batch)
-            .profile_budget(budget)
-            .batch_statistics(batch_statistics(a))
-            .measure_candidates(a.measure_candidates)
-            .selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
-                                                       : memfit::SelectiveRecompute::kChoose),
-        device);
-    plan = memfit::plan(step_model, [&] { return workload.make(); }, train_data, a.batch, budget);
-    // Data-parallel ranks planned alike but timed apart: they train with rank 0's plan.
-    if (group) memfit::broadcast_plan(*plan, *group);
-    memfit::set_selective_recompute(chain, plan->settings.selective_recompute());
-    fmt::print("{}", memfit::tools::with_flag_names(plan->explain()));
-  }
-  const auto precision = plan ? plan->settings.precision() : precisions.front();
-  if (!plan && budget > 0 && a.plan == "auto") {
-    fmt::print("plan: none ({})\n", pipelined ? "the planner plans one process; a pipeline splits the model"
-                                               : "micro-batch, checkpointing, offload or master weights set by hand");
-  }
   // A pipeline's stages balance the layers' time, measured on rank 0 (its balance is used everywhere).
   std::vector<int64_t> balance;
   if (pipelined && world.rank == 0 && world.world_size <= static_cast<int64_t>(chain->size())) {
@@ -841,11 +752,7 @@ int run_train(const TrainArgs& a) {
     balance = memfit::balance_by_time(chain, train_data.images.narrow(0, 0, std::min(chunk, train_data.size())).to(device),
                                       world.world_size);
   }
-  memfit::set_memory_budget(device, budget);
   memfit::CheckpointedSequential checkpointed(chain, ck_options);
-  if (plan && !plan->settings.schedule().segments.empty()) {
-    checkpointed->set_schedule(plan->settings.schedule());
-  }
   torch::nn::Sequential model = pipelined ? chain : torch::nn::Sequential(checkpointed);
   memfit::TrainerOptions options;
   options.batch_size(a.batch)
@@ -855,34 +762,18 @@ int run_train(const TrainArgs& a) {
       .lr(a.lr)
       .optimizer(memfit::parse_optimizer_kind(a.optimizer))
       .seed(a.seed)
-      // Under a plan, evaluation forwards no more examples at once than a
-      // training micro-batch, which the plan fitted with grad.
-      .eval_batch_size(plan ? std::min<int64_t>(a.eval_batch, plan->settings.micro_batch() > 0
-                                                                  ? plan->settings.micro_batch()
-                                                                  : a.batch)
-                            : a.eval_batch)
+      .eval_batch_size(a.eval_batch)
       .device(device)
-      .precision(precision)
+      .precision(precisions.front())
       .master_weights(memfit::parse_master_weights_mode(a.master_weights))
       .max_grad_norm(a.clip_grad_norm)
       .nonfinite_loss(a.skip_nonfinite ? memfit::NonfiniteLoss::kSkip
                                        : memfit::NonfiniteLoss::kError)
-      .micro_batch_size(plan ? plan->settings.micro_batch() : a.micro_batch)
-      .offload_optimizer(offloads("optimizer") || (plan && plan->settings.offload_optimizer() ==
-                                                               memfit::Offload::kHost)
-                             ? memfit::Offload::kHost
-                             : memfit::Offload::kNone)
-      .offload_gradients(offloads("gradients") || (plan && plan->settings.offload_gradients() ==
-                                                               memfit::Offload::kHost)
-                             ? memfit::Offload::kHost
-                             : memfit::Offload::kNone)
-      .offload_parameters(offloads("parameters") || (plan && plan->settings.offload_parameters() ==
-                                                                memfit::Offload::kHost)
-                              ? memfit::Offload::kHost
-                              : memfit::Offload::kNone)
-      .stream(memfit::StreamOptions().tile_bytes(
-          plan ? plan->settings.tile_bytes()
-               : a.offload_tile.empty() ? 0 : memfit::parse_memory_size(a.offload_tile)))
+      .micro_batch_size(a.micro_batch)
+      .offload_optimizer(offloads("optimizer") ? memfit::Offload::kHost : memfit::Offload::kNone)
+      .offload_gradients(offloads("gradients") ? memfit::Offload::kHost : memfit::Offload::kNone)
+      .offload_parameters(offloads("parameters") ? memfit::Offload::kHost : memfit::Offload::kNone)
+      .stream(memfit::StreamOptions().tile_bytes(a.offload_tile.empty() ? 0 : memfit::parse_memory_size(a.offload_tile)))
       .save_dir(a.save)
       .save_every(a.save_every)
       .process_group(group)
@@ -893,6 +784,27 @@ int run_train(const TrainArgs& a) {
                     .schedule(memfit::parse_pipeline_schedule(a.schedule))
                     .checkpoint(memfit::parse_pipeline_checkpoint(a.pipeline_checkpoint))
                     .balance(balance));
+  std::optional<memfit::ModulePlan> plan;
+  if (plans_knobs(a)) {
+    // The planner measures this run's own step (Trainer(model, options)), in
+    // one process and saving nothing; the plan then sets its knobs.
+    const auto measured = memfit::TrainerOptions(options).process_group(nullptr).zero_stage(0).save_dir("");
+    plan = memfit::plan(model, sample_of(train_data, a.batch), budget, plan_options(a, precisions), measured);
+    // Data-parallel ranks planned alike but timed apart: they train with rank 0's plan.
+    if (group) memfit::broadcast_plan(*plan, *group);
+    options = plan->apply(*model, options);
+    // Evaluation forwards no more examples at once than a training
+    // micro-batch, which the plan fitted with grad.
+    options.eval_batch_size(std::min<int64_t>(a.eval_batch, plan->settings.micro_batch() > 0
+                                                               ? plan->settings.micro_batch()
+                                                               : a.batch));
+    fmt::print("{}", memfit::tools::with_flag_names(plan->explain()));
+  }
+  if (!plan && budget > 0 && a.plan == "auto") {
+    fmt::print("plan: none ({})\n", pipelined ? "the planner plans one process; a pipeline splits the model"
+                                               : "micro-batch, checkpointing, offload or master weights set by hand");
+  }
+  memfit::set_memory_budget(device, budget);
   int64_t params = 0, frozen = 0;  // of the whole model
   for (const auto& p : chain->parameters()) {
     params += p.numel();

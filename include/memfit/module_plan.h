@@ -33,8 +33,17 @@
 /// with less offload, then with fewer micro-batches), after running the best
 /// candidates under the budget (PlanOptions::verify). find_batch() bisects
 /// the same predictions for the largest batch one pass fits, and profile()
-/// reports the plain step, predicted and measured. Parameter streaming is
-/// for Sequential classifiers only (plan.h's StepModel).
+/// reports the plain step, predicted and measured. In fp32, with the
+/// optimizer state and gradients on the host, the chains' parameters may also
+/// be streamed (stream.h), their Linear layers whole or in tiles of a
+/// quarter, a 16th and a 64th of the largest weight: each is measured like
+/// the other settings.
+///
+/// The module is the user's with their loss (plan(module, loss, sample, ...)),
+/// or a torch::nn::Sequential classifier as the Trainer trains it without a
+/// loss (plan(sequential, sample, ...)): cross-entropy, pipelines allowed.
+/// `memfit plan`, `profile`, `find-batch` and `train --budget` plan their
+/// built-in and TorchScript models the second way.
 ///
 /// Thread safety: one model or plan at a time per module. Sync points: every
 /// measured step (it reads the loss) and each window mark (on CUDA, timing).
@@ -113,6 +122,10 @@ StepProbe make_dataset_probe(std::shared_ptr<M> module, Loss loss, Dataset& data
   };
   return probe;
 }
+/// A probe of the Trainer's Sequential form (a classifier trained with
+/// cross-entropy, trainer.h): its steps run Trainer(model, options) on the
+/// first examples of `sample`.
+StepProbe make_probe(torch::nn::Sequential model, const torch::data::Example<>& sample);
 } // namespace detail
 
 struct ModulePlan;
@@ -142,9 +155,14 @@ class ModuleStepModel {
   /// Chain `index`'s costs at `micro_batch` examples in `precision`, with or
   /// without selective recomputation.
   ChainCosts costs(size_t index, Precision precision, int64_t micro_batch, bool selective_recompute = false) const;
-  /// The settings measured: the precisions × selective recomputation ×
-  /// offloads the plan may use.
+  /// The settings measured so far: the precisions × selective
+  /// recomputation × offloads the plan may use. Streamed parameters (whole
+  /// and in tiles) are held back until plan() finds that nothing else fits,
+  /// find_batch() runs, or measure_held_back() is called.
   std::vector<StepSettings> measured_settings() const;
+  /// Measures the settings held back (streamed parameters); returns whether
+  /// there were any. Sync points and extra memory: as the constructor's.
+  bool measure_held_back();
   /// Examples in the sample batch: the logical batch plan() plans for.
   int64_t sample_examples() const;
   /// The options, as checked.
@@ -173,7 +191,8 @@ struct ModulePlan : Plan {
   /// selective recomputation (set_selective_recompute), and returns `base`
   /// with the plan's micro-batch, precision and offloads.
   TrainerOptions apply(torch::nn::Module& module, TrainerOptions base = TrainerOptions()) const;
-  /// Plan::to_json() with "chains": [{"name", "checkpoint"}].
+  /// Plan::to_json() with "checkpoint" naming every chain's schedule
+  /// ("name: schedule; ..."), and "chains": [{"name", "checkpoint"}].
   std::string to_json() const;
   /// The plan and its reasons as text.
   std::string explain() const;
@@ -198,11 +217,15 @@ struct ModulePlan : Plan {
 void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root = 0);
 
 /// The fastest plan for a step of `model`'s sample batch that fits
-/// options.margin() × `budget` (see the file comment).
+/// options.margin() × `budget` (see the file comment). Where no measured
+/// setting fits, it first measures those held back (streamed parameters).
 ///
 /// With PlanOptions::verify, the best candidates are run for real (three
 /// steps on the sample, under `budget`, the module put back afterwards)
-/// before one is chosen: a candidate whose steps overrun the budget is
+/// before one is chosen; a micro-batched step of more than 128 examples runs
+/// whole micro-batches, at least two and about 128 examples (it peaks as the
+/// whole step does), its time scaled to the batch by the prediction, so
+/// planning a large batch costs about what planning 128 examples does: a candidate whose steps overrun the budget is
 /// dropped, and the predictions after it are scaled by how far it was off
 /// (at most four are run). Bytes within a window of the step are a maximum
 /// over moments, convex in the micro-batch: the linear fit from small
@@ -236,6 +259,23 @@ ModulePlan plan(std::shared_ptr<M> module, Loss loss, const typename detail::Los
                         std::move(base));
   return plan(model, budget);
 }
+
+/// Plans `model` as Trainer(model, options) trains it, a classifier with
+/// cross-entropy (trainer.h), for a step of `sample`; otherwise as
+/// plan(module, loss, sample, ...) above. Leaves the model as it was.
+///
+/// Example:
+/// \code
+///   auto chain = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+///                                      torch::nn::Linear(64, 4));
+///   auto net = torch::nn::Sequential(memfit::CheckpointedSequential(chain));
+///   torch::data::Example<> sample(torch::randn({64, 32}), torch::zeros({64}, torch::kLong));
+///   auto p = memfit::plan(net, sample, 1 << 20);
+///   memfit::Trainer trainer(net, p.apply(*net, memfit::TrainerOptions().batch_size(64)));
+///   trainer.train_step(sample);
+/// \endcode
+ModulePlan plan(torch::nn::Sequential model, const torch::data::Example<>& sample, int64_t budget,
+                PlanOptions options = PlanOptions(), TrainerOptions base = TrainerOptions());
 
 /// What profile() measured on a user's module: its plain training step as
 /// the Trainer runs it, and each chain's layers.
@@ -290,6 +330,21 @@ ModuleProfile profile(std::shared_ptr<M> module, Loss loss, const typename detai
   return profile(model);
 }
 
+/// Profiles `model`'s plain step as Trainer(model, options) trains it, a
+/// classifier with cross-entropy, on `sample`; otherwise as
+/// profile(module, loss, sample, ...) above.
+///
+/// Example:
+/// \code
+///   auto net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+///                                    torch::nn::Linear(64, 4));
+///   torch::data::Example<> sample(torch::randn({16, 32}), torch::zeros({16}, torch::kLong));
+///   auto p = memfit::profile(net, sample);
+///   assert(p.batch == 16 && p.step.peak > 0);
+/// \endcode
+ModuleProfile profile(torch::nn::Sequential model, const torch::data::Example<>& sample,
+                      PlanOptions options = PlanOptions().offload(false), TrainerOptions base = TrainerOptions());
+
 /// A batch size found for a user's module: BatchFound's fields (its
 /// settings' schedule unused) and one schedule per chain.
 struct ModuleBatchFound : BatchFound {
@@ -309,8 +364,8 @@ struct ModuleBatchSearch {
   TrainerOptions apply(const ModuleBatchFound& found, torch::nn::Module& module,
                        TrainerOptions base = TrainerOptions()) const;
   /// {"budget_bytes", "chains", "plain", "with_techniques"}: each found batch
-  /// with its precision, offload, checkpoint per chain, predicted and
-  /// measured peaks.
+  /// with its precision, offload, selective recomputation, checkpoint (all
+  /// chains, and per chain), predicted and measured peaks.
   std::string to_json() const;
   /// One line for each search.
   std::string explain() const;
