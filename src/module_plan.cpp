@@ -1041,7 +1041,7 @@ TrainerOptions ModulePlan::apply(torch::nn::Module& module, TrainerOptions base)
 
 std::string ModulePlan::to_json() const {
   auto j = nlohmann::json::parse(Plan::to_json());
-  j["checkpoint"] = schedules_text(chains, schedules);
+  j["checkpoint"] = any_recompute(schedules) ? schedules_text(chains, schedules) : "none";
   j["chains"] = nlohmann::json::parse(checkpoint_json(chains, schedules));
   return j.dump(2);
 }
@@ -1205,7 +1205,7 @@ nlohmann::json found_json(const ModuleBatchFound& f, const std::vector<std::stri
           {"precision", to_string(f.settings.precision())},
           {"offload", offload_text(f.settings)},
           {"selective_recompute", f.settings.selective_recompute()},
-          {"checkpoint", schedules_text(chains, f.schedules)},
+          {"checkpoint", any_recompute(f.schedules) ? schedules_text(chains, f.schedules) : "none"},
           {"chains", nlohmann::json::parse(checkpoint_json(chains, f.schedules))},
           {"predicted_peak_bytes", f.predicted_peak_bytes},
           {"measured_peak_bytes", f.measured_peak_bytes},

@@ -192,7 +192,8 @@ struct ModulePlan : Plan {
   /// with the plan's micro-batch, precision and offloads.
   TrainerOptions apply(torch::nn::Module& module, TrainerOptions base = TrainerOptions()) const;
   /// Plan::to_json() with "checkpoint" naming every chain's schedule
-  /// ("name: schedule; ..."), and "chains": [{"name", "checkpoint"}].
+  /// ("name: schedule; ...", or "none" where no chain recomputes), and
+  /// "chains": [{"name", "checkpoint"}].
   std::string to_json() const;
   /// The plan and its reasons as text.
   std::string explain() const;
