@@ -352,6 +352,12 @@ expect train-gpt-selective 0 'final loss' out -- train --model gpt --width 16 --
   --batch 8 --steps 2 --no-eval -q --selective-recompute --dropout 0.1
 expect plan-gpt-chooses-selective-recompute 0 '"selective_recompute"' out -- plan --model gpt --width 16 --depth 1 \
   --heads 2 --context 16 --batch 8 --budget 2MiB --json
+# profile measures the model as built: with --selective-recompute its blocks keep less.
+gpt_tiny=(--model gpt --width 16 --depth 1 --heads 2 --context 64 --batch 8 --json)
+peak_of() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["measured_step_peak_bytes"])' "$1"; }
+"$bin" profile "${gpt_tiny[@]}" >"$tmp/kept.json" 2>"$tmp/err"
+"$bin" profile "${gpt_tiny[@]}" --selective-recompute >"$tmp/recomputed.json" 2>"$tmp/err"
+check profile-measures-selective-recompute-as-asked test "$(peak_of "$tmp/recomputed.json")" -lt "$(peak_of "$tmp/kept.json")"
 expect selective-recompute-needs-gpt 2 'only --model gpt has' err -- train --model mlp --selective-recompute --steps 1 --no-eval
 expect train-gpt-bad-heads 2 'not a multiple of its 3 heads' err -- train --model gpt --width 16 --heads 3 --steps 1 --no-eval
 else

@@ -650,8 +650,10 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
                         .device(device)
                         .batch_size(a.batch);
   if (command == ModelCommand::kProfile) {
-    // The model as built, in the first precision, nothing else measured.
-    options.offload(false).selective_recompute(memfit::SelectiveRecompute::kOff);
+    // The model as built (with --selective-recompute, its blocks recompute),
+    // in the first precision, nothing else measured.
+    options.offload(false).selective_recompute(a.selective_recompute ? memfit::SelectiveRecompute::kOn
+                                                                     : memfit::SelectiveRecompute::kOff);
     const auto p = memfit::profile(model, sample_of(workload.train, a.batch), options, base);
     if (a.json) {
       fmt::print("{}\n", p.to_json());
