@@ -741,6 +741,12 @@ std::string schedules_text(const std::vector<std::string>& chains, const std::ve
   return out;
 }
 
+// What the chains recompute: their schedules, or `none` where none does.
+std::string checkpoint_text(const std::vector<std::string>& chains, const std::vector<Schedule>& s,
+                            const std::string& none = "none") {
+  return any_recompute(s) ? schedules_text(chains, s) : none;
+}
+
 } // namespace
 
 namespace {
@@ -802,6 +808,18 @@ std::vector<Candidate>::iterator best_fitting(std::vector<Candidate>& fitting, d
   }
   const int64_t chosen = detail::choose(ranked);
   return chosen < 0 ? fitting.end() : at[static_cast<size_t>(chosen)];
+}
+
+// Streaming the chains' parameters is the rung after the optimizer state and
+// gradients on the host, so its settings are measured only where nothing
+// resident is predicted to fit the limit, or where the fastest resident fit
+// already holds both on the host: there a larger micro-batch streamed may be
+// faster (the GPU peer table's GPT at 101.96 MiB, docs/workloads.md: streamed
+// micro-batches of 4 ran at 19x the plain step on an H200; without streaming
+// measured, resident micro-batches of 1 at 46x on an H100).
+bool wants_streaming(Search& found, int64_t limit) {
+  const auto best = best_fitting(found.fitting, 1.0, limit);
+  return best == found.fitting.end() || best->settings.offload_gradients() == Offload::kHost;
 }
 
 // Examples a timed or verifying step of `batch` runs with `settings`: the
@@ -912,8 +930,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
   out.plain_seconds = plain.seconds;
   const bool micro_batching = detail::may_micro_batch(o, model.impl_->batch_statistics);
   auto found = search(model, *model.impl_, batch, budget, micro_batching);
-  // Streaming the parameters is measured only where nothing resident fits.
-  if (found.fitting.empty() && model.impl_->measure_held_back()) {  // a cache: the model stays logically const
+  if (wants_streaming(found, limit) && model.impl_->measure_held_back()) {  // a cache: the model stays logically const
     found = search(model, *model.impl_, batch, budget, micro_batching);
   }
   out.candidates = found.candidates;
@@ -929,7 +946,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
           : model.impl_->streamed_measured
               ? "none, optimizer, optimizer and gradients, and in fp32 also the chains' parameters streamed"
               : "none, optimizer, optimizer and gradients; the chains' parameters streamed are measured only where "
-                "those do not fit";
+                "nothing resident fits or the fastest that does holds the optimizer state and gradients on the host";
   out.why.push_back(fmt::format("measured the module's step at micro-batches of {} and {} ({}; offload {}{}), "
                                 "{} chain(s): {}",
                                 model.impl_->m_small, model.impl_->m_large, precisions, offloads,
@@ -990,8 +1007,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
     out.why.push_back(detail::edge_chosen_text(best->predicted.peak_bytes, limit, o, out.measured_peak_bytes));
   }
   for (auto& line : detail::settings_lines(best->settings, model.impl_->selective_choices.size() > 1,
-                                           any_recompute(best->schedules) ? schedules_text(out.chains, best->schedules)
-                                                                          : "")) {
+                                           checkpoint_text(out.chains, best->schedules, ""))) {
     out.why.push_back(std::move(line));
   }
   out.why.push_back(fmt::format("predicted peak {} of {} ({} phase), {:.4f} s per batch ({:.2f}x plain){}",
@@ -1041,7 +1057,7 @@ TrainerOptions ModulePlan::apply(torch::nn::Module& module, TrainerOptions base)
 
 std::string ModulePlan::to_json() const {
   auto j = nlohmann::json::parse(Plan::to_json());
-  j["checkpoint"] = any_recompute(schedules) ? schedules_text(chains, schedules) : "none";
+  j["checkpoint"] = checkpoint_text(chains, schedules);
   j["chains"] = nlohmann::json::parse(checkpoint_json(chains, schedules));
   return j.dump(2);
 }
@@ -1205,7 +1221,7 @@ nlohmann::json found_json(const ModuleBatchFound& f, const std::vector<std::stri
           {"precision", to_string(f.settings.precision())},
           {"offload", offload_text(f.settings)},
           {"selective_recompute", f.settings.selective_recompute()},
-          {"checkpoint", any_recompute(f.schedules) ? schedules_text(chains, f.schedules) : "none"},
+          {"checkpoint", checkpoint_text(chains, f.schedules)},
           {"chains", nlohmann::json::parse(checkpoint_json(chains, f.schedules))},
           {"predicted_peak_bytes", f.predicted_peak_bytes},
           {"measured_peak_bytes", f.measured_peak_bytes},

@@ -8,6 +8,7 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <iostream>
 #include <numeric>
 #include <string>
@@ -275,6 +276,40 @@ TEST_F(ModulePlanTest, StreamsTheChainsParametersWhereOffloadingTheirStateAndGra
   EXPECT_FALSE(net->body->layer_runner()) << "planning left no runner behind";
   memfit::Trainer trainer(net, chain_loss, p.apply(*net));
   EXPECT_LE(measured_peak(trainer, batch), budget) << "applied, the plan trains under the budget";
+}
+
+TEST_F(ModulePlanTest, MeasuresStreamingOnlyWhereTheFastestResidentFitHoldsStateAndGradientsOnTheHost) {
+  // Parameters dominate (8 Linear(256, 256), 2.1 MB of gradients against
+  // activations of 8 x 256 floats a layer), so no micro-batch or schedule
+  // fits while the gradients stay on the device.
+  ChainNet net(256, 8);
+  const auto batch = sample(8);
+  memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
+                                memfit::PlanOptions().measure_candidates(0));
+  const auto resident = model.measured_settings();
+  ASSERT_EQ(resident.size(), 3u);
+  // Under a generous budget every offload fits. The plan, chosen by
+  // predicted times (no candidates timed), keeps the gradients unless timing
+  // noise made their offload predicted more than 3% faster: streaming is
+  // measured exactly when the choice holds them on the host.
+  const auto roomy = memfit::plan(model, 1 << 30);
+  ASSERT_TRUE(roomy.fits) << roomy.explain();
+  const bool kept = roomy.settings.offload_gradients() == memfit::Offload::kNone;
+  EXPECT_EQ(model.measured_settings().size(), kept ? 3u : 7u) << roomy.explain();
+  if (kept) {
+    EXPECT_NE(roomy.explain().find("measured only where nothing resident fits"), std::string::npos) << roomy.explain();
+    EXPECT_EQ(roomy.settings.offload_parameters(), memfit::Offload::kNone) << roomy.explain();
+  }
+  // Just above the offloaded step: it fits, and only with both on the host.
+  const auto offloaded = model.predict(8, resident[2], {});
+  const auto budget = static_cast<int64_t>(std::ceil(double(offloaded.peak_bytes) / model.options().margin())) + 1024;
+  ASSERT_GT(model.predict(8, resident[1], {}).peak_bytes, budget) << "the gradients on the device do not fit";
+  const auto p = memfit::plan(model, budget);
+  ASSERT_TRUE(p.fits) << p.explain();
+  EXPECT_EQ(model.measured_settings().size(), 7u) << "the streamed settings were measured, whole and in 3 tilings";
+  EXPECT_NE(p.explain().find("and in fp32 also the chains' parameters streamed"), std::string::npos) << p.explain();
+  EXPECT_EQ(p.settings.offload_gradients(), memfit::Offload::kHost) << p.explain();
+  EXPECT_LE(p.measured_peak_bytes, budget) << p.explain();
 }
 
 TEST_F(ModulePlanTest, StreamsTheChainsLinearLayersInTilesWhereWholeWeightsDoNotFit) {

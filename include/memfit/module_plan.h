@@ -36,8 +36,10 @@
 /// reports the plain step, predicted and measured. In fp32, with the
 /// optimizer state and gradients on the host, the chains' parameters may also
 /// be streamed (stream.h), their Linear layers whole or in tiles of a
-/// quarter, a 16th and a 64th of the largest weight: each is measured like
-/// the other settings.
+/// quarter, a 16th and a 64th of the largest weight. These settings cost as
+/// many measuring steps as the others together, so they are held back until
+/// a plan needs them: where nothing resident fits, or where the fastest
+/// resident fit already holds the optimizer state and gradients on the host.
 ///
 /// The module is the user's with their loss (plan(module, loss, sample, ...)),
 /// or a torch::nn::Sequential classifier as the Trainer trains it without a
@@ -157,8 +159,8 @@ class ModuleStepModel {
   ChainCosts costs(size_t index, Precision precision, int64_t micro_batch, bool selective_recompute = false) const;
   /// The settings measured so far: the precisions × selective
   /// recomputation × offloads the plan may use. Streamed parameters (whole
-  /// and in tiles) are held back until plan() finds that nothing else fits,
-  /// find_batch() runs, or measure_held_back() is called.
+  /// and in tiles) are held back until plan() needs them (see the file
+  /// comment), find_batch() runs, or measure_held_back() is called.
   std::vector<StepSettings> measured_settings() const;
   /// Measures the settings held back (streamed parameters); returns whether
   /// there were any. Sync points and extra memory: as the constructor's.
@@ -219,16 +221,18 @@ void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root = 0);
 
 /// The fastest plan for a step of `model`'s sample batch that fits
 /// options.margin() × `budget` (see the file comment). Where no measured
-/// setting fits, it first measures those held back (streamed parameters).
+/// setting fits, or the fastest that fits holds the optimizer state and
+/// gradients on the host, it first measures those held back (streamed
+/// parameters).
 ///
 /// With PlanOptions::verify, the best candidates are run for real (three
 /// steps on the sample, under `budget`, the module put back afterwards)
-/// before one is chosen; a micro-batched step of more than 128 examples runs
-/// whole micro-batches, at least two and about 128 examples (it peaks as the
-/// whole step does), its time scaled to the batch by the prediction, so
-/// planning a large batch costs about what planning 128 examples does: a candidate whose steps overrun the budget is
+/// before one is chosen. A candidate whose steps overrun the budget is
 /// dropped, and the predictions after it are scaled by how far it was off
-/// (at most four are run). Bytes within a window of the step are a maximum
+/// (at most four are run). A micro-batched step of more than 128 examples
+/// runs whole micro-batches, at least two and about 128 examples (it peaks
+/// as the whole step does), its time scaled to the batch by the prediction,
+/// so planning a large batch costs about what planning 128 examples does. Bytes within a window of the step are a maximum
 /// over moments, convex in the micro-batch: the linear fit from small
 /// micro-batches can fall short at large ones, and the run catches that.
 ///
