@@ -271,6 +271,7 @@ struct ModuleStepModel::Impl {
   // them (measure_held_back): they cost as many steps as the rest together.
   std::vector<StepSettings> held_back;
   bool streamed_measured = false;
+  std::string profile_note;  // how PlanOptions::profile_budget chose the micro-batches measured, if it did
 
   // Selective recomputation's choices: both where the options allow it and
   // the module has SelectivelyRecomputed parts; the first is the plain step's.
@@ -288,6 +289,7 @@ struct ModuleStepModel::Impl {
   }
   Measurement measure(const StepSettings& s);
   bool measure_held_back();
+  void fit_profile_batches();
   std::vector<Event> measure_at(const StepSettings& s, int64_t m, Capture* capture, int64_t* state_bytes);
   const Measurement& find(const StepSettings& s) const;
 };
@@ -447,6 +449,9 @@ ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, T
   for (const auto& c : im.chains) im.chain_parameter_bytes += storage_bytes(c.chain->parameters());
   im.selective_choices =
       detail::selective_choices(im.options, SelectiveRecomputeGuard(*im.probe.module, false).parts() > 0);
+  TORCH_CHECK(im.options.profile_budget() >= 0, "PlanOptions::profile_budget must be >= 0 bytes (0: no limit), got ",
+              im.options.profile_budget());
+  if (im.options.profile_budget() > 0) im.fit_profile_batches();
   // A module the stream refuses (tied weights across a chain's edge) is planned without it, and the plan says why.
   if (im.streams()) im.stream_refused = ParameterStream::refusal(*im.probe.module);
   for (auto precision : im.options.precisions()) {
@@ -464,6 +469,40 @@ ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, T
       }
     }
   }
+}
+
+// Within PlanOptions::profile_budget, the micro-batches measured are halved
+// from profile_batch until the largest one's step fits the margin of it.
+// Each window's peak is affine in the micro-batch (the planner's own model),
+// so the plain step (the most any measured setting holds) at the smallest
+// micro-batch and twice it says what each size needs: the highest window.
+void ModuleStepModel::Impl::fit_profile_batches() {
+  const int64_t lo = batch_statistics ? 2 : 1;  // BatchNorm1d refuses one example
+  const int64_t limit = static_cast<int64_t>(std::floor(options.margin() * double(options.profile_budget())));
+  if (m_large <= 2 * lo) return;
+  const auto s = plain_settings();
+  SelectiveRecomputeGuard selective(*probe.module, s.selective_recompute());
+  const auto a = measure_at(s, lo, nullptr, nullptr);
+  const auto b = measure_at(s, 2 * lo, nullptr, nullptr);
+  TORCH_CHECK(same_marks(a, b), "plan: steps of micro-batches of ", lo, " and ", 2 * lo, " passed different points; "
+              "the planner needs a step whose control flow does not depend on the batch size");
+  auto needs = [&](int64_t m) {
+    int64_t most = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      most = std::max(most, affine_bytes(a[i].window_peak, b[i].window_peak, lo, 2 * lo, m));
+    }
+    return most;
+  };
+  if (needs(m_large) <= limit) return;
+  while (m_large > 2 * lo && needs(m_large) > limit) m_large /= 2;
+  m_large = std::max(m_large, 2 * lo);
+  m_small = m_large / 2;
+  const auto budget = format_bytes(options.profile_budget());
+  profile_note = needs(m_large) <= limit
+                     ? fmt::format(", the largest whose steps fit PlanOptions::profile_budget {}", budget)
+                     : fmt::format(", the smallest, whose plain steps peaked at {}, above PlanOptions::profile_budget "
+                                   "{}: the step's fixed bytes alone do not fit it",
+                                   format_bytes(needs(2 * lo)), budget);
 }
 
 bool ModuleStepModel::Impl::measure_held_back() {
@@ -947,9 +986,11 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
               ? "none, optimizer, optimizer and gradients, and in fp32 also the chains' parameters streamed"
               : "none, optimizer, optimizer and gradients; the chains' parameters streamed are measured only where "
                 "nothing resident fits or the fastest that does holds the optimizer state and gradients on the host";
-  out.why.push_back(fmt::format("measured the module's step at micro-batches of {} and {} ({}; offload {}{}), "
+  out.why.push_back(fmt::format("measured the module's step at micro-batches of {} and {}{} ({}; offload {}{}), "
                                 "{} chain(s): {}",
-                                model.impl_->m_small, model.impl_->m_large, precisions, offloads,
+                                model.impl_->m_small, model.impl_->m_large,
+                                model.impl_->profile_note,
+                                precisions, offloads,
                                 model.impl_->selective_choices.size() > 1 ? "; with and without selective recomputation"
                                 : model.impl_->selective_choices.front() ? "; with selective recomputation"
                                                                          : "",
@@ -1142,6 +1183,7 @@ StepProbe make_probe(torch::nn::Sequential model, const torch::data::Example<>& 
 
 ModulePlan plan(torch::nn::Sequential model, const torch::data::Example<>& sample, int64_t budget,
                 PlanOptions options, TrainerOptions base) {
+  if (options.profile_budget() == 0) options.profile_budget(budget);
   ModuleStepModel m(detail::make_probe(std::move(model), sample), std::move(options), std::move(base));
   return plan(m, budget);
 }

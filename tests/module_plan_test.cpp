@@ -312,6 +312,41 @@ TEST_F(ModulePlanTest, MeasuresStreamingOnlyWhereTheFastestResidentFitHoldsState
   EXPECT_LE(p.measured_peak_bytes, budget) << p.explain();
 }
 
+TEST_F(ModulePlanTest, MeasuringKeepsWithinTheBudgetItPlansFor) {
+  // 16 Linear(32, 32) + Tanh at a batch of 1024: the plain step measured at
+  // micro-batches of 32 peaks at 362 KB, at 1 above 80% of that, most of it
+  // the parameters, their gradients and Adam state.
+  ChainNet net(32, 16);
+  const auto batch = sample(1024);
+  int64_t unbounded = 0;
+  {
+    memfit::PeakMeter meter;
+    memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
+                                  memfit::PlanOptions().measure_candidates(0).verify(false));
+    unbounded = meter.peak();
+  }
+  const auto budget = static_cast<int64_t>(0.9 * double(unbounded));
+  memfit::PeakMeter meter;
+  const auto p = memfit::plan(net.ptr(), chain_loss, batch, budget, memfit::PlanOptions().measure_candidates(0));
+  RecordProperty("peaks", "measuring unbounded " + std::to_string(unbounded) + ", budget " + std::to_string(budget) +
+                              ", planning " + std::to_string(meter.peak()));
+  ASSERT_TRUE(p.fits) << p.explain();
+  EXPECT_LE(meter.peak(), budget) << "measuring, timing and verifying all keep within the budget\n" << p.explain();
+  EXPECT_NE(p.explain().find("the largest whose steps fit PlanOptions::profile_budget"), std::string::npos)
+      << p.explain();
+  // Lower, the plain step's parameters, gradients and state alone exceed
+  // the budget at a micro-batch of 1: measuring cannot keep within it, and
+  // the plan says so.
+  const auto tight = memfit::plan(net.ptr(), chain_loss, batch, static_cast<int64_t>(0.8 * double(unbounded)),
+                                  memfit::PlanOptions().measure_candidates(0));
+  EXPECT_NE(tight.explain().find("micro-batches of 1 and 2, the smallest, whose plain steps peaked at"),
+            std::string::npos) << tight.explain();
+  expect_error([&] { memfit::plan(net.ptr(), chain_loss, batch, budget, memfit::PlanOptions().profile_budget(-1)); },
+               "PlanOptions::profile_budget must be >= 0 bytes (0: no limit), got -1");
+  memfit::Trainer trainer(net, chain_loss, p.apply(*net));
+  EXPECT_LE(measured_peak(trainer, batch), budget) << "applied, the plan trains under the budget";
+}
+
 TEST_F(ModulePlanTest, StreamsTheChainsLinearLayersInTilesWhereWholeWeightsDoNotFit) {
   // 8 Linear(256, 256) in the chain: streamed whole, the device holds a
   // 256 KiB weight at a time; in tiles of a 64th, 4 KiB.

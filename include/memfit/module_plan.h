@@ -244,6 +244,8 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget);
 /// Measures `module`'s step with `loss` on `sample` (the batch the plan is
 /// for) and plans it under `budget` bytes; `base` describes the step as the
 /// Trainer will run it. Leaves the module as it was (apply the plan to it).
+/// Unless PlanOptions::profile_budget is set, the measuring steps keep
+/// within `budget` too (their micro-batches are halved until they fit).
 ///
 /// Example:
 /// \code
@@ -260,6 +262,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget);
 template <class M, class Loss>
 ModulePlan plan(std::shared_ptr<M> module, Loss loss, const typename detail::LossTraits<Loss>::Batch& sample,
                 int64_t budget, PlanOptions options = PlanOptions(), TrainerOptions base = TrainerOptions()) {
+  if (options.profile_budget() == 0) options.profile_budget(budget);  // measuring fits the budget too
   ModuleStepModel model(detail::make_probe(std::move(module), std::move(loss), sample), std::move(options),
                         std::move(base));
   return plan(model, budget);
@@ -424,6 +427,7 @@ ModuleBatchSearch find_batch(std::shared_ptr<M> module, Loss loss, Dataset& data
   TORCH_CHECK(options.max_batch() > 0, "FindBatchOptions::max_batch must be positive, got ", options.max_batch());
   const auto examples = std::min<int64_t>(static_cast<int64_t>(*size), std::max<int64_t>(options.max_batch(), 4));
   options.max_batch(std::min<int64_t>(options.max_batch(), static_cast<int64_t>(*size)));  // verified or not
+  if (plan_options.profile_budget() == 0) plan_options.profile_budget(budget);  // measuring fits the budget too
   ModuleStepModel model(detail::make_dataset_probe(std::move(module), std::move(loss), dataset, examples),
                         std::move(plan_options), std::move(base));
   return find_batch(model, budget, options);

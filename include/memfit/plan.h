@@ -152,13 +152,17 @@ struct PlanOptions {
   /// early at a batch that would exceed profile_budget, and after the first
   /// that takes saturation_seconds. 0: profile_batch.
   TORCH_ARG(int64_t, time_batch) = 0;
-  /// Bytes profiling may allocate on the device beyond the parameters and
-  /// their gradients (0: no limit); set it to the budget planned for. Bytes
-  /// are linear in the batch: profiling starts at 1 and 2 examples and
-  /// doubles while the two largest batches measured say the next fits; larger
-  /// batches are extrapolated. StepModel only, as are time_batch and
-  /// saturation_seconds: the module planner (module_plan.h) profiles its
-  /// sample's first examples.
+  /// Bytes profiling may allocate on the device (0: no limit); set it to the
+  /// budget planned for. Bytes are linear in the batch. StepModel counts
+  /// them beyond the parameters and their gradients: it profiles at 1 and 2
+  /// examples and doubles while the two largest batches measured say the
+  /// next fits; larger batches are extrapolated. The module planner
+  /// (module_plan.h) counts its measuring steps' whole peak: it runs the
+  /// plain step at micro-batches of 1 and 2 (2 and 4 with batch statistics)
+  /// and halves profile_batch until that line says the step fits the margin
+  /// of this; its plan() and find_batch() for a module and a budget set it
+  /// to that budget when left 0. time_batch and saturation_seconds are
+  /// StepModel's only.
   TORCH_ARG(int64_t, profile_budget) = 0;
   /// A timed batch whose forward and backward take this long keeps the device
   /// busy: time grows linearly above it, so larger batches are extrapolated
