@@ -209,6 +209,13 @@ bool same_marks(const std::vector<Event>& a, const std::vector<Event>& b) {
   return true;
 }
 
+// Steps of micro-batches of `ma` and `mb` must pass the same points for
+// their windows to be lined up.
+void check_same_marks(const std::vector<Event>& a, const std::vector<Event>& b, int64_t ma, int64_t mb) {
+  TORCH_CHECK(same_marks(a, b), "plan: steps of micro-batches of ", ma, " and ", mb, " passed different points; the "
+              "planner needs a step whose control flow does not depend on the batch size");
+}
+
 int64_t affine_bytes(int64_t small, int64_t large, int64_t b_small, int64_t b_large, int64_t m) {
   // Bytes: the exact line (a step's bytes are affine in the batch).
   const double slope = double(large - small) / double(b_large - b_small);
@@ -354,9 +361,7 @@ Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
   out.large = measure_at(s, m_large, profile_chains ? &large : nullptr, &out.state_bytes);
   // Micro-batches of 1, for times; not with batch statistics (BatchNorm1d refuses one example).
   if (m_small > 1 && !batch_statistics) out.one = measure_at(s, 1, nullptr, nullptr);
-  TORCH_CHECK(same_marks(out.small, out.large), "plan: steps of micro-batches of ", m_small, " and ",
-              m_large, " passed different points; the planner needs a step whose control flow does "
-              "not depend on the batch size");
+  check_same_marks(out.small, out.large, m_small, m_large);
   if (profile_chains) {
     // The chains' layers run where their inputs were captured: on the step's
     // device (each measured step's Trainer put the module there, and its guard
@@ -484,8 +489,7 @@ void ModuleStepModel::Impl::fit_profile_batches() {
   SelectiveRecomputeGuard selective(*probe.module, s.selective_recompute());
   const auto a = measure_at(s, lo, nullptr, nullptr);
   const auto b = measure_at(s, 2 * lo, nullptr, nullptr);
-  TORCH_CHECK(same_marks(a, b), "plan: steps of micro-batches of ", lo, " and ", 2 * lo, " passed different points; "
-              "the planner needs a step whose control flow does not depend on the batch size");
+  check_same_marks(a, b, lo, 2 * lo);
   auto needs = [&](int64_t m) {
     int64_t most = 0;
     for (size_t i = 0; i < a.size(); ++i) {
