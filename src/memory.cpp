@@ -254,6 +254,15 @@ int64_t max_memory_allocated(torch::Device device) {
 #endif
 }
 
+int64_t max_memory_reserved(torch::Device device) {
+  if (kind_of(device) == Kind::kCpu) return max_memory_allocated(device);
+#if defined(MEMFIT_WITH_CUDA)
+  return compat::cuda_peak_reserved_bytes(cuda_index(device));
+#else
+  TORCH_INTERNAL_ASSERT(false);
+#endif
+}
+
 void reset_peak_memory_stats(torch::Device device) {
   if (kind_of(device) == Kind::kCpu) {
     ensure_tracking();

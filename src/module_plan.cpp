@@ -299,6 +299,8 @@ struct ModuleStepModel::Impl {
   void fit_profile_batches();
   std::vector<Event> measure_at(const StepSettings& s, int64_t m, Capture* capture, int64_t* state_bytes);
   const Measurement& find(const StepSettings& s) const;
+  // The measured settings like `s` (precision, selective recomputation) that offload less than it does.
+  std::vector<const Measurement*> offloading_less(const StepSettings& s) const;
 };
 
 std::vector<Event> ModuleStepModel::Impl::measure_at(const StepSettings& s, int64_t m,
@@ -419,6 +421,17 @@ const Measurement& ModuleStepModel::Impl::find(const StepSettings& s) const {
               " was not measured; PlanOptions::precisions, offload and selective_recompute say what is");
 }
 
+std::vector<const Measurement*> ModuleStepModel::Impl::offloading_less(const StepSettings& s) const {
+  std::vector<const Measurement*> out;
+  for (const auto& m : measured) {
+    if (m.settings.precision() == s.precision() && m.settings.selective_recompute() == s.selective_recompute() &&
+        detail::offload_rank(m.settings) < detail::offload_rank(s)) {
+      out.push_back(&m);
+    }
+  }
+  return out;
+}
+
 ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, TrainerOptions base)
     : impl_(std::make_unique<Impl>()) {
   auto& im = *impl_;
@@ -454,8 +467,6 @@ ModuleStepModel::ModuleStepModel(detail::StepProbe probe, PlanOptions options, T
   for (const auto& c : im.chains) im.chain_parameter_bytes += storage_bytes(c.chain->parameters());
   im.selective_choices =
       detail::selective_choices(im.options, SelectiveRecomputeGuard(*im.probe.module, false).parts() > 0);
-  TORCH_CHECK(im.options.profile_budget() >= 0, "PlanOptions::profile_budget must be >= 0 bytes (0: no limit), got ",
-              im.options.profile_budget());
   if (im.options.profile_budget() > 0) im.fit_profile_batches();
   // A module the stream refuses (tied weights across a chain's edge) is planned without it, and the plan says why.
   if (im.streams()) im.stream_refused = ParameterStream::refusal(*im.probe.module);
@@ -668,15 +679,24 @@ StepPrediction ModuleStepModel::predict(int64_t batch, const StepSettings& setti
     t.first /= 2;
     return t;
   };
-  const auto ts = split(meas.small), tl = split(meas.large);
-  double per_micro = detail::line(ts.first, tl.first, im.m_small, im.m_large, m);
-  if (m < im.m_small && !meas.one.empty()) {  // between the measured micro-batches of 1 and m_small
-    const auto t1 = split(meas.one);
-    per_micro = t1.first + (ts.first - t1.first) * double(m - 1) / double(im.m_small - 1);
-  }
+  const auto measured_seconds = [&](const Measurement& mm) {
+    const auto ts = split(mm.small), tl = split(mm.large);
+    double per_micro = detail::line(ts.first, tl.first, im.m_small, im.m_large, m);
+    if (m < im.m_small && !mm.one.empty()) {  // between the measured micro-batches of 1 and m_small
+      const auto t1 = split(mm.one);
+      per_micro = t1.first + (ts.first - t1.first) * double(m - 1) / double(im.m_small - 1);
+    }
+    return double(steps) * per_micro + std::min(ts.second, tl.second);
+  };
+  // Offloading only adds copies: where timing noise measured a setting that
+  // offloads more as faster, the time of one that offloads less stands (as in
+  // StepModel). Noise then cannot rank offloads of one micro-batch apart, and
+  // the choice's tie goes to the one that offloads less.
+  double seconds = measured_seconds(meas);
+  for (const auto* less : im.offloading_less(settings)) seconds = std::max(seconds, measured_seconds(*less));
   double recompute = 0;
   for (const auto& d : deltas) recompute += d.seconds;
-  out.seconds = double(steps) * (per_micro + recompute) + std::min(ts.second, tl.second);
+  out.seconds = seconds + double(steps) * recompute;
   out.memory.peak = out.peak_bytes;
   out.memory.parameters = im.parameter_bytes -
                           (settings.offload_parameters() == Offload::kHost ? im.chain_parameter_bytes : 0);
@@ -903,7 +923,15 @@ detail::StepTiming run_plan(const ModuleStepModel& model, const ModuleStepModel:
       out.seconds = k == 1 ? rec.seconds : std::min(out.seconds, rec.seconds);
     }
   } catch (const c10::OutOfMemoryError&) {
-    return {0, -1};
+    detail::StepTiming failed{0, -1, ""};
+    const auto device = im.base.device();
+    if (device.is_cuda()) {  // the failing phase's peaks: each phase's meter resets the device's
+      failed.out_of_memory = fmt::format(" (allocated bytes peaked at {}; the caching allocator's reserved "
+                                         "bytes, which the budget caps, at {})",
+                                         format_bytes(max_memory_allocated(device)),
+                                         format_bytes(max_memory_reserved(device)));
+    }
+    return failed;
   }
   if (examples < batch) {
     const double part = model.predict(examples, settings, schedules).seconds;
@@ -920,9 +948,14 @@ std::optional<Candidate> measured_choice(const ModuleStepModel& model, const Mod
                                          ModulePlan& out) {
   std::vector<detail::Ranked> ranked;
   std::vector<int64_t> group;
+  std::map<std::string, int64_t> families;  // all but the offload: one step, more or fewer copies
   for (const auto& c : fitting) {
     ranked.push_back(detail::ranked(c.settings, c.predicted, any_recompute(c.schedules)));
     ranked.back().edge = c.edge;
+    const auto key = fmt::format("{} {} {} {} {}", c.settings.micro_batch(), int(c.settings.precision()),
+                                 c.settings.selective_recompute(), c.settings.tile_bytes(),
+                                 schedules_text(out.chains, c.schedules));
+    ranked.back().family = families.emplace(key, int64_t(families.size())).first->second;
     group.push_back(detail::timing_group(c.settings, c.edge));
   }
   const auto& o = im.options;
@@ -1187,8 +1220,8 @@ StepProbe make_probe(torch::nn::Sequential model, const torch::data::Example<>& 
 
 ModulePlan plan(torch::nn::Sequential model, const torch::data::Example<>& sample, int64_t budget,
                 PlanOptions options, TrainerOptions base) {
-  if (options.profile_budget() == 0) options.profile_budget(budget);
-  ModuleStepModel m(detail::make_probe(std::move(model), sample), std::move(options), std::move(base));
+  ModuleStepModel m(detail::make_probe(std::move(model), sample), detail::measuring_within(std::move(options), budget),
+                    std::move(base));
   return plan(m, budget);
 }
 

@@ -211,8 +211,6 @@ StepModel::StepModel(const torch::nn::Sequential& chain, const torch::Tensor& ex
               options_.time_batch());
   TORCH_CHECK(options_.profile_batch() >= 2, "profile_batch must be at least 2, got ",
               options_.profile_batch());
-  TORCH_CHECK(options_.profile_budget() >= 0, "profile_budget must be >= 0 bytes (0: no limit), got ",
-              options_.profile_budget());
   TORCH_CHECK(options_.saturation_seconds() >= 0, "saturation_seconds must be >= 0, got ",
               options_.saturation_seconds());
   detail::check_measure_options(options_);

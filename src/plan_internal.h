@@ -209,6 +209,7 @@ struct Ranked {
   int64_t peak_bytes = 0;
   bool edge = false;      // predicted above the margin's limit but within the budget: it
                           // fits only where its real steps under the budget say so
+  int64_t family = -1;    // candidates of one family (>= 0) differ only in what they offload
 };
 
 // Whether a candidate predicted at `peak` bytes, above the margin's `limit`,
@@ -336,6 +337,8 @@ inline void check_measure_options(const PlanOptions& o) {
   TORCH_CHECK(o.measure_candidates() >= 0, "PlanOptions::measure_candidates must be >= 0 (0: choose by prediction "
               "alone), got ", o.measure_candidates());
   TORCH_CHECK(o.measure_within() >= 0, "PlanOptions::measure_within must be >= 0, got ", o.measure_within());
+  TORCH_CHECK(o.profile_budget() >= 0, "PlanOptions::profile_budget must be >= 0 bytes (0: no limit), got ",
+              o.profile_budget());
 }
 
 // What real steps of a candidate measured: seconds per logical batch (0: a
@@ -343,6 +346,7 @@ inline void check_measure_options(const PlanOptions& o) {
 struct StepTiming {
   double seconds = 0;
   int64_t peak_bytes = 0;
+  std::string out_of_memory;  // where a step ran out of memory: what the allocator held then, if known
 };
 
 // Passes over the candidates when choosing by measurement: at least two, and
@@ -429,6 +433,21 @@ inline int64_t does_least(const std::vector<Ranked>& candidates, const std::vect
   return chosen < 0 ? -1 : static_cast<int64_t>(at[static_cast<size_t>(chosen)]);
 }
 
+// Offloading only adds copies: a candidate's time is at least that of each
+// one of its family (Ranked::family) that offloads less, so timing noise
+// cannot put a larger offload of the same step ahead, and their tie goes to
+// the one that offloads less.
+inline void offload_adds_copies(std::vector<Ranked>& candidates) {
+  const auto measured = candidates;
+  for (auto& c : candidates) {
+    for (const auto& less : measured) {
+      if (c.family >= 0 && less.family == c.family && less.offload < c.offload) {
+        c.seconds = std::max(c.seconds, less.seconds);
+      }
+    }
+  }
+}
+
 // What choose_measured measured and chose.
 struct Measured {
   int64_t chosen = -1;              // index into the candidates (-1: none ran)
@@ -444,7 +463,8 @@ struct Measured {
 // kMaxPasses of them (see settled), and returns choose()'s pick among those
 // that ran, with each one's fastest measured time in place of its
 // prediction. Times closer than the measurement's noise (timing_noise) are a
-// tie too. On a busy machine (busy_machine; `free_cores` says how many cores
+// tie too, and a candidate is timed at least as slow as one of its family
+// that offloads less (offload_adds_copies). On a busy machine (busy_machine; `free_cores` says how many cores
 // other processes left, by default a CpuLoad over the passes) times decide
 // nothing: of all the candidates predicted to fit whose steps did not run out
 // of memory, the one that does least is chosen (choose()'s order: no
@@ -473,6 +493,7 @@ inline Measured choose_measured(const std::vector<Ranked>& candidates, const std
       const auto r = run(order[k]);
       out.timed[k].peak_bytes = std::max(out.timed[k].peak_bytes, r.peak_bytes);
       out_of_memory[k] = r.seconds <= 0;
+      if (out_of_memory[k]) out.timed[k].out_of_memory = r.out_of_memory;
       if (out_of_memory[k]) samples[k].clear();
       else samples[k].push_back(r.seconds);
     }
@@ -487,6 +508,7 @@ inline Measured choose_measured(const std::vector<Ranked>& candidates, const std
     ran.back().edge = false;  // its steps ran under the budget: it fits
     at.push_back(order[k]);
   }
+  offload_adds_copies(ran);
   out.tie = std::max(kTimeTie, timing_noise(samples));
   out.free_cores = free_cores();
   if (busy_machine(out.free_cores, at::get_num_threads(), out.tie)) {
@@ -508,7 +530,7 @@ inline std::string timed_text(const std::vector<std::string>& names, const std::
     lines.push_back(fmt::format("{}: predicted {:.1f} ms, {}", names[k], 1e3 * predicted[k],
                                 m.timed[k].seconds > 0
                                     ? fmt::format("measured {:.1f} ms", 1e3 * m.timed[k].seconds)
-                                    : std::string("ran out of memory under the budget")));
+                                    : "ran out of memory under the budget" + m.timed[k].out_of_memory));
   }
   const std::string tie =
       m.busy ? fmt::format("{}: a busy machine's times cannot tell plans apart, so of all those predicted to fit, "

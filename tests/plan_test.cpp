@@ -640,6 +640,31 @@ TEST(PlanChoice, OnABusyMachineWhatThePlansDoDecidesSoFivePlansAgree) {
   EXPECT_FALSE(detail::busy_machine(-1, 2, 0.2));
 }
 
+// Offloading only adds copies: where noise timed the larger offload of one
+// step (its family) faster beyond the tie band, the smaller offload's time
+// stands for it, and the tie goes to the one that offloads less. On a quiet
+// machine the module planner's plans flipped between such offloads
+// (docs/plan_stability_2026-11-26.txt). Another step that offloads more
+// still wins by its own time.
+TEST(PlanChoice, NoiseCannotTimeALargerOffloadOfTheSameStepAhead) {
+  auto make = [](int offload, int64_t micro_batches, int64_t family) {
+    auto r = candidate(0.2, 0, offload, micro_batches);
+    r.family = family;
+    return r;
+  };
+  const auto quiet = [] { return static_cast<double>(at::get_num_threads()); };  // whatever this machine's load
+  const auto noisy = [](size_t i) { return detail::StepTiming{i == 0 ? 0.200 : 0.185, 100}; };  // 8% apart
+  const std::vector<detail::Ranked> same = {make(0, 2, 0), make(2, 2, 0)};
+  auto m = detail::choose_measured(same, {0, 1}, noisy, quiet);
+  EXPECT_EQ(m.chosen, 0) << "the state and gradients on the host are no faster than on the device";
+  EXPECT_DOUBLE_EQ(m.timed[1].seconds, 0.185) << "the plan still reports what was measured";
+  const std::vector<detail::Ranked> unrelated = {make(0, 2, -1), make(2, 2, -1)};
+  EXPECT_EQ(detail::choose_measured(unrelated, {0, 1}, noisy, quiet).chosen, 1) << "no family: each by its time";
+  const std::vector<detail::Ranked> other = {make(0, 2, 0), make(2, 4, 1)};
+  EXPECT_EQ(detail::choose_measured(other, {0, 1}, noisy, quiet).chosen, 1)
+      << "micro-batches of another size, offloading more, are faster by their own time";
+}
+
 // Edge candidates, predicted above PlanOptions::margin of the budget but
 // within it, are timed and fit only by their steps.
 TEST(PlanChoice, AnEdgeCandidateFitsByItsStepsNeverByPrediction) {

@@ -664,7 +664,7 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
     return 0;
   }
   const int64_t budget = memfit::parse_memory_size(a.budget);
-  options.profile_budget(budget);  // measuring keeps within the budget it plans for
+  options = memfit::detail::measuring_within(options, budget);  // measuring keeps within the budget it plans for
   if (command == ModelCommand::kPlan) {
     const auto plan = memfit::plan(model, sample_of(workload.train, a.batch), budget, options, base);
     fmt::print("{}", a.json ? plan.to_json() + "\n" : memfit::tools::with_flag_names(plan.explain()));

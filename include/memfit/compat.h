@@ -92,6 +92,11 @@ inline int64_t cuda_peak_allocated_bytes(c10::DeviceIndex device) {
       .allocated_bytes[kAggregatePool]
       .peak;
 }
+inline int64_t cuda_peak_reserved_bytes(c10::DeviceIndex device) {
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(device)
+      .reserved_bytes[kAggregatePool]
+      .peak;
+}
 inline void cuda_reset_peak(c10::DeviceIndex device) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(device);
 }

@@ -72,6 +72,23 @@ int64_t memory_allocated(torch::Device device = torch::kCPU);
 /// \endcode
 int64_t max_memory_allocated(torch::Device device = torch::kCPU);
 
+/// The highest number of bytes `device`'s allocator held from the system
+/// since tracking began or since the last reset_peak_memory_stats(device), as
+/// torch.cuda.max_memory_reserved reports it.
+///
+/// CUDA: the caching allocator's reserved bytes, allocated ones plus what it
+/// caches and what fragmentation wastes; a budget (set_memory_budget) caps
+/// these, so a step can run out of memory with its allocated peak below the
+/// budget. CPU: memfit's allocator caches nothing, so this is
+/// max_memory_allocated(device).
+///
+/// Example:
+/// \code
+///   memfit::reset_peak_memory_stats(torch::kCPU);
+///   assert(memfit::max_memory_reserved() == memfit::max_memory_allocated());
+/// \endcode
+int64_t max_memory_reserved(torch::Device device = torch::kCPU);
+
 /// Sets the peak of `device` to its current allocated bytes.
 ///
 /// Example:

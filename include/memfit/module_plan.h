@@ -23,7 +23,10 @@
 /// its backward peak, and each window's measured peak moves by the changes of
 /// the chains that are in that state during it. Times: each micro-batch's
 /// measured forward and backward, plus the simulated recomputation of the
-/// chains' checkpointed segments, plus the measured optimizer step.
+/// chains' checkpointed segments, plus the measured optimizer step. Each
+/// offload is measured in its own steps, but offloading only adds copies: a
+/// setting's time is at least that of the same setting offloading less, so
+/// timing noise cannot put a larger offload ahead.
 ///
 /// plan() searches precision × offload (none; the optimizer state; the state
 /// and the gradients) × micro-batch (the batch, halved down to 1), and for
@@ -50,9 +53,11 @@
 /// Thread safety: one model or plan at a time per module. Sync points: every
 /// measured step (it reads the loss) and each window mark (on CUDA, timing).
 /// Extra memory: steps of two micro-batches of at most
-/// PlanOptions::profile_batch examples, one chain layer at a time while
-/// profiling, and (verify) the candidates' own steps under the budget. The module's parameters, buffers, gradients, its chains'
-/// schedules and the CPU RNG are put back afterwards.
+/// PlanOptions::profile_batch examples (fewer within
+/// PlanOptions::profile_budget), one chain layer at a time while profiling,
+/// and (verify) the candidates' own steps under the budget. The module's
+/// parameters, buffers, gradients, its chains' schedules and the CPU RNG are
+/// put back afterwards.
 
 #include "memfit/batch.h"
 #include "memfit/plan.h"
@@ -128,6 +133,13 @@ StepProbe make_dataset_probe(std::shared_ptr<M> module, Loss loss, Dataset& data
 /// cross-entropy, trainer.h): its steps run Trainer(model, options) on the
 /// first examples of `sample`.
 StepProbe make_probe(torch::nn::Sequential model, const torch::data::Example<>& sample);
+/// `options` with PlanOptions::profile_budget set to `budget` where it is 0
+/// (no limit): planning for a budget keeps its own measuring within it. The
+/// one-call plan() and find_batch() and `memfit`'s planning commands use it.
+inline PlanOptions measuring_within(PlanOptions options, int64_t budget) {
+  if (options.profile_budget() == 0) options.profile_budget(budget);
+  return options;
+}
 } // namespace detail
 
 struct ModulePlan;
@@ -232,9 +244,10 @@ void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root = 0);
 /// (at most four are run). A micro-batched step of more than 128 examples
 /// runs whole micro-batches, at least two and about 128 examples (it peaks
 /// as the whole step does), its time scaled to the batch by the prediction,
-/// so planning a large batch costs about what planning 128 examples does. Bytes within a window of the step are a maximum
-/// over moments, convex in the micro-batch: the linear fit from small
-/// micro-batches can fall short at large ones, and the run catches that.
+/// so planning a large batch costs about what planning 128 examples does.
+/// Bytes within a window of the step are a maximum over moments, convex in
+/// the micro-batch: the linear fit from small micro-batches can fall short at
+/// large ones, and the run catches that.
 ///
 /// Throws c10::Error when nothing fits: the message names what was tried and
 /// the closest predicted peak, and, for a module with no chain, that holding
@@ -262,9 +275,8 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget);
 template <class M, class Loss>
 ModulePlan plan(std::shared_ptr<M> module, Loss loss, const typename detail::LossTraits<Loss>::Batch& sample,
                 int64_t budget, PlanOptions options = PlanOptions(), TrainerOptions base = TrainerOptions()) {
-  if (options.profile_budget() == 0) options.profile_budget(budget);  // measuring fits the budget too
-  ModuleStepModel model(detail::make_probe(std::move(module), std::move(loss), sample), std::move(options),
-                        std::move(base));
+  ModuleStepModel model(detail::make_probe(std::move(module), std::move(loss), sample),
+                        detail::measuring_within(std::move(options), budget), std::move(base));
   return plan(model, budget);
 }
 
@@ -427,9 +439,8 @@ ModuleBatchSearch find_batch(std::shared_ptr<M> module, Loss loss, Dataset& data
   TORCH_CHECK(options.max_batch() > 0, "FindBatchOptions::max_batch must be positive, got ", options.max_batch());
   const auto examples = std::min<int64_t>(static_cast<int64_t>(*size), std::max<int64_t>(options.max_batch(), 4));
   options.max_batch(std::min<int64_t>(options.max_batch(), static_cast<int64_t>(*size)));  // verified or not
-  if (plan_options.profile_budget() == 0) plan_options.profile_budget(budget);  // measuring fits the budget too
   ModuleStepModel model(detail::make_dataset_probe(std::move(module), std::move(loss), dataset, examples),
-                        std::move(plan_options), std::move(base));
+                        detail::measuring_within(std::move(plan_options), budget), std::move(base));
   return find_batch(model, budget, options);
 }
 
