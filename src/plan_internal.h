@@ -354,6 +354,9 @@ struct StepTiming {
 // than the tie band (a busy machine's noise).
 constexpr int kMinPasses = 2;
 constexpr int kMaxPasses = 5;
+// Passes before a plan that does less than the fastest measured loses to it
+// by its time (see confirmed).
+constexpr int kConfirmPasses = 3;
 // Candidates measured within this of the fastest contend for the choice.
 constexpr double kContender = 0.10;
 // Where the machine's load is unknown, timings that spread more than this
@@ -388,6 +391,32 @@ inline bool settled(const std::vector<std::vector<double>>& samples) {
   const double best = fastest_sample(samples);
   for (const auto& v : samples) {
     if (contends(v, best) && (v.size() < 2 || two_fastest_gap(v) > kTimeTie)) return false;
+  }
+  return true;
+}
+
+// Whether the timings `samples` (of candidates `order`; empty: ran out of
+// memory or not run) after `passes` may give the choice to a plan that does
+// more than another timed one: no candidate that does less (earlier in
+// choose()'s order: no recomputation, less offload, fewer micro-batches) than
+// the fastest lost to it beyond the tie band, or kConfirmPasses have run. A
+// shared machine's slow spell can last a candidate's two steps; a third pass
+// confirms the loss before the plan does more work for it.
+inline bool confirmed(const std::vector<Ranked>& candidates, const std::vector<size_t>& order,
+                      const std::vector<std::vector<double>>& samples, int passes) {
+  if (passes >= kConfirmPasses) return true;
+  const double best = fastest_sample(samples);
+  auto key = [&](size_t k) {
+    const auto& c = candidates[order[k]];
+    return std::make_tuple(c.recomputes, c.offload, c.micro_batches);
+  };
+  size_t fastest = 0;
+  for (size_t k = 0; k < samples.size(); ++k) {
+    if (!samples[k].empty() && *std::min_element(samples[k].begin(), samples[k].end()) == best) fastest = k;
+  }
+  for (size_t k = 0; k < samples.size(); ++k) {
+    if (samples[k].empty() || key(k) >= key(fastest)) continue;
+    if (*std::min_element(samples[k].begin(), samples[k].end()) > best * (1 + kTimeTie)) return false;
   }
   return true;
 }
@@ -460,7 +489,7 @@ struct Measured {
 
 // Times candidates `order` with `run` in passes, every other one in reverse
 // order (drift on a shared machine then weighs on all alike), kMinPasses to
-// kMaxPasses of them (see settled), and returns choose()'s pick among those
+// kMaxPasses of them (see settled and confirmed), and returns choose()'s pick among those
 // that ran, with each one's fastest measured time in place of its
 // prediction. Times closer than the measurement's noise (timing_noise) are a
 // tie too, and a candidate is timed at least as slow as one of its family
@@ -485,7 +514,9 @@ inline Measured choose_measured(const std::vector<Ranked>& candidates, const std
     const double free = free_cores();
     return free >= 0 && busy_machine(free, at::get_num_threads(), 0);
   };
-  for (; out.passes < kMaxPasses && (out.passes < kMinPasses || (!settled(samples) && !busy_now()));
+  for (; out.passes < kMaxPasses &&
+         (out.passes < kMinPasses ||
+          ((!settled(samples) || !confirmed(candidates, order, samples, out.passes)) && !busy_now()));
        ++out.passes) {
     for (size_t n = 0; n < order.size(); ++n) {
       const size_t k = out.passes % 2 == 0 ? n : order.size() - 1 - n;

@@ -665,6 +665,34 @@ TEST(PlanChoice, NoiseCannotTimeALargerOffloadOfTheSameStepAhead) {
       << "micro-batches of another size, offloading more, are faster by their own time";
 }
 
+// A plan that does less (fewer micro-batches) timed slower than another
+// beyond the tie band gets a third pass before the choice goes to the one
+// that does more: on a quiet shared machine a slow spell lasted both steps of
+// the ResNet's micro-batches of 32 at 38 MiB (90.8 ms, where they take 68 to
+// 74 ms) and the plan took micro-batches of 16 (docs/planner.md).
+TEST(PlanChoice, APlanThatDoesLessLosesOnlyOnceAThirdPassConfirmsIt) {
+  const std::vector<detail::Ranked> candidates = {candidate(0.2, 0, 0, 4), candidate(0.2, 0, 0, 8)};
+  const auto quiet = [] { return static_cast<double>(at::get_num_threads()); };  // whatever this machine's load
+  // Micro-batches of 32 (4 of them) take 70 ms, of 16 72 ms; `slow` of the
+  // former's first steps take 90 ms.
+  auto timed = [&](int slow) {
+    int runs = 0;
+    return detail::choose_measured(candidates, {0, 1}, [&, slow](size_t i) mutable {
+      const bool spell = i == 0 && runs++ < slow;
+      return detail::StepTiming{i == 0 ? (spell ? 0.090 : 0.070) : 0.072, 100};
+    }, quiet);
+  };
+  auto m = timed(0);
+  EXPECT_EQ(m.chosen, 0);
+  EXPECT_EQ(m.passes, detail::kMinPasses) << "the plan that does less is the fastest: nothing to confirm";
+  m = timed(2);
+  EXPECT_EQ(m.chosen, 0) << "its third pass shows the spell";
+  EXPECT_EQ(m.passes, detail::kConfirmPasses + 1) << "a fourth, as its 70 and 90 ms did not settle";
+  m = timed(5);
+  EXPECT_EQ(m.chosen, 1) << "slower in every pass: the loss is confirmed";
+  EXPECT_EQ(m.passes, detail::kConfirmPasses);
+}
+
 // Edge candidates, predicted above PlanOptions::margin of the budget but
 // within it, are timed and fit only by their steps.
 TEST(PlanChoice, AnEdgeCandidateFitsByItsStepsNeverByPrediction) {
