@@ -346,8 +346,19 @@ inline void check_measure_options(const PlanOptions& o) {
 struct StepTiming {
   double seconds = 0;
   int64_t peak_bytes = 0;
-  std::string out_of_memory;  // where a step ran out of memory: what the allocator held then, if known
+  // Where a step ran out of memory on CUDA: the failing phase's allocated
+  // peak and the caching allocator's reserved peak, which the budget caps.
+  int64_t failed_allocated = 0, failed_reserved = 0;
 };
+
+// The line on a candidate whose steps ran out of memory under the budget.
+inline std::string out_of_memory_text(const StepTiming& t) {
+  return t.failed_reserved > 0
+             ? fmt::format("ran out of memory under the budget (allocated bytes peaked at {}; the caching "
+                           "allocator's reserved bytes, which the budget caps, at {})",
+                           format_bytes(t.failed_allocated), format_bytes(t.failed_reserved))
+             : std::string("ran out of memory under the budget");
+}
 
 // Passes over the candidates when choosing by measurement: at least two, and
 // more (up to the most) while a contender's two fastest steps differ by more
@@ -524,7 +535,10 @@ inline Measured choose_measured(const std::vector<Ranked>& candidates, const std
       const auto r = run(order[k]);
       out.timed[k].peak_bytes = std::max(out.timed[k].peak_bytes, r.peak_bytes);
       out_of_memory[k] = r.seconds <= 0;
-      if (out_of_memory[k]) out.timed[k].out_of_memory = r.out_of_memory;
+      if (out_of_memory[k]) {
+        out.timed[k].failed_allocated = r.failed_allocated;
+        out.timed[k].failed_reserved = r.failed_reserved;
+      }
       if (out_of_memory[k]) samples[k].clear();
       else samples[k].push_back(r.seconds);
     }
@@ -561,7 +575,7 @@ inline std::string timed_text(const std::vector<std::string>& names, const std::
     lines.push_back(fmt::format("{}: predicted {:.1f} ms, {}", names[k], 1e3 * predicted[k],
                                 m.timed[k].seconds > 0
                                     ? fmt::format("measured {:.1f} ms", 1e3 * m.timed[k].seconds)
-                                    : "ran out of memory under the budget" + m.timed[k].out_of_memory));
+                                    : out_of_memory_text(m.timed[k])));
   }
   const std::string tie =
       m.busy ? fmt::format("{}: a busy machine's times cannot tell plans apart, so of all those predicted to fit, "
