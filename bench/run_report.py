@@ -31,7 +31,25 @@ def environment_text(report):
     blas = env.get("blas", {})
     library = f" ({blas['library']})" if blas.get("library") else ""
     return (f"LibTorch {env.get('libtorch', '?')}, {env.get('threads', '?')} threads, "
-            f"BLAS: {blas.get('name', '?')}{library}")
+            f"BLAS: {blas.get('name', '?')}{library}{', freed host memory kept' if env.get('host_memory_kept') else ''}")
+
+
+def keep_freed_host_memory():
+    """What `memfit` does at start (memfit::keep_freed_host_memory, environment.h), for the PyTorch peers in
+    this process: glibc's malloc keeps freed tensors' memory in the heap (mmap threshold 32 MiB, trim
+    threshold 2 GiB) instead of mapping it afresh each step, so that both sides allocate alike. Skipped,
+    as memfit skips it, where the environment configures malloc. Returns whether it applied."""
+    import ctypes
+    if any(os.environ.get(v) for v in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return False
+    if any(a in os.environ.get("LD_PRELOAD", "") for a in ("jemalloc", "tcmalloc", "mimalloc")):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+    return libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
 
 
 def python_blas():

@@ -11,10 +11,16 @@
 #include <nlohmann/json.hpp>
 
 #include <dlfcn.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstring>
 #include <cctype>
 #include <cstdlib>
 #include <filesystem>
@@ -194,8 +200,9 @@ BlasInfo blas_info() {
 }
 
 std::string Environment::to_string() const {
-  return fmt::format("LibTorch {}, {}, {} thread{}, BLAS: {}{}", libtorch, cuda ? "CUDA" : "CPU only", threads,
-                     threads == 1 ? "" : "s", blas.name(), blas.library.empty() ? "" : " (" + blas.library + ")");
+  return fmt::format("LibTorch {}, {}, {} thread{}, BLAS: {}{}{}", libtorch, cuda ? "CUDA" : "CPU only", threads,
+                     threads == 1 ? "" : "s", blas.name(), blas.library.empty() ? "" : " (" + blas.library + ")",
+                     host_memory_kept ? ", freed host memory kept" : "");
 }
 
 std::string Environment::to_json() const {
@@ -209,12 +216,38 @@ std::string Environment::to_json() const {
         {"threading", threading_name(blas.threading)},
         {"library", blas.library},
         {"config", blas.config},
-        {"threads", blas.threads}}}};
+        {"threads", blas.threads}}},
+      {"host_memory_kept", host_memory_kept}};
   return j.dump();
+}
+
+namespace {
+std::atomic<bool> host_memory_kept{false};
+} // namespace
+
+bool keep_freed_host_memory() {
+#if defined(__GLIBC__)
+  for (const char* set : {"GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}) {
+    if (std::getenv(set) != nullptr) return false;  // the user's configuration stands
+  }
+  if (const char* preload = std::getenv("LD_PRELOAD")) {
+    for (const char* other : {"jemalloc", "tcmalloc", "mimalloc"}) {
+      if (std::strstr(preload, other) != nullptr) return false;
+    }
+  }
+  constexpr int kLargestMmapThreshold = 32 << 20;  // glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit systems
+  const bool kept = mallopt(M_MMAP_THRESHOLD, sizeof(long) >= 8 ? kLargestMmapThreshold : 512 << 10) == 1 &&
+                    mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
+  if (kept) host_memory_kept.store(true);
+  return kept;
+#else
+  return false;
+#endif
 }
 
 Environment environment() {
   Environment env;
+  env.host_memory_kept = host_memory_kept.load();
   env.libtorch = TORCH_VERSION;
   env.cuda = compat::kBuiltWithCuda && torch::cuda::is_available();
   env.threads = at::get_num_threads();

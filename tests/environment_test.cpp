@@ -15,6 +15,9 @@
 
 #include <sys/wait.h>
 #include <unistd.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 namespace memfit {
 namespace {
@@ -132,6 +135,34 @@ TEST(Environment, RecordsVersionThreadsAndBlas) {
   EXPECT_EQ(j.at("threads"), 1);
   EXPECT_EQ(j.at("blas").at("name"), env.blas.name());
   EXPECT_EQ(j.at("blas").at("library"), env.blas.library);
+  EXPECT_EQ(j.at("host_memory_kept"), env.host_memory_kept);
+}
+
+// glibc's malloc maps a large tensor from the system afresh and unmaps it
+// when freed, so each step page-faults its activations in again; kept, the
+// next step's tensors reuse the heap (keep_freed_host_memory).
+TEST(Environment, FreedHostMemoryIsKeptForTheNextTensors) {
+#if !defined(__GLIBC__)
+  GTEST_SKIP() << "configures glibc's malloc; this C library is another";
+#else
+  for (const char* set : {"GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD"}) {
+    if (std::getenv(set) != nullptr) GTEST_SKIP() << set << " is set: the environment configures the allocator";
+  }
+  ASSERT_TRUE(keep_freed_host_memory());
+  EXPECT_TRUE(environment().host_memory_kept);
+  EXPECT_TRUE(contains(environment().to_string(), ", freed host memory kept")) << environment().to_string();
+  constexpr int64_t kBytes = 24 << 20;  // above any threshold glibc would have raised itself to in this process
+  const auto mapped = [] { return static_cast<int64_t>(mallinfo2().hblkhd); };
+  const auto free_in_heap = [] { return static_cast<int64_t>(mallinfo2().fordblks); };
+  const int64_t mapped_before = mapped();
+  int64_t heap_free_while_alive = 0;
+  {
+    auto t = torch::ones({kBytes / 4});
+    EXPECT_LT(mapped() - mapped_before, kBytes) << "served from the heap, not mapped afresh";
+    heap_free_while_alive = free_in_heap();
+  }
+  EXPECT_GE(free_in_heap() - heap_free_while_alive, kBytes) << "kept in the heap when freed, not given back";
+#endif
 }
 
 } // namespace

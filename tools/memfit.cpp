@@ -953,6 +953,8 @@ int run_train(const TrainArgs& a) {
 } // namespace
 
 int main(int argc, char** argv) {
+  // Freed host memory stays in the heap for the next step (environment.h), unless the user configured malloc.
+  memfit::keep_freed_host_memory();
   CLI::App app{
       "memfit: train LibTorch models and batches that do not fit in memory.\n"
       "Exit codes: 0 success, 1 failed run (e.g. out of memory under --budget), 2 bad usage.",
