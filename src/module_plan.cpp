@@ -300,7 +300,8 @@ struct ModuleStepModel::Impl {
   void fit_profile_batches();
   std::vector<Event> measure_at(const StepSettings& s, int64_t m, Capture* capture, int64_t* state_bytes);
   const Measurement& find(const StepSettings& s) const;
-  // The measured settings like `s` (precision, selective recomputation) that offload less than it does.
+  // The measured settings like `s` (precision, selective recomputation) that copy less than it does
+// (detail::offload_rank: less offload, or the parameters streamed whole or in larger tiles).
   std::vector<const Measurement*> offloading_less(const StepSettings& s) const;
 };
 
@@ -689,10 +690,10 @@ StepPrediction ModuleStepModel::predict(int64_t batch, const StepSettings& setti
     }
     return double(steps) * per_micro + std::min(ts.second, tl.second);
   };
-  // Offloading only adds copies: where timing noise measured a setting that
-  // offloads more as faster, the time of one that offloads less stands (as in
-  // StepModel). Noise then cannot rank offloads of one micro-batch apart, and
-  // the choice's tie goes to the one that offloads less.
+  // Offloading only adds copies, and smaller tiles more of them: where timing
+  // noise measured a setting that copies more as faster, the time of one that
+  // copies less stands (as in StepModel). Noise then cannot rank offloads of
+  // one micro-batch apart, and the choice's tie goes to the one that copies less.
   double seconds = measured_seconds(meas);
   for (const auto* less : im.offloading_less(settings)) seconds = std::max(seconds, measured_seconds(*less));
   double recompute = 0;
@@ -950,13 +951,12 @@ std::optional<Candidate> measured_choice(const ModuleStepModel& model, const Mod
                                          ModulePlan& out, double& room) {
   std::vector<detail::Ranked> ranked;
   std::vector<int64_t> group;
-  std::map<std::string, int64_t> families;  // all but the offload: one step, more or fewer copies
+  std::map<std::string, int64_t> families;  // all but the offload and its tiles: one step, more or fewer copies
   for (const auto& c : fitting) {
     ranked.push_back(detail::ranked(c.settings, c.predicted, any_recompute(c.schedules)));
     ranked.back().edge = c.edge;
-    const auto key = fmt::format("{} {} {} {} {}", c.settings.micro_batch(), int(c.settings.precision()),
-                                 c.settings.selective_recompute(), c.settings.tile_bytes(),
-                                 schedules_text(out.chains, c.schedules));
+    const auto key = fmt::format("{} {} {} {}", c.settings.micro_batch(), int(c.settings.precision()),
+                                 c.settings.selective_recompute(), schedules_text(out.chains, c.schedules));
     ranked.back().family = families.emplace(key, int64_t(families.size())).first->second;
     group.push_back(detail::timing_group(c.settings, c.edge));
   }

@@ -25,8 +25,8 @@
 /// measured forward and backward, plus the simulated recomputation of the
 /// chains' checkpointed segments, plus the measured optimizer step. Each
 /// offload is measured in its own steps, but offloading only adds copies: a
-/// setting's time is at least that of the same setting offloading less, so
-/// timing noise cannot put a larger offload ahead.
+/// setting's time is at least that of the same setting offloading less (or
+/// streaming in larger tiles), so timing noise cannot put more copies ahead.
 ///
 /// plan() searches precision × offload (none; the optimizer state; the state
 /// and the gradients) × micro-batch (the batch, halved down to 1), and for
