@@ -38,7 +38,8 @@ import json, sys
 j = json.load(open(sys.argv[1]))
 timed = [w for w in j["why"] if w.startswith("timed")]
 how = "busy" if timed and "what the plans do" in timed[0] else "timed"
-print(f"micro-batch {j['micro_batch']}, {j['precision']}, checkpoint {j['checkpoint']}, offload {j['offload']}; "
+tiles = f", tiles of {j['tile_bytes']} bytes" if j.get("tile_bytes") else ""
+print(f"micro-batch {j['micro_batch']}, {j['precision']}, checkpoint {j['checkpoint']}, offload {j['offload']}{tiles}; "
       f"tie {j['measured_tie']:.2f}, {how}, {len(j['timed'])} timed, {float(sys.argv[3]) - float(sys.argv[2]):.1f} s")
 PY
     done

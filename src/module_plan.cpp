@@ -301,7 +301,7 @@ struct ModuleStepModel::Impl {
   std::vector<Event> measure_at(const StepSettings& s, int64_t m, Capture* capture, int64_t* state_bytes);
   const Measurement& find(const StepSettings& s) const;
   // The measured settings like `s` (precision, selective recomputation) that copy less than it does
-// (detail::offload_rank: less offload, or the parameters streamed whole or in larger tiles).
+  // (detail::offload_rank: less offload, or the parameters streamed whole or in larger tiles).
   std::vector<const Measurement*> offloading_less(const StepSettings& s) const;
 };
 

@@ -247,7 +247,12 @@ void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root = 0);
 /// so planning a large batch costs about what planning 128 examples does.
 /// Bytes within a window of the step are a maximum over moments, convex in
 /// the micro-batch: the linear fit from small micro-batches can fall short at
-/// large ones, and the run catches that.
+/// large ones, and the run catches that. On CUDA the budget caps the caching
+/// allocator's reserved bytes, which fragmentation can hold above the
+/// allocated ones the planner predicts: where timed candidates ran out of
+/// memory so, the grid is searched again within the share of the limit they
+/// had allocated (allocated ÷ reserved), and the new candidates are timed
+/// against the first choice.
 ///
 /// Throws c10::Error when nothing fits: the message names what was tried and
 /// the closest predicted peak, and, for a module with no chain, that holding
