@@ -264,7 +264,9 @@ TEST_F(TrainerTest, MicroBatchesGiveTheFullBatchParametersAlsoWhenTheyDoNotDivid
     const auto [full, full_report] = run(0);
     const auto [micro, micro_report] = run(32);
     const double diff = testing::max_relative_difference(micro, full);
-    EXPECT_LT(diff, 1e-6) << "optimizer " << int(optimizer);
+    // float32 rounding, within torch.testing.assert_close's float32 rtol
+    // (1.3e-6): 21 Adam steps reached 1.08e-6 on a 2-core AMD EPYC's OpenBLAS.
+    EXPECT_LT(diff, 1.3e-6) << "optimizer " << int(optimizer);
     EXPECT_GT(diff, 0) << "the sums round differently: a zero would mean no micro-batching";
     EXPECT_NEAR(micro_report.final_loss, full_report.final_loss, 1e-5);
   }
