@@ -941,6 +941,12 @@ detail::StepTiming run_plan(const ModuleStepModel& model, const ModuleStepModel:
   return out;
 }
 
+// A candidate's settings and each chain's schedule, as the plan's lines name it.
+std::string candidate_text(const StepSettings& s, const std::vector<Schedule>& schedules, int64_t batch,
+                           const std::vector<std::string>& chains) {
+  return detail::settings_text(s, batch) + "; checkpoint " + schedules_text(chains, schedules);
+}
+
 // The fastest measured of the candidates PlanOptions::measure_candidates
 // names (detail::to_time), recorded in `out`; nullopt when none ran within
 // the budget. `room`: the least allocated ÷ reserved bytes of those whose
@@ -972,7 +978,7 @@ std::optional<Candidate> measured_choice(const ModuleStepModel& model, const Mod
     const auto& c = fitting[order[k]];
     out.timed.push_back({c.settings, c.schedules, c.predicted.seconds, timings[k].seconds,
                          std::max<int64_t>(timings[k].peak_bytes, 0)});
-    names.push_back(detail::settings_text(c.settings, batch) + "; checkpoint " + schedules_text(out.chains, c.schedules) +
+    names.push_back(candidate_text(c.settings, c.schedules, batch, out.chains) +
                     detail::edge_text(c.edge, c.predicted.peak_bytes));
     predictions.push_back(c.predicted.seconds);
     if (timings[k].failed_reserved > timings[k].failed_allocated && timings[k].failed_allocated > 0) {
@@ -1008,10 +1014,10 @@ std::optional<Candidate> within_reserved(const ModuleStepModel& model, const Mod
                                          ModulePlan& out) {
   auto again = search(model, im, batch, budget, micro_batching, room);
   std::set<std::string> timed;
-  for (const auto& t : out.timed) timed.insert(detail::settings_text(t.settings, batch) + schedules_text(out.chains, t.schedules));
+  for (const auto& t : out.timed) timed.insert(candidate_text(t.settings, t.schedules, batch, out.chains));
   std::vector<Candidate> next;
   for (auto& c : again.fitting) {
-    if (!c.edge && !timed.count(detail::settings_text(c.settings, batch) + schedules_text(out.chains, c.schedules))) {
+    if (!c.edge && !timed.count(candidate_text(c.settings, c.schedules, batch, out.chains))) {
       next.push_back(std::move(c));
     }
   }
@@ -1026,10 +1032,9 @@ std::optional<Candidate> within_reserved(const ModuleStepModel& model, const Mod
   auto chosen = measured_choice(model, im, next, batch, budget, out, ignored);
   if (!chosen) return best;
   if (best && best_seconds > 0) {
-    const std::vector<detail::Ranked> two = {
+    std::vector<detail::Ranked> measured = {
         detail::ranked(best->settings, best->predicted, any_recompute(best->schedules)),
         detail::ranked(chosen->settings, chosen->predicted, any_recompute(chosen->schedules))};
-    auto measured = two;
     measured[0].seconds = best_seconds;
     measured[1].seconds = out.measured_seconds;
     if (detail::choose(measured) == 0) {
