@@ -68,7 +68,13 @@ std::vector<int64_t> balance_by_cost(const std::vector<double>& costs, int64_t s
 
 std::vector<int64_t> balance_by_time(const torch::nn::Sequential& model, const torch::Tensor& sample_input,
                                      int64_t stages) {
-  const auto profile = profile_chain(model, sample_input);
+  return balance_by_profile(model, profile_chain(model, sample_input), stages);
+}
+
+std::vector<int64_t> balance_by_profile(const torch::nn::Sequential& model, const ChainProfile& profile,
+                                        int64_t stages) {
+  TORCH_CHECK(profile.layers.size() == model->size(), "balance_by_profile: the profile has ", profile.layers.size(),
+              " layers but the model ", model->size(), "; profile this model (memfit::profile_chain)");
   std::vector<double> costs;
   for (const auto& layer : profile.layers) costs.push_back(layer.forward_seconds + layer.backward_seconds);
   std::vector<bool> trains;

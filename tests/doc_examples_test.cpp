@@ -460,6 +460,13 @@ TEST_F(DocExamples, PipelineHeader) {
     assert(b == std::vector<int64_t>({3, 1}));
     EXPECT_EQ(b, std::vector<int64_t>({3, 1}));
   }
+  {  // balance_by_profile
+    torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::Linear(8, 8), torch::nn::ReLU());
+    memfit::ChainProfile p;
+    p.layers.resize(3);
+    p.layers[2].forward_seconds = 1.0;  // the slow ReLU gets no stage of its own: nothing to train
+    EXPECT_EQ(memfit::balance_by_profile(net, p, 2), std::vector<int64_t>({1, 2}));
+  }
   if (!memfit::distributed_available()) GTEST_SKIP() << "this build has no c10d Gloo process group";
   {  // Pipeline
     memfit::WorldInfo solo;

@@ -22,6 +22,7 @@
 /// time), and the host copies of what is sent.
 
 #include "memfit/distributed.h"
+#include "memfit/profile.h"
 
 #include <torch/arg.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -98,10 +99,25 @@ struct PipelineOptions {
 std::vector<int64_t> balance_by_cost(const std::vector<double>& costs, int64_t stages,
                                      const std::vector<bool>& trains = {});
 
+/// A balance for `model` over `stages` stages from a profile of its layers:
+/// each layer's forward and backward time is its cost (balance_by_cost), and
+/// every stage gets a layer with parameters that require grad.
+///
+/// Example:
+/// \code
+///   torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::Linear(8, 8), torch::nn::ReLU());
+///   memfit::ChainProfile p;
+///   p.layers.resize(3);
+///   p.layers[2].forward_seconds = 1.0;  // the slow ReLU gets no stage of its own: nothing to train
+///   assert(memfit::balance_by_profile(net, p, 2) == std::vector<int64_t>({1, 2}));
+/// \endcode
+std::vector<int64_t> balance_by_profile(const torch::nn::Sequential& model, const ChainProfile& profile,
+                                        int64_t stages);
+
 /// A balance for `model` over `stages` stages from each layer's forward and
-/// backward time on `sample_input` (memfit::profile_chain), as torchgpipe's
-/// balance_by_time. Timings vary from run to run; a Pipeline uses rank 0's.
-/// Every stage gets a layer with parameters that require grad.
+/// backward time on `sample_input` (memfit::profile_chain, then
+/// balance_by_profile), as torchgpipe's balance_by_time. Timings vary from
+/// run to run; a Pipeline uses rank 0's.
 std::vector<int64_t> balance_by_time(const torch::nn::Sequential& model, const torch::Tensor& sample_input,
                                      int64_t stages);
 
