@@ -425,7 +425,6 @@ void BM_Extrapolation(benchmark::State& state) {
       memfit::Trainer trainer(lm, next_token_loss, p.apply(*lm));
       int64_t peak = 0;
       for (int i = 0; i < 3; ++i) peak = trainer.train_step(batch).peak_bytes;
-      lm->blocks->set_schedule(memfit::schedule_none(6));
       const double error = 100.0 * double(predicted - peak) / double(peak);
       state.counters[std::string(c.name) + "_error_pct"] = error;
       std::fprintf(stderr, "%s: micro-batch %lld, %s: predicted %s, measured %s (%+.1f%%)\n", c.name,
