@@ -74,16 +74,21 @@ int main() try {
                 divisor, memfit::format_bytes(budget).c_str(), micro_batching ? "" : ", no micro-batches",
                 p.why[2].c_str(), memfit::format_bytes(r.peak).c_str(),
                 memfit::format_bytes(p.predicted.peak_bytes).c_str(), 100 * error,
-                memfit::format_bytes(p.measured_peak_bytes).c_str(), r.loss, r.loss - plain.loss,
+                p.measured_peak_bytes > 0 ? memfit::format_bytes(p.measured_peak_bytes).c_str() : "not run",
+                r.loss, r.loss - plain.loss,
                 r.seconds / plain.seconds);
-    // The plan ran its choice under the budget before returning it: the same
-    // bytes as this run. Predictions err on the safe side where they err:
+    // Where the plan ran its choice under the budget before returning it, the
+    // same bytes as this run (on a busy machine it may choose, untimed, the
+    // candidate that does least: measured_peak_bytes 0, "not run"; a
+    // run 2026-11-26 under ctest's load did so at 1/3). Predictions err on
+    // the safe side where they err:
     // under 1/8 the step is measured at micro-batches of 1 and 2 (larger ones
     // exceed the budget), and a block's forward needs less beside what it
     // keeps at 1 than the line through the larger ones, so the line from 1
     // and 2 over-predicts checkpointed blocks at 8 or 16 (+7.2% and +14.3%
     // measured, docs/planner.md).
-    ok = ok && r.peak <= budget && r.peak == p.measured_peak_bytes && error >= -0.05 && error <= 0.15 &&
+    const bool as_run = p.measured_peak_bytes == 0 || r.peak == p.measured_peak_bytes;
+    ok = ok && r.peak <= budget && as_run && error >= -0.05 && error <= 0.15 &&
          std::abs(r.loss - plain.loss) <= 1e-5;
   }
   // The largest batch of the data set one step takes under 1/4 of the plain
