@@ -13,7 +13,14 @@
 // side (6 alternating rounds) for plan_vs_best_side_by_side, and the plan and
 // the plain step (without a budget) for plan_vs_plain_side_by_side.
 //
-//   build/bench/memfit_plan_bench
+//   build/bench/memfit_plan_bench --benchmark_filter='plan/(resnet|mlp)/batch256'
+//
+// plan/resnet/depth3/batch128: the same at bench/peers.py's CNN budgets where
+// the best hand-tuned PyTorch run needs checkpointing (19.23, 15.82 and
+// 15.36 MiB in docs/peers_2026-11-26.txt): is there a faster fitting plan
+// than the planner's in the grid?
+//
+//   build/bench/memfit_plan_bench --benchmark_filter=plan/resnet/depth3
 //
 // Times: the faster of a combination's steps 2 and 3 (step 1 creates the
 // optimizer state); CPU, byte-exact allocator, fp32 (the math unchanged).
@@ -90,9 +97,14 @@ const memfit::ImageDataset& data() {
   return d;
 }
 
+// `kind`: a model family, with "/depthN" for N blocks per stage (e.g.
+// "resnet/depth3", bench/peers.py's CNN of 15 layers).
 torch::nn::Sequential make(const std::string& kind) {
   torch::manual_seed(0);
-  return memfit::make_model(memfit::parse_model_kind(kind), memfit::ModelOptions());
+  const auto at = kind.find("/depth");
+  memfit::ModelOptions options;
+  if (at != std::string::npos) options.depth(std::stoll(kind.substr(at + 6)));
+  return memfit::make_model(memfit::parse_model_kind(kind.substr(0, at)), options);
 }
 
 struct Run {
@@ -158,7 +170,9 @@ bool same(const memfit::StepSettings& a, const memfit::StepSettings& b) {
          a.schedule().to_string() == b.schedule().to_string();
 }
 
-void BM_Plan(benchmark::State& state, std::string kind, int64_t batch) {
+// `budgets_mib` empty: 1/2, 1/4 and 1/8 of the plain step's measured peak;
+// else these budgets (e.g. bench/peers.py's, where a target was missed).
+void BM_Plan(benchmark::State& state, std::string kind, int64_t batch, std::vector<double> budgets_mib) {
   for (auto _ : state) {
     auto chain = make(kind);
     // The ResNet's BatchNorm: these figures let micro-batches change its statistics.
@@ -168,9 +182,16 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch) {
     const Run plain = run(kind, batch, memfit::StepSettings(), 0);
     state.counters["plain_peak_MiB"] = double(plain.peak) / (1 << 20);
     state.counters["plain_ms"] = 1e3 * plain.seconds;
-    for (int divisor : {2, 4, 8}) {
-      const int64_t budget = plain.peak / divisor;
-      const std::string key = fmt::format("1/{}_", divisor);
+    std::vector<std::pair<std::string, int64_t>> budgets;  // (name, bytes)
+    if (budgets_mib.empty()) {
+      for (int divisor : {2, 4, 8}) budgets.emplace_back(fmt::format("1/{}", divisor), plain.peak / divisor);
+    } else {
+      for (double mib : budgets_mib) {
+        budgets.emplace_back(fmt::format("{:.2f}MiB", mib), static_cast<int64_t>(mib * (1 << 20)));
+      }
+    }
+    for (const auto& [name, budget] : budgets) {
+      const std::string key = name + "_";
       state.counters[key + "budget_MiB"] = double(budget) / (1 << 20);
       std::optional<memfit::Plan> p;
       try {
@@ -178,7 +199,7 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch) {
         p = memfit::plan(model, [&] { return make(kind); }, data(), batch, budget);
       } catch (const c10::Error& e) {
         state.counters[key + "fits"] = 0;
-        fmt::print(stderr, "{} at 1/{}: {}\n", kind, divisor, e.msg());
+        fmt::print(stderr, "{} at {}: {}\n", kind, name, e.msg());
         continue;
       }
       // The grid, each combination measured under the budget.
@@ -252,7 +273,7 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch) {
                            s.tile_bytes() > 0 ? fmt::format(" (tiles of {})", memfit::format_bytes(s.tile_bytes())) : "",
                            s.schedule().segments.empty() ? "none" : s.schedule().to_string());
       };
-      fmt::print(stderr, "{} at 1/{} ({:.2f} MiB): {}\n", kind, divisor, double(budget) / (1 << 20),
+      fmt::print(stderr, "{} at {} ({:.2f} MiB): {}\n", kind, name, double(budget) / (1 << 20),
                  describe(p->settings));
       if (best_settings && !same(*best_settings, p->settings)) {
         fmt::print(stderr, "  the grid's fastest: {}: {:.1f} ms measured, {:.1f} ms predicted; the plan {:.1f} ms "
@@ -517,9 +538,15 @@ int main(int argc, char** argv) {
   memfit::memory_allocated();
   const unsigned hw = std::thread::hardware_concurrency();
   at::set_num_threads(hw > 0 ? static_cast<int>(hw) : 1);
-  benchmark::RegisterBenchmark("plan/resnet/batch256", BM_Plan, std::string("resnet"), int64_t(256))
+  benchmark::RegisterBenchmark("plan/resnet/batch256", BM_Plan, std::string("resnet"), int64_t(256),
+                               std::vector<double>{})
       ->Unit(benchmark::kSecond)->Iterations(1);
-  benchmark::RegisterBenchmark("plan/mlp/batch256", BM_Plan, std::string("mlp"), int64_t(256))
+  benchmark::RegisterBenchmark("plan/mlp/batch256", BM_Plan, std::string("mlp"), int64_t(256), std::vector<double>{})
+      ->Unit(benchmark::kSecond)->Iterations(1);
+  // bench/peers.py's CNN (batch 128, Adam) at the budgets where the best
+  // hand-tuned run needs checkpointing (docs/peers_2026-11-26.txt).
+  benchmark::RegisterBenchmark("plan/resnet/depth3/batch128", BM_Plan, std::string("resnet/depth3"), int64_t(128),
+                               std::vector<double>{19.23, 15.82, 15.36})
       ->Unit(benchmark::kSecond)->Iterations(1);
   for (const auto& [kind, budget] : std::vector<std::pair<std::string, int64_t>>{
            {"mlp", int64_t{1} << 20}, {"resnet", int64_t{8} << 20}, {"gpt", int64_t{40} << 20}}) {

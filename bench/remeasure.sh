@@ -5,7 +5,7 @@
 # `memfit --version` (LibTorch, BLAS) and the load, and closed by its wall time.
 #
 # Usage (after `make build`): bash bench/remeasure.sh [NAME...]
-#   NAMES: main memory checkpoint precision trainer tax tax_python plan accuracy own stream cost stability distributed
+#   NAMES: main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability distributed
 #          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
 #          peers_torch2 peers_gpt_torch2  (peers with PyTorch 2.15's tools too: after
 #          `make build LIBTORCH=pip`; not in the default list)
@@ -46,7 +46,8 @@ measure() {
     trainer) bench trainer memfit_trainer_bench --benchmark_filter='micro|techniques' ;;
     tax) bench trainer_tax memfit_trainer_bench --benchmark_filter=tax ;;
     tax_python) run tax_python /usr/bin/python3 bench/tax.py --build "$build" --rounds 30 ;;
-    plan) bench plan memfit_plan_bench --benchmark_filter=plan ;;
+    plan) bench plan memfit_plan_bench --benchmark_filter='plan/(resnet|mlp)/batch256' ;;
+    plan_peers) bench plan_peers memfit_plan_bench --benchmark_filter=plan/resnet/depth3 ;;
     accuracy) bench plan_accuracy memfit_plan_bench --benchmark_filter=accuracy ;;
     own) bench plan_own memfit_plan_bench --benchmark_filter=own ;;
     stream) bench stream_own memfit_plan_bench --benchmark_filter=stream ;;
@@ -69,7 +70,7 @@ measure() {
   esac
 }
 
-all=(main memory checkpoint precision trainer tax tax_python plan accuracy own stream cost stability distributed gpt_train gpt_budget
+all=(main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability distributed gpt_train gpt_budget
   peers peers_gpt)
 known=("${all[@]}" peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2)
 names=("$@")

@@ -520,6 +520,18 @@ void ModuleStepModel::Impl::fit_profile_batches() {
                      : fmt::format(", the smallest, whose plain steps peaked at {}, above PlanOptions::profile_budget "
                                    "{}: the step's fixed bytes alone do not fit it",
                                    format_bytes(needs(2 * lo)), budget);
+  // A micro-batch of 1 is a special case of shapes: a dimension of size 1
+  // makes more views contiguous, so copies that larger micro-batches make
+  // vanish (docs/planner.md: a block of the consumer's LM needs 131072 bytes
+  // beside what it keeps at 1, 229376 per example at 2 to 16), and a line
+  // through 1 and 2 over-predicts larger ones. Where the line says a step of
+  // 3 fits (it over-predicts that too), 2 and 3 are measured instead.
+  if (m_small == 1 && probe.examples >= 6 && needs(3) <= limit) {
+    m_small = 2;
+    m_large = 3;
+    profile_note = fmt::format(", not 1 and 2 (a micro-batch of 1 makes views contiguous that larger ones copy); 3 "
+                               "is the largest whose steps fit PlanOptions::profile_budget {}", budget);
+  }
 }
 
 bool ModuleStepModel::Impl::measure_held_back() {

@@ -105,6 +105,37 @@ struct ScoresNetImpl : torch::nn::Module {
 TORCH_MODULE(ScoresNet);
 torch::Tensor scores_loss(ScoresNetImpl& net, const torch::data::Example<>& b) { return cross_entropy_of(net, b); }
 
+// A user's block whose output is a transposed copy: at a micro-batch of 1
+// the copy is a no-op (a dimension of size 1 makes the view contiguous), at
+// 2 and above it is made beside the block's Linear output, and the next
+// block's Linear copies its non-contiguous input again.
+struct CopyBlockImpl : torch::nn::Module {
+  explicit CopyBlockImpl(int64_t width) : fc(register_module("fc", torch::nn::Linear(width, width))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc->forward(x).transpose(0, 1).contiguous().transpose(0, 1); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(CopyBlock);
+
+// [N, 16] -> [N, tokens, width] (a broadcast view) -> a chain of CopyBlocks -> mean -> 5 classes.
+struct CopyNetImpl : torch::nn::Module {
+  CopyNetImpl(int64_t width, int64_t tokens, int64_t depth) : tokens(tokens) {
+    in = register_module("in", torch::nn::Linear(16, width));
+    torch::nn::Sequential blocks;
+    for (int64_t i = 0; i < depth; ++i) blocks->push_back(CopyBlock(width));
+    body = register_module("body", memfit::CheckpointedSequential(blocks));
+    head = register_module("head", torch::nn::Linear(width, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto h = in->forward(x).unsqueeze(1);
+    return head->forward(body->forward(h.expand({h.size(0), tokens, h.size(2)})).mean(1));
+  }
+  int64_t tokens;
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  memfit::CheckpointedSequential body{nullptr};
+};
+TORCH_MODULE(CopyNet);
+torch::Tensor copy_loss(CopyNetImpl& net, const torch::data::Example<>& b) { return cross_entropy_of(net, b); }
+
 using memfit::testing::expect_error;
 
 class ModulePlanTest : public memfit::testing::Seeded {};
@@ -352,6 +383,43 @@ TEST_F(ModulePlanTest, MeasuringKeepsWithinTheBudgetItPlansFor) {
                "PlanOptions::profile_budget must be >= 0 bytes (0: no limit), got -1");
   memfit::Trainer trainer(net, chain_loss, p.apply(*net));
   EXPECT_LE(measured_peak(trainer, batch), budget) << "applied, the plan trains under the budget";
+}
+
+TEST_F(ModulePlanTest, BytesAreNotExtrapolatedFromAMicroBatchOfOneWhereAStepOfThreeFits) {
+  // Under a profile budget that the plain step at micro-batches of 4 exceeds,
+  // the planner measured 1 and 2; at 1 this module's copies vanish, and the
+  // line through 1 and 2 over-predicts every larger micro-batch (by 20%, 31%
+  // and 37% at 4, 8 and 16). Where a step of 3 fits, it measures 2 and 3.
+  CopyNet net(8, 128, 4);
+  const auto batch = sample(64);
+  const auto plain_peak = [&](int64_t micro) {  // the plain step of two micro-batches, as measuring runs it
+    memfit::Trainer trainer(net, copy_loss, memfit::TrainerOptions().batch_size(2 * micro).micro_batch_size(micro));
+    return measured_peak(trainer, {batch.data.narrow(0, 0, 2 * micro), batch.target.narrow(0, 0, 2 * micro)});
+  };
+  const int64_t p1 = plain_peak(1), p2 = plain_peak(2);
+  // Half way between what the line through 1 and 2 says steps of 3 and 4 need.
+  const double line3 = double(2 * p2 - p1), line4 = double(3 * p2 - 2 * p1);
+  const auto options = memfit::PlanOptions().measure_candidates(0).verify(false);
+  const auto budget = static_cast<int64_t>((line3 + line4) / 2 / options.margin());
+  memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), copy_loss, batch),
+                                memfit::PlanOptions(options).profile_budget(budget));
+  memfit::ModuleStepModel through_one(memfit::detail::make_probe(net.ptr(), copy_loss, batch),
+                                      memfit::PlanOptions(options).profile_batch(2));
+  EXPECT_NE(memfit::plan(model, budget).explain().find("micro-batches of 2 and 3, not 1 and 2"), std::string::npos)
+      << memfit::plan(model, budget).explain();
+  for (int64_t micro : {4, 8, 16}) {
+    const auto settings = memfit::StepSettings().micro_batch(micro);
+    memfit::Trainer trainer(net, copy_loss, memfit::TrainerOptions().batch_size(64).micro_batch_size(micro));
+    const int64_t measured = measured_peak(trainer, batch);
+    const int64_t predicted = model.predict(64, settings, {memfit::Schedule()}).peak_bytes;
+    const int64_t from_one = through_one.predict(64, settings, {memfit::Schedule()}).peak_bytes;
+    RecordProperty("micro" + std::to_string(micro), std::to_string(measured) + " measured, " +
+                                                        std::to_string(predicted) + " from 2 and 3, " +
+                                                        std::to_string(from_one) + " from 1 and 2");
+    EXPECT_EQ(predicted, measured) << "micro-batches of " << micro << ": from 2 and 3, to the byte";
+    EXPECT_GT(double(from_one), 1.15 * double(measured))
+        << "micro-batches of " << micro << ": the line through 1 and 2 over-predicts (why 2 and 3 are measured)";
+  }
 }
 
 TEST_F(ModulePlanTest, StreamsTheChainsLinearLayersInTilesWhereWholeWeightsDoNotFit) {

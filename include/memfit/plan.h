@@ -144,7 +144,8 @@ struct PlanOptions {
   /// the parameters (streamed, stream.h; fp32 only) on the host.
   TORCH_ARG(bool, offload) = true;
   /// The larger of the two batch sizes profiled (the other is half of it);
-  /// halved while profiling it would exceed profile_budget (to 2 at least).
+  /// halved while profiling it would exceed profile_budget (to 2 at least;
+  /// the module planner then profiles 2 and 3 where 3 fits, see profile_budget).
   TORCH_ARG(int64_t, profile_batch) = 32;
   /// Times are measured up to this micro-batch (at 4× steps above
   /// profile_batch and at it), not extrapolated; set it to the batch planned
@@ -160,7 +161,10 @@ struct PlanOptions {
   /// (module_plan.h) counts its measuring steps' whole peak: it runs the
   /// plain step at micro-batches of 1 and 2 (2 and 4 with batch statistics)
   /// and halves profile_batch until that line says the step fits the margin
-  /// of this; its plan() and find_batch() for a module and a budget set it
+  /// of this; where that leaves 1 and 2, it measures 2 and 3 if that line
+  /// says a step of 3 fits (a micro-batch of 1 makes views contiguous that
+  /// larger ones copy, so a line through it over-predicts them); its plan()
+  /// and find_batch() for a module and a budget set it
   /// to that budget when left 0. time_batch and saturation_seconds are
   /// StepModel's only.
   TORCH_ARG(int64_t, profile_budget) = 0;
