@@ -463,10 +463,25 @@ MasterWeights::~MasterWeights() {
     static_cast<torch::autograd::Node*>(accumulators_[i].get())->del_post_hook(hook_keys_[i]);
   }
   if (!streamed()) return;
-  // The model is whole again, in host memory (the masters' own storage, no
-  // copy), where a model too large for the device was built.
+  // The model is whole again. Streamed to a GPU: in host memory (the masters'
+  // own storage, no copy), where a model too large for the device was built.
+  // Streamed on the CPU, the device is the host: its parameters go back into
+  // the memory that memory_allocated() counts, as the model held them, so a
+  // later step or plan counts them again (in the masters' untracked storage
+  // a planner measured the LM of examples/consumer 4.72 MiB low after a
+  // streamed plan, docs/planner.md). Where a budget refuses those bytes, the
+  // masters' storage stays.
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(masters_[i].detach());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    torch::Tensor data = masters_[i].detach();
+    if (i < released_.size() && released_[i].device().is_cpu()) {
+      try {
+        data = data.clone();
+      } catch (const c10::Error&) {  // a budget's out-of-memory error: never thrown from a destructor
+      }
+    }
+    params_[i].set_data(data);
+  }
 }
 
 torch::Tensor MasterWeights::fetch(size_t i, int64_t begin, int64_t rows) const {

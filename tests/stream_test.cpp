@@ -195,6 +195,27 @@ TEST_F(ParameterStreamTest, MasterWeightsGiveTheParametersTheirMastersWhenTheyGo
   for (size_t i = 1; i < after.size(); ++i) EXPECT_TRUE(after[i].equal(before[i]));
 }
 
+TEST_F(ParameterStreamTest, StreamedOnTheCpuTheParametersComeBackToTheMemoryTheModelHeldThemIn) {
+  // On the CPU the host is the device: the parameters go back to tracked
+  // memory, so a later step or plan counts them again (in the masters'
+  // untracked storage, memory_allocated() would miss them).
+  const int64_t base = memory_allocated();
+  auto net = make_mlp(ModelOptions().width(16).depth(1));
+  const int64_t held = memory_allocated() - base;
+  ASSERT_EQ(held, storage_bytes(net->parameters()));
+  { MasterWeights master(*net, streamed()); }
+  EXPECT_EQ(memory_allocated() - base, held) << "as the model held them";
+  // Under a budget that refuses them the masters' storage stays, and nothing throws.
+  {
+    MasterWeights master(*net, streamed());
+    set_memory_budget(torch::kCPU, memory_allocated() + 1);
+    EXPECT_NO_THROW({ MasterWeights gone(std::move(master)); });
+    set_memory_budget(torch::kCPU, 0);
+  }
+  EXPECT_EQ(memory_allocated() - base, 0);
+  for (const auto& p : net->parameters()) EXPECT_GT(p.storage().nbytes(), 4u) << "whole again";
+}
+
 TEST_F(ParameterStreamTest, BadSetUpsAreRefusedWithTheFix) {
   auto net = make_mlp(ModelOptions().width(16).depth(1));
   testing::expect_error(

@@ -266,7 +266,10 @@ struct MasterWeightsOptions {
   /// while it runs (ZeRO-Infinity's parameter offload, FSDP's CPU offload).
   /// master_to_model() then copies nothing; the destructor gives each
   /// parameter its master's storage: the trained model is whole again, in
-  /// host memory (move it with ->to(device)).
+  /// host memory (move it with ->to(device)). Streamed on the CPU, where the
+  /// host is the device, it gives each parameter a copy in the memory
+  /// memory_allocated() counts instead, as the model held them (the masters'
+  /// storage where a budget refuses that).
   TORCH_ARG(Offload, parameters) = Offload::kNone;
   /// Streamed parameters: the device they are fetched to (nullopt: the one
   /// they are on). A model built in host memory then never lands on the
