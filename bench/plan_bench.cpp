@@ -46,10 +46,11 @@
 //   build/bench/memfit_plan_bench --benchmark_filter=own
 //
 // extrapolation/transformer: where predictions from small micro-batches err.
-// Under 1/8 of the LM's plain peak the planner measures micro-batches of 1
-// and 2; a block's forward needs less beside what it keeps at 1 than the line
-// through larger ones, so checkpointed blocks at 8 or 16 are over-predicted
-// (safe: the plan's run measures them). Reported: three candidates of that
+// Under 1/8 of the LM's plain peak the planner measures micro-batches of 2
+// and 3 (until 2026-11-26, 1 and 2: a block's forward needs less beside what
+// it keeps at 1 than the line through larger ones, and checkpointed blocks at
+// 8 or 16 were over-predicted by 7.2% and 14.3%); checkpointed blocks are
+// still over-predicted (safe: the plan's run measures them). Reported: three candidates of that
 // plan, predicted and measured, and one block's forward bytes per example at
 // micro-batches of 1 to 16.
 //
@@ -411,7 +412,7 @@ memfit::Schedule segments(const std::vector<std::tuple<int64_t, int64_t, bool>>&
 }
 
 // extrapolation/transformer: the LM measured as plan() measures it under 1/8
-// of its plain peak (micro-batches of 1 and 2: larger ones exceed the
+// of its plain peak (micro-batches of 2 and 3: larger ones exceed the
 // budget), three candidates of that plan predicted and run; and one block's
 // forward bytes beside what it keeps (profile_chain) at micro-batches of 1 to 16.
 void BM_Extrapolation(benchmark::State& state) {
