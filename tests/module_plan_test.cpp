@@ -385,6 +385,31 @@ TEST_F(ModulePlanTest, MeasuringKeepsWithinTheBudgetItPlansFor) {
   EXPECT_LE(measured_peak(trainer, batch), budget) << "applied, the plan trains under the budget";
 }
 
+TEST_F(ModulePlanTest, TheBudgetCountsEveryByteTheProcessHoldsBesideTheModule) {
+  // As set_memory_budget and a device's memory do: a tensor held outside the
+  // module (another model, data on the device) is in every predicted peak.
+  ChainNet net(32, 4);
+  const auto batch = sample(1024);  // activations of 128 KiB a layer
+  const auto options = memfit::PlanOptions().measure_candidates(0).verify(false);
+  const auto plain_peak = [&] {
+    const memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch), options);
+    return model.predict(1024, memfit::StepSettings(), {memfit::Schedule()}).peak_bytes;
+  };
+  const int64_t alone = plain_peak();
+  auto held = torch::empty({1 << 16});  // 256 KiB of fp32
+  ASSERT_EQ(memfit::memory_allocated(), memfit::storage_bytes({held}) + memfit::storage_bytes(net->parameters()));
+  EXPECT_EQ(plain_peak() - alone, int64_t{1} << 18);
+  // A budget whose margin the plain step fits alone, but not beside the
+  // held 256 KiB: the plan there fits the margin with what is held.
+  const auto budget = static_cast<int64_t>(double(alone + (1 << 17)) / options.margin());
+  const auto beside = memfit::plan(net.ptr(), chain_loss, batch, budget, options);
+  ASSERT_TRUE(beside.fits) << beside.explain();
+  EXPECT_LE(beside.predicted.peak_bytes, static_cast<int64_t>(options.margin() * double(budget)));
+  EXPECT_TRUE(beside.settings.micro_batch() != 0 || !beside.schedules[0].segments.empty() ||
+              beside.settings.offload_optimizer() != memfit::Offload::kNone)
+      << "the plain step does not fit beside the held 256 KiB\n" << beside.explain();
+}
+
 TEST_F(ModulePlanTest, BytesAreNotExtrapolatedFromAMicroBatchOfOneWhereAStepOfThreeFits) {
   // Under a profile budget that the plain step at micro-batches of 4 exceeds,
   // the planner measured 1 and 2; at 1 this module's copies vanish, and the

@@ -232,7 +232,11 @@ struct ModulePlan : Plan {
 void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root = 0);
 
 /// The fastest plan for a step of `model`'s sample batch that fits
-/// options.margin() × `budget` (see the file comment). Where no measured
+/// options.margin() × `budget` (see the file comment). The budget counts
+/// every byte allocated on the device, as set_memory_budget and a device's
+/// memory do: tensors held outside the module when the model was measured
+/// (another model, data already on the device) are in every predicted peak.
+/// Where no measured
 /// setting fits, or the fastest that fits holds the optimizer state and
 /// gradients on the host, it first measures those held back (streamed
 /// parameters).
