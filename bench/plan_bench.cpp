@@ -132,6 +132,16 @@ torch::nn::Sequential make(const std::string& kind) {
   return memfit::make_model(memfit::parse_model_kind(kind.substr(0, at)), options);
 }
 
+// The model as `memfit train` trains and plans it: its layers one chain,
+// with `s`'s checkpoint schedule and selective recomputation.
+torch::nn::Sequential planned(const std::string& kind, const memfit::StepSettings& s = memfit::StepSettings()) {
+  auto chain = make(kind);
+  memfit::set_selective_recompute(chain, s.selective_recompute());
+  memfit::CheckpointedSequential model(chain);
+  if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
+  return torch::nn::Sequential(model);
+}
+
 struct Run {
   bool fits = false;
   int64_t peak = 0;
@@ -141,12 +151,7 @@ struct Run {
 // Three steps of `s` under `budget` (0: none); fits is false on out-of-memory.
 Run run(const std::string& kind, int64_t batch, const memfit::StepSettings& s, int64_t budget) {
   const int64_t base = memfit::memory_allocated();
-  auto chain = make(kind);
-  memfit::set_selective_recompute(chain, s.selective_recompute());
-  memfit::CheckpointedSequential model(chain);
-  if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
-  memfit::Trainer t(torch::nn::Sequential(model),
-                    memfit::trainer_options(s, memfit::TrainerOptions().batch_size(batch).steps(3)));
+  memfit::Trainer t(planned(kind, s), memfit::trainer_options(s, memfit::TrainerOptions().batch_size(batch).steps(3)));
   memfit::set_memory_budget(torch::kCPU, budget > 0 ? base + budget : 0);
   Run r;
   try {
@@ -165,12 +170,8 @@ Run run(const std::string& kind, int64_t batch, const memfit::StepSettings& s, i
 double side_by_side_ratio(const std::string& kind, int64_t batch, const memfit::StepSettings& a,
                           const memfit::StepSettings& b) {
   auto trainer = [&](const memfit::StepSettings& s) {
-    auto chain = make(kind);
-    memfit::set_selective_recompute(chain, s.selective_recompute());
-    memfit::CheckpointedSequential model(chain);
-    if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
     return std::make_unique<memfit::Trainer>(
-        torch::nn::Sequential(model), memfit::trainer_options(s, memfit::TrainerOptions().batch_size(batch).steps(1)));
+        planned(kind, s), memfit::trainer_options(s, memfit::TrainerOptions().batch_size(batch).steps(1)));
   };
   auto ta = trainer(a), tb = trainer(b);
   const auto& d = dataset(kind);
@@ -203,11 +204,6 @@ bool same(const memfit::StepSettings& a, const memfit::StepSettings& b) {
 torch::data::Example<> sample(const std::string& kind, int64_t n) {
   const auto& d = dataset(kind);
   return {d.images.narrow(0, 0, n), d.labels.narrow(0, 0, n)};
-}
-
-// The model as `memfit train` trains and plans it: its layers one chain.
-torch::nn::Sequential planned(const std::string& kind) {
-  return torch::nn::Sequential(memfit::CheckpointedSequential(make(kind)));
 }
 
 // One combination of the grid: its settings without a schedule, and where
@@ -312,16 +308,18 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch, std::vect
       bool plan_fit = false;
       for (const auto& c : grids[b]) {
         memfit::StepSettings s = c.plain;
+        double predicted = c.plain_seconds;
         Run r = run(kind, batch, s, budget);
         if (!r.fits && c.scheduled) {
           s = *c.scheduled;
+          predicted = c.scheduled_seconds;
           r = run(kind, batch, s, budget);
         }
         if (!r.fits) continue;
         if (r.seconds < best) {
           best = r.seconds;
           best_settings = s;
-          best_predicted = c.scheduled && same(s, *c.scheduled) ? c.scheduled_seconds : c.plain_seconds;
+          best_predicted = predicted;
         }
         if (same(s, chosen)) {
           planned = r.seconds;
@@ -588,17 +586,13 @@ void BM_Stream(benchmark::State& state, int64_t batch_size) {
 //   build/bench/memfit_plan_bench --benchmark_filter=cost
 void BM_Cost(benchmark::State& state, const std::string& kind, int64_t budget) {
   torch::nn::Sequential chain;
-  torch::Tensor example;
-  if (kind == "gpt") {
-    const auto corpus = memfit::load_jargon_file();
-    memfit::UntrackedGuard host;
-    example = memfit::text_windows(corpus, 128, memfit::Split::kTrain).images.narrow(0, 0, 1).clone();
+  if (kind == "gpt") {  // make_gpt's default size (width 128), not bench/peers.py's
     torch::manual_seed(0);
-    chain = memfit::make_gpt(memfit::ModelOptions().num_classes(corpus.vocab_size()));
+    chain = memfit::make_gpt(memfit::ModelOptions().num_classes(text().num_classes));
   } else {
     chain = make(kind);
-    example = data().images.narrow(0, 0, 1);
   }
+  const torch::Tensor example = dataset(kind).images.narrow(0, 0, 1);
   auto planning = [&](int64_t batch) {
     memfit::StepModel model(chain, example,
                             memfit::PlanOptions().time_batch(batch).profile_budget(budget).batch_statistics(
