@@ -233,8 +233,8 @@ std::vector<Combination> grid_of(const memfit::ModuleStepModel& model, int64_t b
       c.plain = memfit::StepSettings(measured).micro_batch(m == batch ? 0 : m);
       const auto pred = model.predict(batch, c.plain, {memfit::Schedule()});
       c.plain_seconds = pred.seconds;
-      const int64_t room =
-          static_cast<int64_t>(0.97 * double(budget)) - (pred.forward_backward_bytes - pred.activation_bytes);
+      const int64_t room = static_cast<int64_t>(model.options().margin() * double(budget)) -
+                           (pred.forward_backward_bytes - pred.activation_bytes);
       if (room > 0) {
         try {
           auto s = c.plain;
