@@ -6,18 +6,30 @@
 # machine left the choice to what the plans do ("busy") or times decided
 # ("timed"), how many candidates were timed, and the command's wall time.
 #
-# Usage (after `make build`): bash bench/plan_stability.sh [BUILD] [RUNS]
+# Usage (after `make build`): bash bench/plan_stability.sh [BUILD] [RUNS] [CASES]
+# CASES: "default" (the cases below) or "tight": the CNN of bench/peers.py's
+# table at the budgets where hand-tuned PyTorch runs stop fitting, where the
+# best candidates lie within a few percent of each other.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
 runs=${2:-5}
-cases=(
-  "--model resnet --batch 64 --budget 64MiB"
-  "--model resnet --batch 128 --budget 96MiB --batch-statistics per-micro-batch"
-  "--model resnet --batch 128 --budget 38MiB --batch-statistics per-micro-batch"
-  "--model gpt --batch 16 --budget 40MiB"
-  "--model mlp --batch 256 --budget 1MiB"
-)
+case ${3:-default} in
+  default)
+    cases=(
+      "--model resnet --batch 64 --budget 64MiB"
+      "--model resnet --batch 128 --budget 96MiB --batch-statistics per-micro-batch"
+      "--model resnet --batch 128 --budget 38MiB --batch-statistics per-micro-batch"
+      "--model gpt --batch 16 --budget 40MiB"
+      "--model mlp --batch 256 --budget 1MiB"
+    ) ;;
+  tight)
+    cases=()
+    for budget in 19.23MiB 15.82MiB 15.36MiB; do
+      cases+=("--model resnet --depth 3 --batch 128 --budget $budget --batch-statistics per-micro-batch")
+    done ;;
+  *) echo "plan_stability.sh: CASES is default or tight, got '$3'" >&2; exit 2 ;;
+esac
 json=$(mktemp)
 busy=
 trap 'rm -f "$json"; [ -n "$busy" ] && kill "$busy" 2>/dev/null || true' EXIT
@@ -33,7 +45,7 @@ for mode in quiet busy; do
       # shellcheck disable=SC2086  # the case's words are separate arguments
       "$build/memfit" plan $c --json > "$json"
       end=$(date +%s.%N)
-      python3 - "$json" "$start" "$end" <<'PY'
+      python3 - "$json" "$start" "$end" "${3:-default}" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1]))
 timed = [w for w in j["why"] if w.startswith("timed")]
@@ -41,6 +53,9 @@ how = "busy" if timed and "what the plans do" in timed[0] else "timed"
 tiles = f", tiles of {j['tile_bytes']} bytes" if j.get("tile_bytes") else ""
 print(f"micro-batch {j['micro_batch']}, {j['precision']}, checkpoint {j['checkpoint']}, offload {j['offload']}{tiles}; "
       f"tie {j['measured_tie']:.2f}, {how}, {len(j['timed'])} timed, {float(sys.argv[3]) - float(sys.argv[2]):.1f} s")
+if sys.argv[4] == "tight":  # what the choice saw: each timed candidate's fastest step
+    print("  timed: " + "; ".join(
+        f"{t['micro_batch']} {t['offload']} [{t['checkpoint']}] {1e3 * t['measured_seconds']:.1f} ms" for t in j["timed"]))
 PY
     done
   done

@@ -5,7 +5,7 @@
 # `memfit --version` (LibTorch, BLAS) and the load, and closed by its wall time.
 #
 # Usage (after `make build`): bash bench/remeasure.sh [NAME...]
-#   NAMES: main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability distributed
+#   NAMES: main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed
 #          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
 #          peers_torch2 peers_gpt_torch2  (peers with PyTorch 2.15's tools too: after
 #          `make build LIBTORCH=pip`; not in the default list)
@@ -53,6 +53,7 @@ measure() {
     stream) bench stream_own memfit_plan_bench --benchmark_filter=stream ;;
     cost) bench plan_cost memfit_plan_bench --benchmark_filter=cost ;;
     stability) run plan_stability bash bench/plan_stability.sh "$build" ;;
+    stability_tight) run plan_stability_tight bash bench/plan_stability.sh "$build" 5 tight ;;
     distributed) bench distributed memfit_distributed_bench --steps 40 ;;
     gpt_train) run gpt_train "$build/memfit" train --model gpt --width 64 --depth 2 --context 64 --batch 32 --steps 100 ;;
     gpt_budget) run gpt_budget python3 bench/gpt_budget.py --build "$build" ;;
@@ -70,7 +71,7 @@ measure() {
   esac
 }
 
-all=(main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability distributed gpt_train gpt_budget
+all=(main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed gpt_train gpt_budget
   peers peers_gpt)
 known=("${all[@]}" peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2)
 names=("$@")

@@ -3,6 +3,7 @@
 #include "memfit/compat.h"
 #include "memfit/memory.h"
 #include "memfit/profile.h"
+#include "memfit/state.h"
 #include "memfit/stream.h"
 #include "plan_internal.h"
 
@@ -13,6 +14,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <optional>
@@ -1225,6 +1228,76 @@ void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root) {
         plan.chains = wire.at("chains").get<std::vector<std::string>>();
         plan.schedules = detail::schedules_from_wire(wire.at("schedules"));
       });
+}
+
+namespace {
+constexpr const char* kPlanFormat = "memfit.module_plan.v1";
+} // namespace
+
+void save_plan(const ModulePlan& plan, const std::string& path) {
+  auto wire = detail::plan_wire(plan);
+  wire["format"] = kPlanFormat;
+  wire["chains"] = plan.chains;
+  wire["schedules"] = detail::schedules_wire(plan.schedules);
+  write_file_atomically(path, wire.dump(2) + "\n");
+}
+
+ModulePlan load_plan(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good() && !std::filesystem::is_directory(path), "load_plan: cannot read ", path,
+              ": give the file that save_plan wrote");
+  ModulePlan plan;
+  try {
+    const auto wire = nlohmann::json::parse(in);
+    TORCH_CHECK(wire.is_object() && wire.value("format", std::string()) == kPlanFormat, path,
+                " is not a memfit plan (", kPlanFormat, "): write one with save_plan");
+    detail::plan_from_wire(wire, plan);
+    plan.chains = wire.at("chains").get<std::vector<std::string>>();
+    plan.schedules = detail::schedules_from_wire(wire.at("schedules"));
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, path, " is damaged (", e.what(), "): write it again with save_plan");
+  }
+  TORCH_CHECK(plan.chains.size() == plan.schedules.size(), path, " is damaged: ", plan.chains.size(),
+              " chain(s) but ", plan.schedules.size(), " schedule(s); write it again with save_plan");
+  return plan;
+}
+
+std::string plan_mismatch(const ModulePlan& plan, const torch::nn::Module& module, int64_t batch, int64_t budget,
+                          const PlanOptions& options) {
+  const auto& s = plan.settings;
+  if (plan.budget != budget) {
+    return fmt::format("it was made for a budget of {}, not {}", format_bytes(plan.budget), format_bytes(budget));
+  }
+  if (plan.batch != batch) return fmt::format("it was made for a batch of {}, not {}", plan.batch, batch);
+  const auto& allowed = options.precisions();
+  if (std::find(allowed.begin(), allowed.end(), s.precision()) == allowed.end()) {
+    return fmt::format("it trains in {}, which PlanOptions::precisions leaves out", to_string(s.precision()));
+  }
+  if (s.micro_batch() > 0 && s.micro_batch() < batch) {
+    const auto layer = batch_statistics_layer(module);
+    if (!detail::may_micro_batch(options, layer)) {
+      return layer ? fmt::format("it micro-batches, which changes the statistics of BatchNorm layer '{}', and "
+                                 "PlanOptions::batch_statistics keeps them", *layer)
+                   : std::string("it micro-batches, and PlanOptions::micro_batching is false");
+    }
+  }
+  if (detail::offload_rank(s) > 0 && !options.offload()) return "it offloads, and PlanOptions::offload is false";
+  if ((s.selective_recompute() && options.selective_recompute() == SelectiveRecompute::kOff) ||
+      (!s.selective_recompute() && options.selective_recompute() == SelectiveRecompute::kOn)) {
+    return fmt::format("it {} selective recomputation, which PlanOptions::selective_recompute rules out",
+                       s.selective_recompute() ? "uses" : "goes without");
+  }
+  const auto found = find_chains(module);
+  for (size_t i = 0; i < plan.chains.size(); ++i) {
+    const auto& name = plan.chains[i];
+    if (std::none_of(found.begin(), found.end(), [&](const FoundChain& f) { return f.name == name; })) {
+      return fmt::format("it schedules chain '{}', which the module lacks", name);
+    }
+    if (!options.checkpointing() && detail::recomputes(plan.schedules[i])) {
+      return fmt::format("it recomputes in chain '{}', and PlanOptions::checkpointing is false", name);
+    }
+  }
+  return "";
 }
 
 ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget, const FindBatchOptions& options) {

@@ -1174,7 +1174,7 @@ std::vector<Schedule> schedules_from_wire(const nlohmann::json& wire) {
 
 // A plan as JSON that gives every field back exactly (not Plan::to_json,
 // which reports), and back.
-static nlohmann::json plan_wire(const Plan& plan) {
+nlohmann::json plan_wire(const Plan& plan) {
   auto timed = nlohmann::json::array();
   for (const auto& t : plan.timed) {
     timed.push_back({{"settings", settings_wire(t.settings)},
@@ -1198,7 +1198,7 @@ static nlohmann::json plan_wire(const Plan& plan) {
           {"why", plan.why}};
 }
 
-static void plan_from_wire(const nlohmann::json& j, Plan& plan) {
+void plan_from_wire(const nlohmann::json& j, Plan& plan) {
   plan.fits = j.at("fits").get<bool>();
   plan.budget = j.at("budget").get<int64_t>();
   plan.batch = j.at("batch").get<int64_t>();
@@ -1249,9 +1249,11 @@ void broadcast_plan_wire(Plan& plan, ProcessGroup& group, int64_t root,
     plan_from_wire(wire, plan);
     take(wire);
   }
-  if (group.size() > 1) {
-    plan.why.push_back(fmt::format("rank {}'s plan, broadcast to all {} ranks (broadcast_plan): every rank "
-                                   "trains with it, whatever its own timings said", root, group.size()));
+  const auto line = fmt::format("rank {}'s plan, broadcast to all {} ranks (broadcast_plan): every rank trains "
+                                "with it, whatever its own timings said", root, group.size());
+  // Once: a plan loaded from a saved run's (save_plan) may say it already.
+  if (group.size() > 1 && std::find(plan.why.begin(), plan.why.end(), line) == plan.why.end()) {
+    plan.why.push_back(line);
   }
 }
 

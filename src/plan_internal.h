@@ -200,6 +200,10 @@ constexpr double kTimeTie = 0.03;
 // adds to broadcast_plan's wire), and back.
 nlohmann::json schedules_wire(const std::vector<Schedule>& schedules);
 std::vector<Schedule> schedules_from_wire(const nlohmann::json& wire);
+// A plan as JSON that gives every field back exactly (not Plan::to_json,
+// which reports; broadcast_plan and save_plan), and back.
+nlohmann::json plan_wire(const Plan& plan);
+void plan_from_wire(const nlohmann::json& j, Plan& plan);
 // broadcast_plan: rank `root`'s plan as exact JSON, with what `add` puts in it, on
 // every rank of `group`; the other ranks read it into `plan` and give it to
 // `take`. Every rank's reasons then say whose plan it is.

@@ -233,6 +233,28 @@ expect resume-mismatch 2 "tensor '0.sequential.fc0.weight' is \[32, 784\] Float 
 check resume-mismatch-changes-nothing test "$sum_before" = "$(md5sum <"$tmp/ck/checkpoint.pt")"
 expect resume-missing 2 'no checkpoint file at' err -- "${run_args[@]}" --steps 8 --resume "$tmp/none"
 
+# A run saved under a plan resumes under it (DIR/plan.json), not under a new
+# plan that timing noise may make another, which its checkpoint may refuse.
+planned=(train --model mlp --width 32 --depth 1 --batch 64 --budget 1MiB --no-eval -q --seed 3)
+expect planned-save 0 'checkpoint saved to' out -- "${planned[@]}" --steps 2 --save "$tmp/pl"
+check planned-save-writes-its-plan test -f "$tmp/pl/plan.json"
+# The saved plan says micro-batches of 8 (no plan of this budget's would):
+# the resumed run trains with them, whatever planning again would choose.
+python3 -c 'import json, sys; p = sys.argv[1]; j = json.load(open(p)); j["settings"]["micro_batch"] = 8; json.dump(j, open(p, "w"))' \
+  "$tmp/pl/plan.json"
+expect resumed-under-the-saved-plan 0 "plan: the saved run's, read from .*plan.json, not planned again" out -- \
+  "${planned[@]}" --steps 3 --resume "$tmp/pl/checkpoint.pt" --save "$tmp/pl" --report "$tmp/pl-report.json"
+check resumed-in-the-saved-micro-batches grep -q '"phase": "forward 8"' "$tmp/pl-report.json"
+check resumed-run-keeps-its-plan grep -q '"micro_batch": 8' "$tmp/pl/plan.json"
+expect resumed-under-another-budget 0 "saved run's plan .* does not suit this run: it was made for a budget of 1.00 MiB, not 2.00 MiB; planning again" out -- \
+  train --model mlp --width 32 --depth 1 --batch 64 --budget 2MiB --no-eval -q --steps 4 --resume "$tmp/pl"
+sum_before=$(md5sum <"$tmp/pl/checkpoint.pt")
+echo '{"format": "memfit.module_plan.v1"}' >"$tmp/pl/plan.json"
+expect resume-damaged-plan 2 "plan.json is damaged \(" err -- "${planned[@]}" --steps 5 --resume "$tmp/pl" --save "$tmp/pl"
+check resume-damaged-plan-changes-nothing test "$sum_before" = "$(md5sum <"$tmp/pl/checkpoint.pt")"
+mkdir -p "$tmp/plan-dir/plan.json"
+expect save-plan-not-a-file 2 "plan.json" err -- "${planned[@]}" --steps 1 --save "$tmp/plan-dir"
+
 # A process killed while it saves leaves the previous checkpoint loadable:
 # kill -9 the moment a temporary file appears, until one is caught mid-save.
 killed_mid_save=0

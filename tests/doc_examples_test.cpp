@@ -412,6 +412,29 @@ TEST_F(DocExamples, DistributedHeader) {
     memfit::broadcast_plan(p, group);  // on every rank: rank 0's plan
     EXPECT_EQ(p.schedules[0].to_string(), "[0,2)* [2,4)");
   }
+  {  // save_plan and load_plan (module_plan.h)
+    memfit::ModulePlan p;
+    p.fits = true;
+    p.budget = 1 << 20;
+    p.batch = 64;
+    p.settings.micro_batch(16);
+    p.chains = {"blocks"};
+    p.schedules = {memfit::schedule_uniform(4, 2)};
+    memfit::save_plan(p, "/tmp/memfit_example_plan.json");
+    const auto q = memfit::load_plan("/tmp/memfit_example_plan.json");
+    EXPECT_TRUE(q.settings.micro_batch() == 16 && q.schedules[0].to_string() == "[0,2)* [2,4)");
+  }
+  {  // plan_mismatch (module_plan.h)
+    torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
+    memfit::ModulePlan p;
+    p.budget = 1 << 20;
+    p.batch = 64;
+    p.settings.micro_batch(16);
+    EXPECT_TRUE(!memfit::plan_mismatch(p, *net, 64, 1 << 20, memfit::PlanOptions()).empty());  // BatchNorm: kept
+    EXPECT_TRUE(memfit::plan_mismatch(p, *net, 64, 1 << 20,
+                                      memfit::PlanOptions().batch_statistics(memfit::BatchStatistics::kPerMicroBatch))
+                    .empty());
+  }
   {  // clip_grad_norm_
     memfit::WorldInfo solo;
     solo.master_port = 0;

@@ -7,9 +7,13 @@
 
 #include "test_util.h"
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <numeric>
 #include <string>
@@ -703,6 +707,110 @@ struct Points : torch::data::datasets::Dataset<Points> {
   torch::optional<size_t> size() const override { return n_; }
   size_t n_;
 };
+
+// A path for this process's files under the test's temporary folder.
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "memfit_module_plan_" + std::to_string(::getpid()) + "_" + name;
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+TEST_F(ModulePlanTest, ASavedPlanComesBackFieldForFieldAndWhatIsNotOneIsRefusedInALine) {
+  ChainNet net(64, 8);
+  const auto planned = memfit::plan(net.ptr(), chain_loss, sample(256), 1 << 20, memfit::PlanOptions());
+  ASSERT_TRUE(planned.fits);
+  ASSERT_FALSE(planned.timed.empty()) << "a plan that timed candidates carries their times too";
+  const auto path = temp_path("plan.json");
+  memfit::save_plan(planned, path);
+  const auto loaded = memfit::load_plan(path);
+  EXPECT_EQ(memfit::detail::plan_wire(loaded).dump(), memfit::detail::plan_wire(planned).dump());
+  EXPECT_EQ(loaded.to_json(), planned.to_json());
+  EXPECT_EQ(loaded.chains, planned.chains);
+  ASSERT_EQ(loaded.schedules.size(), planned.schedules.size());
+  for (size_t i = 0; i < planned.schedules.size(); ++i) {
+    EXPECT_EQ(loaded.schedules[i].to_string(), planned.schedules[i].to_string());
+  }
+  // It applies as the plan did: the same options and the same chain schedule.
+  ChainNet again(64, 8);
+  const auto options = loaded.apply(*again);
+  EXPECT_EQ(options.micro_batch_size(), planned.apply(*net).micro_batch_size());
+  EXPECT_EQ(again->body->schedule().to_string(), net->body->schedule().to_string());
+
+  expect_error([&] { memfit::load_plan(temp_path("missing.json")); }, "load_plan: cannot read");
+  expect_error([&] { memfit::load_plan(::testing::TempDir()); }, "load_plan: cannot read");
+  const auto text = temp_path("text.json");
+  write_text(text, "not json");
+  expect_error([&] { memfit::load_plan(text); }, text + " is damaged (");
+  write_text(text, "{\"fits\": true}");
+  expect_error([&] { memfit::load_plan(text); }, text + " is not a memfit plan (memfit.module_plan.v1)");
+  auto wire = nlohmann::json::parse(std::ifstream(path));
+  wire.erase("settings");
+  write_text(text, wire.dump());
+  expect_error([&] { memfit::load_plan(text); }, text + " is damaged (");
+  for (const auto& f : {path, text}) {
+    try {
+      memfit::load_plan(f);
+    } catch (const c10::Error& e) {
+      EXPECT_EQ(std::string(e.what_without_backtrace()).find('\n'), std::string::npos) << e.what_without_backtrace();
+    }
+  }
+  expect_error([&] { memfit::save_plan(planned, ::testing::TempDir()); }, "directory");
+  std::remove(path.c_str());
+  std::remove(text.c_str());
+}
+
+TEST_F(ModulePlanTest, PlanMismatchSaysWhyASavedPlanDoesNotSuitARun) {
+  NormNet norm;
+  ChainNet chain(64, 8);
+  memfit::ModulePlan p;
+  p.fits = true;
+  p.budget = 1 << 20;
+  p.batch = 256;
+  p.chains = {"body"};
+  p.schedules = {memfit::schedule_uniform(16, 4)};
+  const auto per_micro_batch = memfit::PlanOptions().batch_statistics(memfit::BatchStatistics::kPerMicroBatch);
+  EXPECT_EQ(memfit::plan_mismatch(p, *chain, 256, 1 << 20, memfit::PlanOptions()), "");
+  EXPECT_EQ(memfit::plan_mismatch(p, *chain, 256, 2 << 20, memfit::PlanOptions()),
+            "it was made for a budget of 1.00 MiB, not 2.00 MiB");
+  EXPECT_EQ(memfit::plan_mismatch(p, *chain, 128, 1 << 20, memfit::PlanOptions()),
+            "it was made for a batch of 256, not 128");
+  EXPECT_EQ(memfit::plan_mismatch(p, *chain, 256, 1 << 20, memfit::PlanOptions().checkpointing(false)),
+            "it recomputes in chain 'body', and PlanOptions::checkpointing is false");
+  auto bf16 = p;
+  bf16.settings.precision(memfit::Precision::kBF16);
+  EXPECT_EQ(memfit::plan_mismatch(bf16, *chain, 256, 1 << 20, memfit::PlanOptions()),
+            "it trains in bf16, which PlanOptions::precisions leaves out");
+  EXPECT_EQ(memfit::plan_mismatch(bf16, *chain, 256, 1 << 20,
+                                  memfit::PlanOptions().precisions({memfit::Precision::kFP32, memfit::Precision::kBF16})),
+            "");
+  auto micro = p;
+  micro.settings.micro_batch(64);
+  EXPECT_EQ(memfit::plan_mismatch(micro, *chain, 256, 1 << 20, memfit::PlanOptions()), "");
+  EXPECT_EQ(memfit::plan_mismatch(micro, *chain, 256, 1 << 20, memfit::PlanOptions().micro_batching(false)),
+            "it micro-batches, and PlanOptions::micro_batching is false");
+  EXPECT_EQ(memfit::plan_mismatch(micro, *norm, 256, 1 << 20, memfit::PlanOptions()),
+            "it micro-batches, which changes the statistics of BatchNorm layer 'norm', and "
+            "PlanOptions::batch_statistics keeps them");
+  EXPECT_EQ(memfit::plan_mismatch(micro, *norm, 256, 1 << 20, per_micro_batch), "");
+  auto offload = p;
+  offload.settings.offload_optimizer(memfit::Offload::kHost);
+  EXPECT_EQ(memfit::plan_mismatch(offload, *chain, 256, 1 << 20, memfit::PlanOptions().offload(false)),
+            "it offloads, and PlanOptions::offload is false");
+  auto selective = p;
+  selective.settings.selective_recompute(true);
+  EXPECT_EQ(memfit::plan_mismatch(selective, *chain, 256, 1 << 20,
+                                  memfit::PlanOptions().selective_recompute(memfit::SelectiveRecompute::kOff)),
+            "it uses selective recomputation, which PlanOptions::selective_recompute rules out");
+  EXPECT_EQ(memfit::plan_mismatch(p, *chain, 256, 1 << 20,
+                                  memfit::PlanOptions().selective_recompute(memfit::SelectiveRecompute::kOn)),
+            "it goes without selective recomputation, which PlanOptions::selective_recompute rules out");
+  auto other = p;
+  other.chains = {"blocks"};
+  EXPECT_EQ(memfit::plan_mismatch(other, *chain, 256, 1 << 20, memfit::PlanOptions()),
+            "it schedules chain 'blocks', which the module lacks");
+}
 
 TEST_F(ModulePlanTest, FindBatchGivesTheLargestBatchOfTheUsersDataSetThatTrainsUnderTheBudget) {
   ChainNet net(64, 16);

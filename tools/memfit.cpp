@@ -541,6 +541,15 @@ bool knobs_by_hand(const TrainArgs& a) {
 
 bool plans_knobs(const TrainArgs& a) { return !a.budget.empty() && a.plan == "auto" && !knobs_by_hand(a); }
 
+// Where a run saved under a plan keeps it (--save DIR: DIR/plan.json, beside
+// its checkpoint), for `--resume` (the folder or the checkpoint file in it).
+std::string saved_plan_path(const std::string& dir_or_checkpoint) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::is_directory(dir_or_checkpoint) ? fs::path(dir_or_checkpoint)
+                                                           : fs::path(dir_or_checkpoint).parent_path();
+  return (dir / "plan.json").string();
+}
+
 // Every usage error of `memfit train`, found before any work.
 void validate_train(const TrainArgs& a) {
   using memfit::tools::usage_check;
@@ -582,6 +591,13 @@ void validate_train(const TrainArgs& a) {
       a.resume.empty() ? "" : fs::is_directory(a.resume) ? (fs::path(a.resume) / "checkpoint.pt").string() : a.resume;
   usage_check(resumed.empty() || fs::is_regular_file(resumed), "--resume ", a.resume, ": no checkpoint file at ",
               resumed, "; give the folder that --save wrote");
+  if (plans_knobs(a) && !resumed.empty() && fs::exists(saved_plan_path(a.resume))) {
+    try {  // readable, before any work
+      memfit::load_plan(saved_plan_path(a.resume));
+    } catch (const c10::Error& e) {
+      usage_check(false, "--resume ", a.resume, ": ", e.msg(), "; or delete it, and the resumed run plans again");
+    }
+  }
   if (!a.report.empty()) {
     memfit::tools::check_output("--report", a.report, {a.torchscript, a.text, resumed});
   }
@@ -590,6 +606,7 @@ void validate_train(const TrainArgs& a) {
     if (fs::is_directory(a.save)) {
       memfit::tools::check_output("--save", (fs::path(a.save) / "checkpoint.pt").string(), {});
       memfit::tools::check_output("--save", (fs::path(a.save) / "model.json").string(), {});
+      if (plans_knobs(a)) memfit::tools::check_output("--save", saved_plan_path(a.save), {});
     }
   }
   check_model_fits(a);
@@ -698,6 +715,27 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
   return rc;
 }
 
+// The plan that the resumed run saved (saved_plan_path) where it suits this
+// run (plan_mismatch): a resumed run keeps its micro-batches, precision,
+// offload and schedules, which planning again may not choose (candidates
+// within the timing's noise), and which its checkpoint and its math depend
+// on. nullopt where there is none, or it does not suit (the line says why).
+std::optional<memfit::ModulePlan> resumed_plan(const TrainArgs& a, const torch::nn::Module& model, int64_t budget,
+                                               const memfit::PlanOptions& options) {
+  if (a.resume.empty() || !std::filesystem::exists(saved_plan_path(a.resume))) return std::nullopt;
+  const auto path = saved_plan_path(a.resume);
+  auto saved = memfit::tools::as_usage([&] { return memfit::load_plan(path); });
+  if (const auto why = memfit::plan_mismatch(saved, model, a.batch, budget, options); !why.empty()) {
+    fmt::print("plan: the saved run's plan ({}) does not suit this run: {}; planning again, and the checkpoint "
+               "may refuse what the new plan changes (the saved run's options keep its plan)\n",
+               path, memfit::tools::with_flag_names(why));
+    return std::nullopt;
+  }
+  fmt::print("plan: the saved run's, read from {}, not planned again: a resumed run keeps its micro-batches, "
+             "precision, offload and schedules\n", path);
+  return saved;
+}
+
 int run_train(const TrainArgs& a) {
   const torch::Device device = parse_device(a.device);
   // Data parallel when started by `memfit launch`, torchrun, srun or mpirun.
@@ -792,7 +830,9 @@ int run_train(const TrainArgs& a) {
     // The planner measures this run's own step (Trainer(model, options)), in
     // one process and saving nothing; the plan then sets its knobs.
     const auto measured = memfit::TrainerOptions(options).process_group(nullptr).zero_stage(0).save_dir("");
-    plan = memfit::plan(model, sample_of(train_data, a.batch), budget, plan_options(a, precisions), measured);
+    const auto planning = plan_options(a, precisions);
+    plan = resumed_plan(a, *model, budget, planning);
+    if (!plan) plan = memfit::plan(model, sample_of(train_data, a.batch), budget, planning, measured);
     // Data-parallel ranks planned alike but timed apart: they train with rank 0's plan.
     if (group) memfit::broadcast_plan(*plan, *group);
     options = plan->apply(*model, options);
@@ -837,6 +877,7 @@ int run_train(const TrainArgs& a) {
       card["vocab"] = vocab;
     }
     memfit::tools::write_model_card(a.save, card);
+    if (plan) memfit::save_plan(*plan, saved_plan_path(a.save));  // --resume trains with it again
   }
   if (pipelined) {  // this rank's stage keeps its layers; the others go now
     chain = nullptr;

@@ -79,6 +79,7 @@ std::string with_flag_names(std::string message) {
       {"PlanOptions::precisions", "--precision"},
       {"PlanOptions::selective_recompute", "--selective-recompute"},
       {"PlanOptions::batch_statistics(kPerMicroBatch)", "--batch-statistics per-micro-batch"},
+      {"PlanOptions::batch_statistics", "--batch-statistics"},
   };
   for (const auto& [cpp, flag] : names) {
     for (auto at = message.find(cpp); at != std::string::npos; at = message.find(cpp, at)) {

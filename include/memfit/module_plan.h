@@ -231,6 +231,64 @@ struct ModulePlan : Plan {
 /// \endcode
 void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root = 0);
 
+/// Writes `plan` to `path` as JSON that load_plan gives back field for
+/// field, atomically (write_file_atomically: what is not a regular file is
+/// never replaced).
+///
+/// A run saved under a plan resumes under the same plan: planning again may
+/// choose other micro-batches, offload or precision (candidates within the
+/// timing's noise of each other), which the checkpoint refuses
+/// (Trainer::resume checks precision and the optimizer's master weights) or
+/// which change the math mid-run (micro-batches of a model with batch
+/// statistics). `memfit train --save DIR` under a budget writes DIR/plan.json,
+/// and `--resume DIR` reads it back. No sync points; extra memory: the
+/// file's text in host memory.
+///
+/// Example:
+/// \code
+///   memfit::ModulePlan p;
+///   p.fits = true;
+///   p.budget = 1 << 20;
+///   p.batch = 64;
+///   p.settings.micro_batch(16);
+///   p.chains = {"blocks"};
+///   p.schedules = {memfit::schedule_uniform(4, 2)};
+///   memfit::save_plan(p, "/tmp/memfit_example_plan.json");
+///   const auto q = memfit::load_plan("/tmp/memfit_example_plan.json");
+///   assert(q.settings.micro_batch() == 16 && q.schedules[0].to_string() == "[0,2)* [2,4)");
+/// \endcode
+void save_plan(const ModulePlan& plan, const std::string& path);
+
+/// Reads the plan that save_plan wrote to `path`.
+///
+/// Throws c10::Error in one line naming the path when the file cannot be
+/// read, is not JSON, is not a memfit plan, or lacks a field. The plan is
+/// the saved one; whether it suits a run is plan_mismatch's answer.
+ModulePlan load_plan(const std::string& path);
+
+/// Why `plan` is not one that plan(module, a sample of `batch` examples,
+/// `budget`, `options`) may give ("" when it may): another budget or batch,
+/// a precision options.precisions() leaves out, micro-batches of a module
+/// with batch statistics under BatchStatistics::kKeep, micro-batches where
+/// options forbid them, offload where options.offload() is false, selective
+/// recomputation that options.selective_recompute() rules out, or a chain
+/// the module lacks. It neither measures nor changes anything.
+///
+/// Example:
+/// \code
+///   torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
+///   memfit::ModulePlan p;
+///   p.budget = 1 << 20;
+///   p.batch = 64;
+///   p.settings.micro_batch(16);
+///   assert(!memfit::plan_mismatch(p, *net, 64, 1 << 20, memfit::PlanOptions()).empty());  // BatchNorm: kept
+///   assert(memfit::plan_mismatch(p, *net, 64, 1 << 20,
+///                                memfit::PlanOptions().batch_statistics(memfit::BatchStatistics::kPerMicroBatch))
+///              .empty());
+/// \endcode
+std::string plan_mismatch(const ModulePlan& plan, const torch::nn::Module& module, int64_t batch, int64_t budget,
+                          const PlanOptions& options);
+
 /// The fastest plan for a step of `model`'s sample batch that fits
 /// options.margin() × `budget` (see the file comment). The budget counts
 /// every byte allocated on the device, as set_memory_budget and a device's
