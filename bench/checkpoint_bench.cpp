@@ -360,6 +360,7 @@ void register_all() {
 } // namespace
 
 int main(int argc, char** argv) {
+  memfit::keep_freed_host_memory();  // as the memfit CLI does at start (environment.h)
   at::set_num_threads(1);  // one core per run keeps the pairs comparable on a shared machine
   at::globalContext().setFlushDenormal(true);
   register_all();

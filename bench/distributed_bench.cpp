@@ -242,6 +242,7 @@ std::string mib(double bytes) { return fmt::format("{:.2f} MiB", bytes / (1 << 2
 } // namespace
 
 int main(int argc, char** argv) {
+  memfit::keep_freed_host_memory();  // as the memfit CLI does at start (environment.h)
   if (std::getenv("MEMFIT_BENCH_WORKER") != nullptr) return worker();
   int64_t steps = 40;
   std::vector<std::string> models = {"mlp", "resnet"};

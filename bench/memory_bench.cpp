@@ -100,5 +100,6 @@ BENCHMARK_CAPTURE(BM_TrainStep, mlp_b64, memfit::ModelKind::kMlp, 64)
 } // namespace
 
 int main(int argc, char** argv) {
+  memfit::keep_freed_host_memory();  // as the memfit CLI does at start (environment.h)
   return memfit::bench::run_benchmarks(argc, argv);
 }

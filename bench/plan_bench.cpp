@@ -615,6 +615,7 @@ void BM_Cost(benchmark::State& state, const std::string& kind, int64_t budget) {
 } // namespace
 
 int main(int argc, char** argv) {
+  memfit::keep_freed_host_memory();  // as the memfit CLI does at start (environment.h)
   memfit::memory_allocated();
   const unsigned hw = std::thread::hardware_concurrency();
   at::set_num_threads(hw > 0 ? static_cast<int>(hw) : 1);

@@ -275,6 +275,7 @@ void register_all() {
 } // namespace
 
 int main(int argc, char** argv) {
+  memfit::keep_freed_host_memory();  // as the memfit CLI does at start (environment.h)
   memfit::memory_allocated(device());  // tracking from the start
   const unsigned hw = std::thread::hardware_concurrency();
   at::set_num_threads(hw > 0 ? static_cast<int>(hw) : 1);
