@@ -1,8 +1,9 @@
 // Bring your own model: a decoder-only language model of the user's own
 // (own_lm.h: embedding, a chain of hand-written transformer blocks, a head)
 // on the Jargon File, planned by memfit under 1/2, 1/4 and 1/8 of its plain
-// peak, each plan run under its budget beside its prediction; then the
-// largest batch that fits 1/4 of it.
+// peak, each plan run under its budget beside its prediction; the plan
+// saved as a run saves it beside its checkpoint, and read back to resume
+// with; then the largest batch that fits 1/4 of it.
 #include "own_lm.h"
 
 #include <memfit/data.h>
@@ -13,6 +14,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <optional>
 
 struct Run { double loss = 0, seconds = 1e30; int64_t peak = 0; };
 
@@ -60,6 +63,7 @@ int main() try {
               static_cast<long long>(kBatch), static_cast<long long>(kContext),
               memfit::format_bytes(plain.peak).c_str(), plain.loss, 1e3 * plain.seconds / kBatch);
   bool ok = true;
+  std::optional<memfit::ModulePlan> quarter;  // the plan under 1/4, saved and resumed below
   // The last case forbids micro-batches (as a model with batch statistics
   // would): the plan then recomputes blocks of the chain.
   for (auto [divisor, micro_batching] : {std::pair{2, true}, {4, true}, {8, true}, {3, false}}) {
@@ -67,6 +71,7 @@ int main() try {
     const int64_t budget = plain.peak / divisor;
     const auto p = memfit::plan(lm, next_token_loss, batch, budget,  // leaves lm as it was
                                 memfit::PlanOptions().micro_batching(micro_batching));
+    if (divisor == 4) quarter = p;
     const Run r = run(lm, p.apply(*lm), batch, budget);
     const double error = double(p.predicted.peak_bytes - r.peak) / double(r.peak);
     std::printf("1/%d of plain (%s)%s: %s\n  peak %s (predicted %s, %+.1f%%; the plan's own steps: %s), "
@@ -89,6 +94,16 @@ int main() try {
     ok = ok && r.peak <= budget && as_run && error >= -0.05 && error <= 0.15 &&
          std::abs(r.loss - plain.loss) <= 1e-5;
   }
+  // A run saved under the 1/4 plan resumes with it (planning again may time
+  // another near-equal candidate fastest, which its checkpoint may refuse).
+  const auto saved = (std::filesystem::temp_directory_path() / "memfit_own_transformer_plan.json").string();
+  memfit::save_plan(*quarter, saved);
+  const auto resumed = memfit::load_plan(saved);
+  const auto mismatch = memfit::plan_mismatch(resumed, *lm, kBatch, plain.peak / 4, memfit::PlanOptions());
+  std::remove(saved.c_str());
+  std::printf("the 1/4 plan saved and read back: %s\n", mismatch.empty() ? "it suits the resumed run" : mismatch.c_str());
+  ok = ok && mismatch.empty() && resumed.apply(*lm).micro_batch_size() == quarter->apply(*lm).micro_batch_size() &&
+       resumed.to_json() == quarter->to_json();
   // The largest batch of the data set one step takes under 1/4 of the plain
   // peak, plainly and with memfit's techniques, each run under the budget.
   auto windows = memfit::jargon_dataset(kContext, memfit::Split::kTrain);
