@@ -255,6 +255,28 @@ check resume-damaged-plan-changes-nothing test "$sum_before" = "$(md5sum <"$tmp/
 mkdir -p "$tmp/plan-dir/plan.json"
 expect save-plan-not-a-file 2 "plan.json" err -- "${planned[@]}" --steps 1 --save "$tmp/plan-dir"
 
+# Plan once, train many: `memfit plan --save FILE`, then `train --plan FILE`
+# trains with that plan under its budget, planning nothing.
+expect plan-save 0 'chosen: micro-batch' out -- plan --model mlp --width 32 --depth 1 --batch 64 --budget 1MiB \
+  --save "$tmp/mlp-plan.json"
+check plan-save-writes-the-plan grep -q '"format": "memfit.module_plan.v1"' "$tmp/mlp-plan.json"
+python3 -c 'import json, sys; p = sys.argv[1]; j = json.load(open(p)); j["settings"]["micro_batch"] = 16; json.dump(j, open(p, "w"))' \
+  "$tmp/mlp-plan.json"
+expect train-with-a-plan-file 0 'plan: read from .*mlp-plan.json, not planned again' out -- \
+  train --model mlp --width 32 --depth 1 --batch 64 --plan "$tmp/mlp-plan.json" --steps 2 --no-eval -q \
+  --report "$tmp/plan-file-report.json"
+check plan-file-sets-the-budget grep -q 'budget 1.00 MiB' "$tmp/out"
+check plan-file-sets-the-micro-batches grep -q '"phase": "forward 4"' "$tmp/plan-file-report.json"
+usage plan-file-other-batch 'does not suit this run: it was made for a batch of 64, not 32; train with the flags it was planned with \(--batch 64 and --budget 1048576 or none\)' \
+  train --model mlp --width 32 --depth 1 --batch 32 --plan "$tmp/mlp-plan.json" --steps 2 --no-eval -q
+usage plan-file-other-budget 'it was made for a budget of 1.00 MiB, not 2.00 MiB' \
+  train --model mlp --width 32 --depth 1 --batch 64 --budget 2MiB --plan "$tmp/mlp-plan.json" --steps 2 --no-eval -q
+usage plan-file-missing "--plan $tmp/none.json: neither auto, none nor a plan's file" \
+  train --model mlp --plan "$tmp/none.json" --steps 2
+usage plan-file-and-knobs '--plan .* sets the micro-batch, checkpointing and offload itself' \
+  train --model mlp --plan "$tmp/mlp-plan.json" --micro-batch 8 --steps 2
+usage plan-save-onto-a-folder "cannot write $tmp: it is a directory" plan --model mlp --budget 1MiB --save "$tmp"
+
 # A process killed while it saves leaves the previous checkpoint loadable:
 # kill -9 the moment a temporary file appears, until one is caught mid-save.
 killed_mid_save=0

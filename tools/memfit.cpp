@@ -113,6 +113,7 @@ struct PlanArgs : ModelArgs {
   bool json = false;
   int threads = 0;
   bool no_verify = false;
+  std::string save;  // plan: also write the plan there (save_plan), for train --plan FILE
 };
 
 // Parses --checkpoint's value: none, sqrt, optimal, every:K or uniform:K.
@@ -375,8 +376,9 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                     "Continue the run saved in DIR (same model and options) up to --steps");
   train->add_option("--plan", a.plan,
                     "With --budget: auto picks micro-batch, checkpoint schedule and optimizer "
-                    "offload to fit (unless set by hand); none runs as configured")
-      ->check(CLI::IsMember({"auto", "none"}))
+                    "offload to fit (unless set by hand); none runs as configured; FILE trains with the "
+                    "plan that `memfit plan --save FILE` (or a run's --save, as DIR/plan.json) wrote, "
+                    "under its budget")
       ->capture_default_str();
   train->add_option("--threads", a.threads,
                     "CPU threads for LibTorch's kernels (0: every hardware thread)")
@@ -416,6 +418,7 @@ void add_plan_commands(CLI::App& app, PlanArgs& a) {
               "fit a memory budget, with the predicted peak and why");
   add_model_options(plan, a);
   add_budget_option(plan, a);
+  plan->add_option("--save", a.save, "Also write the plan to FILE, atomically, for `memfit train --plan FILE`");
   auto* profile = app.add_subcommand(
       "profile", "Measure each layer's activation bytes and time, and predict the step's peak");
   add_model_options(profile, a);
@@ -541,6 +544,12 @@ bool knobs_by_hand(const TrainArgs& a) {
 
 bool plans_knobs(const TrainArgs& a) { return !a.budget.empty() && a.plan == "auto" && !knobs_by_hand(a); }
 
+// Whether --plan names a saved plan's file (not auto or none).
+bool plan_file(const TrainArgs& a) { return a.plan != "auto" && a.plan != "none"; }
+
+// Whether a plan sets the knobs: planned now, or read from --plan FILE.
+bool planned(const TrainArgs& a) { return plans_knobs(a) || plan_file(a); }
+
 // Where a run saved under a plan keeps it (--save DIR: DIR/plan.json, beside
 // its checkpoint), for `--resume` (the folder or the checkpoint file in it).
 std::string saved_plan_path(const std::string& dir_or_checkpoint) {
@@ -579,7 +588,7 @@ void validate_train(const TrainArgs& a) {
               "optimizer state: use --offload optimizer,gradients,parameters");
   usage_check(a.offload_tile.empty() || offloads("parameters"), "--offload-tile cuts streamed Linear "
               "weights into tiles: add --offload optimizer,gradients,parameters, or drop --offload-tile");
-  usage_check(a.precision != "any" || plans_knobs(a), "--precision any lets the plan choose the precision, "
+  usage_check(a.precision != "any" || planned(a), "--precision any lets the plan choose the precision, "
               "and only a --budget with nothing set by hand (--micro-batch, --checkpoint, --offload, "
               "--master-weights, --parallel pipeline, --plan none) is planned: add --budget SIZE, or name one "
               "precision (fp32, bf16, fp16, auto)");
@@ -591,6 +600,14 @@ void validate_train(const TrainArgs& a) {
       a.resume.empty() ? "" : fs::is_directory(a.resume) ? (fs::path(a.resume) / "checkpoint.pt").string() : a.resume;
   usage_check(resumed.empty() || fs::is_regular_file(resumed), "--resume ", a.resume, ": no checkpoint file at ",
               resumed, "; give the folder that --save wrote");
+  if (plan_file(a)) {
+    usage_check(!knobs_by_hand(a), "--plan ", a.plan, " sets the micro-batch, checkpointing and offload itself: "
+                "drop --micro-batch, --checkpoint, --offload, --master-weights and --parallel pipeline, or use "
+                "--plan none");
+    usage_check(fs::is_regular_file(a.plan), "--plan ", a.plan, ": neither auto, none nor a plan's file; "
+                "`memfit plan --save FILE` writes one");
+    memfit::tools::as_usage([&] { memfit::load_plan(a.plan); });  // readable, before any work
+  }
   if (plans_knobs(a) && !resumed.empty() && fs::exists(saved_plan_path(a.resume))) {
     try {  // readable, before any work
       memfit::load_plan(saved_plan_path(a.resume));
@@ -606,7 +623,7 @@ void validate_train(const TrainArgs& a) {
     if (fs::is_directory(a.save)) {
       memfit::tools::check_output("--save", (fs::path(a.save) / "checkpoint.pt").string(), {});
       memfit::tools::check_output("--save", (fs::path(a.save) / "model.json").string(), {});
-      if (plans_knobs(a)) memfit::tools::check_output("--save", saved_plan_path(a.save), {});
+      if (planned(a)) memfit::tools::check_output("--save", saved_plan_path(a.save), {a.plan});
     }
   }
   check_model_fits(a);
@@ -620,6 +637,7 @@ memfit::BatchStatistics batch_statistics(const ModelArgs& a) {
 // Every usage error of `memfit plan`, `profile` and `find-batch`.
 void validate_model_command(const PlanArgs& a) {
   check_device_and_precision(a.device, a.precision);
+  if (!a.save.empty()) memfit::tools::check_output("--save", a.save, {a.torchscript});
   memfit::tools::usage_check(a.batch >= 4, "--batch ", a.batch, ": the planner measures the step in micro-batches of two "
               "sizes, so it plans batches of 4 examples or more; use --batch 4 or more");
   check_model_fits(a);
@@ -684,6 +702,7 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
   options = memfit::detail::measuring_within(options, budget);  // measuring keeps within the budget it plans for
   if (command == ModelCommand::kPlan) {
     const auto plan = memfit::plan(model, sample_of(workload.train, a.batch), budget, options, base);
+    if (!a.save.empty()) memfit::save_plan(plan, a.save);  // memfit train --plan FILE trains with it
     fmt::print("{}", a.json ? plan.to_json() + "\n" : memfit::tools::with_flag_names(plan.explain()));
     return 0;
   }
@@ -736,6 +755,19 @@ std::optional<memfit::ModulePlan> resumed_plan(const TrainArgs& a, const torch::
   return saved;
 }
 
+// The plan of --plan FILE where it suits this run (plan_mismatch); a usage
+// error where it does not: the user named it.
+memfit::ModulePlan given_plan(const TrainArgs& a, const memfit::ModulePlan& given, const torch::nn::Module& model,
+                              int64_t budget, const memfit::PlanOptions& options) {
+  const auto why = memfit::plan_mismatch(given, model, a.batch, budget, options);
+  memfit::tools::usage_check(why.empty(), "--plan ", a.plan, " does not suit this run: ",
+                             memfit::tools::with_flag_names(why), "; train with the flags it was planned with "
+                             "(--batch ", given.batch, " and --budget ", given.budget, " or none), or plan again "
+                             "with --plan auto");
+  fmt::print("plan: read from {}, not planned again\n", a.plan);
+  return given;
+}
+
 int run_train(const TrainArgs& a) {
   const torch::Device device = parse_device(a.device);
   // Data parallel when started by `memfit launch`, torchrun, srun or mpirun.
@@ -769,7 +801,10 @@ int run_train(const TrainArgs& a) {
   const auto& train_data = workload.train;
   const auto& test_data = workload.test;
 
-  const int64_t budget = a.budget.empty() ? 0 : memfit::parse_memory_size(a.budget);
+  // --plan FILE: the saved plan, checked against this run once the model is built.
+  std::optional<memfit::ModulePlan> given;
+  if (plan_file(a)) given = memfit::tools::as_usage([&] { return memfit::load_plan(a.plan); });
+  const int64_t budget = !a.budget.empty() ? memfit::parse_memory_size(a.budget) : given ? given->budget : 0;
 
   auto chain = workload.make();
   auto ck_options = parse_checkpoint(a.checkpoint);
@@ -826,12 +861,12 @@ int run_train(const TrainArgs& a) {
                     .checkpoint(memfit::parse_pipeline_checkpoint(a.pipeline_checkpoint))
                     .balance(balance));
   std::optional<memfit::ModulePlan> plan;
-  if (plans_knobs(a)) {
+  if (planned(a)) {
     // The planner measures this run's own step (Trainer(model, options)), in
     // one process and saving nothing; the plan then sets its knobs.
     const auto measured = memfit::TrainerOptions(options).process_group(nullptr).zero_stage(0).save_dir("");
     const auto planning = plan_options(a, precisions);
-    plan = resumed_plan(a, *model, budget, planning);
+    plan = given ? given_plan(a, *given, *model, budget, planning) : resumed_plan(a, *model, budget, planning);
     if (!plan) plan = memfit::plan(model, sample_of(train_data, a.batch), budget, planning, measured);
     // Data-parallel ranks planned alike but timed apart: they train with rank 0's plan.
     if (group) memfit::broadcast_plan(*plan, *group);
