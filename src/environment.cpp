@@ -297,12 +297,23 @@ CpuLoad::Sample CpuLoad::sample() {
   return out;
 }
 
+namespace {
+// The most the counters' rounding may misread the others' load by, in cores.
+constexpr double kLoadError = 0.25;
+} // namespace
+
 CpuLoad::CpuLoad() : start_(sample()) {}
 
 double CpuLoad::others_cores() const {
   const auto now = sample();
   const double wall = std::chrono::duration<double>(now.at - start_.at).count();
   if (!start_.known || !now.known || wall <= 0) return -1;
+  // The counters advance in clock ticks: each CPU's and this process's two
+  // are rounded down at both samples. Over an interval where that rounding
+  // could be more than kLoadError cores (0.32 s with 2 CPUs at 100 Hz), a
+  // quiet machine can read as a busy one: unknown.
+  const double rounding = (2.0 * now.cpus + 4.0) / static_cast<double>(sysconf(_SC_CLK_TCK));
+  if (rounding > kLoadError * wall) return -1;
   const double others = (now.machine_seconds - start_.machine_seconds) - (now.self_seconds - start_.self_seconds);
   return std::clamp(others / wall, 0.0, static_cast<double>(now.cpus));
 }
