@@ -275,6 +275,11 @@ usage plan-file-missing "--plan $tmp/none.json: neither auto, none nor a plan's 
   train --model mlp --plan "$tmp/none.json" --steps 2
 usage plan-file-and-knobs '--plan .* sets the micro-batch, checkpointing and offload itself' \
   train --model mlp --plan "$tmp/mlp-plan.json" --micro-batch 8 --steps 2
+mkdir -p "$tmp/pf" && cp "$tmp/mlp-plan.json" "$tmp/pf/plan.json"
+expect plan-file-of-the-run-it-saves 0 'plan: read from .*pf/plan.json, not planned again' out -- \
+  train --model mlp --width 32 --depth 1 --batch 64 --plan "$tmp/pf/plan.json" --save "$tmp/pf" --steps 1 --no-eval -q
+check plan-file-written-back-unchanged python3 -c 'import json, sys; a, b = (json.load(open(f)) for f in sys.argv[1:]); sys.exit(a != b)' \
+  "$tmp/mlp-plan.json" "$tmp/pf/plan.json"
 usage plan-save-onto-a-folder "cannot write $tmp: it is a directory" plan --model mlp --budget 1MiB --save "$tmp"
 
 # A process killed while it saves leaves the previous checkpoint loadable:

@@ -623,7 +623,8 @@ void validate_train(const TrainArgs& a) {
     if (fs::is_directory(a.save)) {
       memfit::tools::check_output("--save", (fs::path(a.save) / "checkpoint.pt").string(), {});
       memfit::tools::check_output("--save", (fs::path(a.save) / "model.json").string(), {});
-      if (planned(a)) memfit::tools::check_output("--save", saved_plan_path(a.save), {a.plan});
+      // It may be --plan's own file: that plan is written back unchanged.
+      if (planned(a)) memfit::tools::check_output("--save", saved_plan_path(a.save), {});
     }
   }
   check_model_fits(a);
