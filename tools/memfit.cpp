@@ -550,13 +550,18 @@ bool plan_file(const TrainArgs& a) { return a.plan != "auto" && a.plan != "none"
 // Whether a plan sets the knobs: planned now, or read from --plan FILE.
 bool planned(const TrainArgs& a) { return plans_knobs(a) || plan_file(a); }
 
+// The checkpoint file that `--resume` names: the folder's checkpoint.pt, or
+// the file itself (as Trainer::resume reads it).
+std::string resumed_checkpoint(const std::string& dir_or_checkpoint) {
+  namespace fs = std::filesystem;
+  return fs::is_directory(dir_or_checkpoint) ? (fs::path(dir_or_checkpoint) / "checkpoint.pt").string()
+                                             : dir_or_checkpoint;
+}
+
 // Where a run saved under a plan keeps it (--save DIR: DIR/plan.json, beside
 // its checkpoint), for `--resume` (the folder or the checkpoint file in it).
 std::string saved_plan_path(const std::string& dir_or_checkpoint) {
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::is_directory(dir_or_checkpoint) ? fs::path(dir_or_checkpoint)
-                                                           : fs::path(dir_or_checkpoint).parent_path();
-  return (dir / "plan.json").string();
+  return (std::filesystem::path(resumed_checkpoint(dir_or_checkpoint)).parent_path() / "plan.json").string();
 }
 
 // Every usage error of `memfit train`, found before any work.
@@ -596,8 +601,7 @@ void validate_train(const TrainArgs& a) {
               "step in micro-batches of two sizes, so it plans batches of 4 examples or more; use --batch 4 or "
               "more, or set the knobs by hand (--plan none)");
   check_device_and_precision(a.device, a.precision);
-  const std::string resumed =
-      a.resume.empty() ? "" : fs::is_directory(a.resume) ? (fs::path(a.resume) / "checkpoint.pt").string() : a.resume;
+  const std::string resumed = a.resume.empty() ? "" : resumed_checkpoint(a.resume);
   usage_check(resumed.empty() || fs::is_regular_file(resumed), "--resume ", a.resume, ": no checkpoint file at ",
               resumed, "; give the folder that --save wrote");
   if (plan_file(a)) {
@@ -608,9 +612,9 @@ void validate_train(const TrainArgs& a) {
                 "`memfit plan --save FILE` writes one");
     memfit::tools::as_usage([&] { memfit::load_plan(a.plan); });  // readable, before any work
   }
-  if (plans_knobs(a) && !resumed.empty() && fs::exists(saved_plan_path(a.resume))) {
+  if (const auto saved = resumed.empty() ? std::string() : saved_plan_path(a.resume); plans_knobs(a) && fs::exists(saved)) {
     try {  // readable, before any work
-      memfit::load_plan(saved_plan_path(a.resume));
+      memfit::load_plan(saved);
     } catch (const c10::Error& e) {
       usage_check(false, "--resume ", a.resume, ": ", e.msg(), "; or delete it, and the resumed run plans again");
     }
@@ -742,8 +746,8 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
 // on. nullopt where there is none, or it does not suit (the line says why).
 std::optional<memfit::ModulePlan> resumed_plan(const TrainArgs& a, const torch::nn::Module& model, int64_t budget,
                                                const memfit::PlanOptions& options) {
-  if (a.resume.empty() || !std::filesystem::exists(saved_plan_path(a.resume))) return std::nullopt;
-  const auto path = saved_plan_path(a.resume);
+  const auto path = a.resume.empty() ? std::string() : saved_plan_path(a.resume);
+  if (path.empty() || !std::filesystem::exists(path)) return std::nullopt;
   auto saved = memfit::tools::as_usage([&] { return memfit::load_plan(path); });
   if (const auto why = memfit::plan_mismatch(saved, model, a.batch, budget, options); !why.empty()) {
     fmt::print("plan: the saved run's plan ({}) does not suit this run: {}; planning again, and the checkpoint "
