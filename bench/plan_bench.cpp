@@ -33,8 +33,9 @@
 // Times: the faster of a combination's steps 2 and 3 (step 1 creates the
 // optimizer state); CPU, byte-exact allocator, fp32 (the math unchanged).
 //
-// accuracy/{mlp,resnet}: the cost model's predicted step peak against the
-// measured one over a grid: batch 64 and 256, fp32 and bf16, the whole batch
+// accuracy/{mlp,resnet}: the planner's predicted step peak
+// (ModuleStepModel, measuring the step as `memfit plan` does) against a
+// Trainer's measured one over a grid: batch 64 and 256, fp32 and bf16, the whole batch
 // and micro-batches of a quarter, optimizer state resident and on the host
 // (and, in fp32, the parameters streamed with the largest Linear in 16 tiles),
 // no checkpointing and sqrt(n) segments (40 settings per model); each line
@@ -103,7 +104,7 @@
 namespace {
 
 const memfit::ImageDataset& data() {
-  static const auto d = memfit::bench::fashion_train_head(2048);
+  static const auto d = memfit::bench::fashion_train_head(4096);  // cost/: batches of 4096
   return d;
 }
 
@@ -368,15 +369,28 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch, std::vect
   }
 }
 
+// Bytes of the largest Linear weight among `kind`'s layers: the planner's
+// streamed tiles are a quarter, a 16th and a 64th of it.
+int64_t largest_linear_bytes(const std::string& kind) {
+  int64_t largest = 0;
+  for (const auto& m : make(kind)->modules(/*include_self=*/false)) {
+    if (const auto* linear = m->as<torch::nn::Linear>()) largest = std::max<int64_t>(largest, static_cast<int64_t>(linear->weight.nbytes()));
+  }
+  return static_cast<int64_t>(largest);
+}
+
 void BM_Accuracy(benchmark::State& state, std::string kind) {
   for (auto _ : state) {
-    auto chain = make(kind);
-    memfit::StepModel model(chain, data().images.narrow(0, 0, 1),
-                            memfit::PlanOptions()
-                                .precisions({memfit::Precision::kFP32, memfit::Precision::kBF16})
-                                .batch_statistics(memfit::BatchStatistics::kPerMicroBatch));
     std::vector<double> errors;
     for (int64_t batch : {64, 256}) {
+      // As `memfit plan --precision any --batch-statistics per-micro-batch` measures the step.
+      memfit::ModuleStepModel model(memfit::detail::make_probe(planned(kind), sample(kind, batch)),
+                                    memfit::PlanOptions()
+                                        .precisions({memfit::Precision::kFP32, memfit::Precision::kBF16})
+                                        .batch_statistics(memfit::BatchStatistics::kPerMicroBatch),
+                                    memfit::TrainerOptions().batch_size(batch));
+      model.measure_held_back();  // the streamed settings too
+      const auto chain_size = make(kind)->size();
       for (auto precision : {memfit::Precision::kFP32, memfit::Precision::kBF16}) {
         for (int64_t micro : {int64_t(0), batch / 4}) {
           // none, the optimizer state on the host, or (fp32) the parameters streamed in 16 tiles.
@@ -388,18 +402,11 @@ void BM_Accuracy(benchmark::State& state, std::string kind) {
               if (offload == 2) {
                 s.offload_gradients(memfit::Offload::kHost)
                     .offload_parameters(memfit::Offload::kHost)
-                    .tile_bytes(model.largest_linear_bytes() / 16);
+                    .tile_bytes(largest_linear_bytes(kind) / 16);
               }
-              if (checkpointed) s.schedule(memfit::schedule_sqrt(chain->size()));
-              const auto predicted = model.predict(batch, s);
-              const int64_t base = memfit::memory_allocated();
-              auto c = make(kind);
-              memfit::CheckpointedSequential cs(c);
-              if (checkpointed) cs->set_schedule(s.schedule());
-              memfit::Trainer t(torch::nn::Sequential(cs),
-                                memfit::trainer_options(s, memfit::TrainerOptions().batch_size(batch).steps(3)));
-              int64_t measured = 0;
-              for (const auto& r : t.fit(data()).steps) measured = std::max(measured, r.peak_bytes - base);
+              if (checkpointed) s.schedule(memfit::schedule_sqrt(static_cast<int64_t>(chain_size)));
+              const auto predicted = model.predict(batch, s, {s.schedule()});
+              const int64_t measured = run(kind, batch, s, 0).peak;
               const double error = double(predicted.peak_bytes - measured) / double(measured);
               errors.push_back(error);
               fmt::print(stderr, "{} batch {} {} micro {} offload {} checkpoint {}: predicted {:.2f} MiB ({}), measured {:.2f} MiB, {:+.1f}%\n",
@@ -576,39 +583,36 @@ void BM_Stream(benchmark::State& state, int64_t batch_size) {
   memfit::bench::side_by_side(state, variants, {{2, 1}});
 }
 
-// cost/{mlp,resnet,gpt}: what planning costs, as `memfit plan` plans (the
-// StepModel timed up to the batch planned for, the profile budget the budget
-// planned for, then plan()), at batch 64 and at batch 4096 side by side:
+// cost/{mlp,resnet,gpt}: what planning costs, as `memfit plan --budget B`
+// plans (plan(module, sample, budget): measuring within the budget, the
+// closest candidates timed), at batch 64 and at batch 4096 side by side:
 // batch4096_vs_batch64 is the median ratio of their times (the target is 2 at
-// most); profiling_peak_4096 is the peak the planning at 4096 added, less the
-// parameters' gradients, against budget (the target is within it).
+// most); planning_peak_4096_MiB is the peak that planning at 4096 added to
+// the model's parameters, against budget_MiB (the target: within it, where
+// the step's own parameters, gradients and optimizer state fit it).
 //
 //   build/bench/memfit_plan_bench --benchmark_filter=cost
 void BM_Cost(benchmark::State& state, const std::string& kind, int64_t budget) {
-  torch::nn::Sequential chain;
+  torch::nn::Sequential model;
   if (kind == "gpt") {  // make_gpt's default size (width 128), not bench/peers.py's
     torch::manual_seed(0);
-    chain = memfit::make_gpt(memfit::ModelOptions().num_classes(text().num_classes));
+    model = torch::nn::Sequential(memfit::CheckpointedSequential(
+        memfit::make_gpt(memfit::ModelOptions().num_classes(text().num_classes))));
   } else {
-    chain = make(kind);
+    model = planned(kind);
   }
-  const torch::Tensor example = dataset(kind).images.narrow(0, 0, 1);
-  auto planning = [&](int64_t batch) {
-    memfit::StepModel model(chain, example,
-                            memfit::PlanOptions().time_batch(batch).profile_budget(budget).batch_statistics(
-                                memfit::BatchStatistics::kPerMicroBatch));
-    return memfit::plan(model, batch, budget);
-  };
+  const auto options = memfit::PlanOptions().batch_statistics(memfit::BatchStatistics::kPerMicroBatch);
+  auto planning = [&](int64_t batch) { return memfit::plan(model, sample(kind, batch), budget, options); };
   int64_t peak = 0;
   {
     memfit::PeakMeter meter;
     const auto p = planning(4096);
-    peak = meter.peak_delta() - memfit::storage_bytes(chain->parameters());
+    peak = meter.peak_delta();
     std::cerr << "cost/" << kind << " at 4096 under " << memfit::format_bytes(budget) << ":\n" << p.explain();
   }
   memfit::bench::side_by_side(state, {{"batch64", [&] { planning(64); }},
                                       {"batch4096", [&] { planning(4096); }}});
-  state.counters["profiling_peak_4096_MiB"] = double(peak) / (1 << 20);
+  state.counters["planning_peak_4096_MiB"] = double(peak) / (1 << 20);
   state.counters["budget_MiB"] = double(budget) / (1 << 20);
 }
 

@@ -393,7 +393,7 @@ Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
 namespace {
 // Tile sizes for streamed chains: a quarter, a sixteenth and a 64th of the
 // largest Linear weight that is a chain's layer (ParameterStream tiles those),
-// where a tile is at least 1 KiB; StepModel offers the same (offload_choices).
+// where a tile is at least 1 KiB.
 std::vector<int64_t> tile_choices(const std::vector<FoundChain>& chains) {
   int64_t largest = 0;
   for (const auto& c : chains) {
@@ -707,7 +707,7 @@ StepPrediction ModuleStepModel::predict(int64_t batch, const StepSettings& setti
   };
   // Offloading only adds copies, and smaller tiles more of them: where timing
   // noise measured a setting that copies more as faster, the time of one that
-  // copies less stands (as in StepModel). Noise then cannot rank offloads of
+  // copies less stands. Noise then cannot rank offloads of
   // one micro-batch apart, and the choice's tie goes to the one that copies less.
   double seconds = measured_seconds(meas);
   for (const auto* less : im.offloading_less(settings)) seconds = std::max(seconds, measured_seconds(*less));

@@ -1,6 +1,8 @@
 #pragma once
-// What the two planners share: plan.cpp's StepModel (a Sequential
-// classifier) and module_plan.cpp's ModuleStepModel (any module).
+// The planner's parts that its tests reach on their own: how candidates are
+// ranked, timed and chosen (choose, to_time, choose_measured), the texts of
+// a plan's reasons, the guards that put a module back after measuring, and
+// the wire format that broadcast_plan and save_plan carry (plan.cpp).
 
 #include "memfit/compat.h"
 #include "memfit/environment.h"

@@ -393,15 +393,6 @@ TEST_F(DocExamples, DistributedHeader) {
     memfit::broadcast_module_state(*net, group);  // rank 0's weights everywhere
     EXPECT_TRUE(net->weight.equal(before)) << "one rank: its own";
   }
-  {  // broadcast_plan (plan.h)
-    memfit::WorldInfo solo;  // one process: a group of one
-    solo.master_port = 0;
-    memfit::ProcessGroup group(solo);
-    memfit::Plan p;
-    p.settings.micro_batch(16);
-    memfit::broadcast_plan(p, group);  // on every rank: rank 0's plan
-    EXPECT_EQ(p.settings.micro_batch(), 16);
-  }
   {  // broadcast_plan (module_plan.h)
     memfit::WorldInfo solo;  // one process: a group of one
     solo.master_port = 0;
@@ -518,27 +509,6 @@ TEST_F(DocExamples, StateHeader) {
 
 TEST_F(DocExamples, PlanHeader) {
   EXPECT_EQ(memfit::offload_text(memfit::StepSettings()), "none");
-  {
-    auto net = memfit::make_mlp(memfit::ModelOptions().width(32).depth(1));
-    auto p = memfit::profile(net, torch::zeros({16, 1, 28, 28}));
-    EXPECT_TRUE(p.chain.layers.size() == net->size() && p.step.peak > 0);
-  }
-  {
-    auto net = memfit::make_mlp(memfit::ModelOptions().width(64).depth(2));
-    memfit::StepModel model(net, torch::zeros({1, 1, 28, 28}));
-    auto p = memfit::plan(model, 256, 4 << 20);
-    EXPECT_TRUE(p.fits && p.predicted.peak_bytes <= 4 << 20);
-  }
-  if (!std::filesystem::exists(memfit::FashionMnistOptions().root())) {
-    GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed";
-  }
-  auto data = memfit::load_fashion_mnist(memfit::Split::kTest);
-  auto make = [] { return memfit::make_mlp(memfit::ModelOptions().width(64).depth(1)); };
-  memfit::StepModel model(make(), data.images.narrow(0, 0, 1));
-  auto found = memfit::find_batch(model, make, data, 4 << 20);
-  EXPECT_TRUE(found.plain.verified && found.plain.measured_peak_bytes <= 4 << 20);
-  auto p = memfit::plan(model, make, data, 256, 4 << 20);
-  EXPECT_TRUE(p.fits && !p.timed.empty() && p.measured_seconds > 0);
 }
 
 TEST_F(DocExamples, DataAndTrainerHeaders) {
@@ -648,14 +618,6 @@ TEST_F(DocExamples, TrainerOptionsFromSettings) {
   auto options = memfit::trainer_options(memfit::StepSettings().micro_batch(16),
                                          memfit::TrainerOptions().batch_size(64));
   EXPECT_TRUE(options.micro_batch_size() == 16 && options.batch_size() == 64);
-}
-
-TEST_F(DocExamples, OffloadChoices) {
-  auto net = memfit::make_mlp();
-  memfit::StepModel model(net, torch::zeros({1, 1, 28, 28}));
-  auto choices = memfit::offload_choices(model, model.options());
-  EXPECT_EQ(choices.size(), 7u);
-  EXPECT_EQ(choices.back().tile_bytes(), 784 * 512 * 4 / 64);
 }
 
 TEST_F(DocExamples, BatchTraitsOfAUsersOwnBatch) {

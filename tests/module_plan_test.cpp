@@ -280,6 +280,59 @@ TEST_F(ModulePlanTest, AModuleWithoutAChainIsToldWhatWasTriedAndThatAChainAllows
                "plan needs a sample batch of at least 4 examples");
 }
 
+// The bad input: a budget below anything the planner can fit gets
+// one line with the closest peak it found, the settings that gave it, and
+// the options that would allow less.
+TEST_F(ModulePlanTest, NothingFitsSaysTheClosestPeakItsSettingsAndTheOptionsThatWouldAllowLess) {
+  ChainNet net(64, 4);
+  try {
+    memfit::plan(net.ptr(), chain_loss, sample(64), 8 * 1024);
+    FAIL() << "8 KiB holds less than the model's parameters";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.msg();
+    EXPECT_NE(msg.find("plan: nothing fits 8.00 KiB (7.76 KiB after PlanOptions::margin) for a batch of 64: tried "
+                       "micro-batches of 64 down to 1, precision fp32, offload none, optimizer, optimizer and "
+                       "gradients"),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find(", checkpoint schedules for every chain; the closest predicted peak is "), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("(micro-batch 1, fp32, offload optimizer, gradients"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("; less may fit with PlanOptions::precisions({kFP32, kBF16}) (bf16 changes the math)"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << "one line";
+  }
+  const auto fixed = memfit::PlanOptions().offload(false).micro_batching(false).checkpointing(false);
+  try {
+    memfit::plan(net.ptr(), chain_loss, sample(64), 8 * 1024, fixed);
+    FAIL() << "8 KiB holds no step of 64";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.msg();
+    EXPECT_NE(msg.find("tried micro-batches of 64 down to 64, precision fp32, offload none; the closest predicted "
+                       "peak is "),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("; less may fit with PlanOptions::precisions({kFP32, kBF16}) (bf16 changes the math), "
+                       "PlanOptions::micro_batching(true), PlanOptions::checkpointing(true), PlanOptions::offload(true)"),
+              std::string::npos)
+        << msg;
+  }
+}
+
+TEST_F(ModulePlanTest, BadOptionsAreRefusedInALineThatSaysWhatWouldDo) {
+  ChainNet net(16, 2);
+  const auto refused = [&](const memfit::PlanOptions& o, const std::string& why) {
+    expect_error([&] { memfit::plan(net.ptr(), chain_loss, sample(16), 1 << 20, o); }, why);
+  };
+  refused(memfit::PlanOptions().profile_batch(1), "PlanOptions::profile_batch must be at least 2, got 1");
+  refused(memfit::PlanOptions().precisions({}), "PlanOptions::precisions must name at least one precision");
+  refused(memfit::PlanOptions().margin(1.5), "PlanOptions::margin must be in (0, 1], got 1.5");
+  refused(memfit::PlanOptions().measure_candidates(-1),
+          "PlanOptions::measure_candidates must be >= 0 (0: choose by prediction alone), got -1");
+  expect_error([&] { memfit::plan(net.ptr(), chain_loss, sample(16), 0); }, "plan: budget must be positive, got 0");
+}
+
 TEST_F(ModulePlanTest, StreamsTheChainsParametersWhereOffloadingTheirStateAndGradientsIsNotEnough) {
   // Parameters dominate: 8 Linear(256, 256) in the chain (2.1 MB, with Adam
   // 8.4 MB of state) against activations of 8 x 256 floats per layer.
@@ -842,6 +895,41 @@ TEST_F(ModulePlanTest, FindBatchGivesTheLargestBatchOfTheUsersDataSetThatTrainsU
   EXPECT_THROW(steps(found.plain, found.plain.batch * 6 / 5), c10::OutOfMemoryError);
   EXPECT_LE(steps(found.techniques, found.techniques.batch), budget);
   EXPECT_NE(found.to_json().find("\"with_techniques\""), std::string::npos);
+}
+
+// A user's module whose step grows with the square of the batch, as a
+// contrastive loss's example-by-example similarities do: bytes measured at
+// small micro-batches and extrapolated along a line under-predict it.
+struct GramNetImpl : torch::nn::Module {
+  GramNetImpl() : in(register_module("in", torch::nn::Linear(16, 32))), head(register_module("head", torch::nn::Linear(32, 5))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto h = torch::tanh(in->forward(x));
+    return head->forward(torch::softmax(torch::matmul(h, h.t()), -1).matmul(h));  // [N, N] in between
+  }
+  torch::nn::Linear in, head;
+};
+TORCH_MODULE(GramNet);
+torch::Tensor gram_loss(GramNetImpl& net, const torch::data::Example<>& b) { return cross_entropy_of(net, b); }
+
+// Where the prediction is too small, the verifying steps run out of memory
+// under the budget; the search shrinks the batch by 10% and runs it again
+// until one fits, and leaves nothing behind.
+TEST_F(ModulePlanTest, FindBatchRecoversWhereItsVerifyingStepsRunOutOfMemory) {
+  GramNet net;
+  auto data = Points(1024).map(torch::data::transforms::Stack<>());
+  const int64_t budget = 4 << 20;
+  const int64_t before = memfit::memory_allocated();
+  const auto found = memfit::find_batch(net.ptr(), gram_loss, data, budget,
+                                        memfit::FindBatchOptions().max_batch(1024).attempts(16));
+  RecordProperty("found", found.explain());
+  EXPECT_GT(found.plain.attempts, 1) << "a verification ran out of memory: " << found.explain();
+  EXPECT_GT(found.plain.measured_peak_bytes, 2 * found.plain.predicted_peak_bytes)
+      << "the line under-predicts the [N, N] bytes: " << found.explain();
+  ASSERT_GT(found.plain.batch, 0) << found.explain();
+  EXPECT_TRUE(found.plain.verified) << found.explain();
+  EXPECT_LE(found.plain.measured_peak_bytes, budget);
+  EXPECT_EQ(memfit::memory_budget(torch::kCPU), 0) << "the caller's budget is restored";
+  EXPECT_EQ(memfit::memory_allocated(), before) << "nothing is left behind by the failed steps";
 }
 
 TEST_F(ModulePlanTest, FindBatchIsBoundedByTheDataSetAndRefusesWhatItCannotSearch) {
