@@ -1064,11 +1064,14 @@ std::optional<Candidate> within_reserved(const ModuleStepModel& model, const Mod
 
 } // namespace
 
-ModulePlan plan(const ModuleStepModel& model, int64_t budget) {
+ModulePlan plan(const ModuleStepModel& model, int64_t budget) { return plan(model, budget, model.sample_examples()); }
+
+ModulePlan plan(const ModuleStepModel& model, int64_t budget, int64_t batch) {
   TORCH_CHECK(budget > 0, "plan: budget must be positive, got ", budget);
+  TORCH_CHECK(batch >= 4 && batch <= model.sample_examples(), "plan: batch ", batch, " is not one the measured "
+              "sample holds: plan batches of 4 to ", model.sample_examples(), " examples, or measure a larger sample");
   const auto& o = model.options();
   const auto& chains = model.chains();
-  const int64_t batch = model.sample_examples();
   const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * double(budget)));
   ModulePlan out;
   out.budget = budget;

@@ -797,6 +797,16 @@ TEST_F(DocExamples, PlanAnyModule) {
   EXPECT_TRUE(p.fits);
 }
 
+TEST_F(DocExamples, PlanASmallerBatchOfTheMeasuredSample) {
+  auto net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                                   torch::nn::Linear(64, 4));
+  torch::data::Example<> sample(torch::randn({256, 32}), torch::zeros({256}, torch::kLong));
+  memfit::ModuleStepModel model(memfit::detail::make_probe(net, sample), memfit::PlanOptions(),
+                                memfit::TrainerOptions());
+  auto p = memfit::plan(model, 1 << 20, 64);
+  EXPECT_TRUE(p.batch == 64 && p.fits);
+}
+
 TEST_F(DocExamples, PlanASequentialClassifier) {
   auto chain = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
                                      torch::nn::Linear(64, 4));

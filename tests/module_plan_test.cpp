@@ -897,6 +897,30 @@ TEST_F(ModulePlanTest, FindBatchGivesTheLargestBatchOfTheUsersDataSetThatTrainsU
   EXPECT_NE(found.to_json().find("\"with_techniques\""), std::string::npos);
 }
 
+// One model measured on a large sample plans each smaller batch of it (as
+// `memfit find-batch` plans its --batch), each plan running under the budget.
+TEST_F(ModulePlanTest, OneMeasuredModelPlansEverySmallerBatchOfItsSampleWithoutMeasuringAgain) {
+  ChainNet net(64, 8);
+  const auto batch = sample(256);
+  const int64_t budget = 1 << 20;
+  const memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
+                                      memfit::detail::measuring_within(memfit::PlanOptions(), budget),
+                                      memfit::TrainerOptions());
+  for (int64_t b : {16, 64, 256}) {
+    const auto p = memfit::plan(model, budget, b);
+    EXPECT_EQ(p.batch, b);
+    EXPECT_TRUE(p.fits);
+    EXPECT_GT(p.measured_peak_bytes, 0) << "its steps ran: " << p.explain();
+    EXPECT_LE(p.measured_peak_bytes, budget) << p.explain();
+    EXPECT_NE(p.explain().find("plain step of " + std::to_string(b) + ":"), std::string::npos) << p.explain();
+    if (b == 256) EXPECT_GT(p.plain_peak_bytes, budget) << "the whole batch needs the plan's techniques";
+  }
+  expect_error([&] { memfit::plan(model, budget, 512); },
+               "plan: batch 512 is not one the measured sample holds: plan batches of 4 to 256 examples, or "
+               "measure a larger sample");
+  expect_error([&] { memfit::plan(model, budget, 3); }, "plan: batch 3 is not one the measured sample holds");
+}
+
 // A user's module whose step grows with the square of the batch, as a
 // contrastive loss's example-by-example similarities do: bytes measured at
 // small micro-batches and extrapolated along a line under-predict it.

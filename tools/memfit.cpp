@@ -713,15 +713,15 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
   }
   // find-batch: the step measured on the data set's first examples, as many
   // as a verified answer may run.
+  // One measured model answers both: the largest batches and the plan for --batch.
   const auto find = memfit::FindBatchOptions().verify(!a.no_verify);
-  const int64_t examples = std::min(workload.train.size(), find.max_batch());
+  const int64_t examples = std::min(workload.train.size(), std::max(find.max_batch(), a.batch));
   const memfit::ModuleStepModel step(memfit::detail::make_probe(model, sample_of(workload.train, examples)),
-                                     options, base);
+                                     memfit::PlanOptions(options).verify(!a.no_verify), base);
   const auto found = memfit::find_batch(step, budget, find);
   std::optional<memfit::ModulePlan> logical;  // micro-batched, for --batch
   try {
-    logical = memfit::plan(model, sample_of(workload.train, a.batch), budget,
-                           memfit::PlanOptions(options).verify(!a.no_verify), base);
+    logical = memfit::plan(step, budget, a.batch);
   } catch (const c10::Error& e) {
     fmt::print(stderr, "memfit find-batch: {}\n", memfit::tools::with_flag_names(e.msg()));
   }

@@ -187,7 +187,7 @@ class ModuleStepModel {
   struct Impl;  ///< The measurements (module_plan.cpp).
 
  private:
-  friend ModulePlan plan(const ModuleStepModel& model, int64_t budget);
+  friend ModulePlan plan(const ModuleStepModel& model, int64_t budget, int64_t batch);
   friend ModuleProfile profile(const ModuleStepModel& model);
   friend ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget,
                                       const FindBatchOptions& options);
@@ -320,6 +320,23 @@ std::string plan_mismatch(const ModulePlan& plan, const torch::nn::Module& modul
 /// the closest predicted peak, and, for a module with no chain, that holding
 /// its repeated blocks in a CheckpointedSequential lets the plan checkpoint them.
 ModulePlan plan(const ModuleStepModel& model, int64_t budget);
+
+/// plan(model, budget) for a logical batch of the sample's first `batch`
+/// examples (4 to ModuleStepModel::sample_examples()): one model measured on
+/// a large sample plans any smaller batch, as find_batch() searches them,
+/// without measuring the step again. Its timed steps run those examples.
+///
+/// Example:
+/// \code
+///   auto net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+///                                    torch::nn::Linear(64, 4));
+///   torch::data::Example<> sample(torch::randn({256, 32}), torch::zeros({256}, torch::kLong));
+///   memfit::ModuleStepModel model(memfit::detail::make_probe(net, sample), memfit::PlanOptions(),
+///                                 memfit::TrainerOptions());
+///   auto p = memfit::plan(model, 1 << 20, 64);
+///   assert(p.batch == 64 && p.fits);
+/// \endcode
+ModulePlan plan(const ModuleStepModel& model, int64_t budget, int64_t batch);
 
 /// Measures `module`'s step with `loss` on `sample` (the batch the plan is
 /// for) and plans it under `budget` bytes; `base` describes the step as the
