@@ -303,10 +303,10 @@ std::string plan_mismatch(const ModulePlan& plan, const torch::nn::Module& modul
 /// steps on the sample, under `budget`, the module put back afterwards)
 /// before one is chosen. A candidate whose steps overrun the budget is
 /// dropped, and the predictions after it are scaled by how far it was off
-/// (at most four are run). A micro-batched step of more than 128 examples
-/// runs whole micro-batches, at least two and about 128 examples (it peaks
+/// (at most four are run). A micro-batched step of more than 64 examples
+/// runs whole micro-batches, at least two and about 64 examples (it peaks
 /// as the whole step does), its time scaled to the batch by the prediction,
-/// so planning a large batch costs about what planning 128 examples does.
+/// so planning a large batch costs about what planning 64 examples does.
 /// Bytes within a window of the step are a maximum over moments, convex in
 /// the micro-batch: the linear fit from small micro-batches can fall short at
 /// large ones, and the run catches that. On CUDA the budget caps the caching
