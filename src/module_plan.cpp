@@ -910,7 +910,7 @@ bool wants_streaming(Search& found, int64_t limit) {
 // made, as every later one does), and costs the same however large the batch.
 // 64, the batch the planning cost's target is measured against (docs/planner.md,
 // "What planning costs": at 128 the ResNet's plan of 4096 examples cost 2.33x
-// that of 64; at 64, 0.91x), and no worse a choice: the peer tables' plans
+// that of 64; at 64, 0.80x), and no worse a choice: the peer tables' plans
 // at a batch of 128 then stood within noise of the grid's fastest.
 constexpr int64_t kTimedExamples = 64;
 int64_t timed_examples(const StepSettings& s, int64_t batch) {
