@@ -1123,8 +1123,23 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget, int64_t batch) {
     best = measured_choice(model, *model.impl_, found.fitting, batch, budget, out, room);
     if (room < 1.0) best = within_reserved(model, *model.impl_, batch, budget, micro_batching, room, best, out);
   }
+  // On a busy machine the choice is what the plans do, among all predicted to
+  // fit (detail::choose_measured): one that was not timed runs its steps
+  // under the budget first, as those timed did, before any other.
+  std::optional<std::string> untimed;
+  if (best && out.measured_peak_bytes == 0) {
+    untimed = candidate_text(best->settings, best->schedules, batch, out.chains);
+    best.reset();
+  }
   for (int attempts = 0; !found.fitting.empty() && !best && attempts < kVerifyAttempts;) {
-    const auto it = best_fitting(found.fitting, correction, limit);  // still fits after the correction
+    auto it = found.fitting.end();
+    if (untimed) {
+      it = std::find_if(found.fitting.begin(), found.fitting.end(), [&](const Candidate& c) {
+        return candidate_text(c.settings, c.schedules, batch, out.chains) == *untimed;
+      });
+      untimed.reset();
+    }
+    if (it == found.fitting.end()) it = best_fitting(found.fitting, correction, limit);  // still fits after the correction
     if (it == found.fitting.end()) break;
     const Candidate c = *it;
     found.fitting.erase(it);
