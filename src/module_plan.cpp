@@ -988,7 +988,8 @@ std::optional<Candidate> measured_choice(const ModuleStepModel& model, const Mod
   const auto& o = im.options;
   const auto order = detail::to_time(ranked, group, o.measure_within(), o.measure_candidates());
   const auto measured = detail::choose_measured(
-      ranked, order, [&](size_t i) { return run_plan(model, im, fitting[i].settings, fitting[i].schedules, batch, budget, 2); });
+      ranked, order, [&](size_t i) { return run_plan(model, im, fitting[i].settings, fitting[i].schedules, batch, budget, 2); },
+      o.free_cores());
   const auto& timings = measured.timed;
   const int64_t chosen = measured.chosen;
   std::vector<std::string> names;

@@ -216,9 +216,10 @@ void broadcast_plan_wire(Plan& plan, ProcessGroup& group, int64_t root,
 // A candidate plan as the choice sees it.
 struct Ranked {
   double seconds = 0;     // predicted time per logical batch
-  int recomputes = 0;     // 1: some layer is recomputed
+  int recomputes = 0;     // 1: some layer is recomputed (checkpointed, or selectively)
   int offload = 0;        // offload_rank: 0 none, 1 optimizer state, 2 and gradients, 3 and parameters, 4+ in tiles
   int64_t micro_batches = 1;
+  int lower_precision = 0;  // 1: computes in a precision below fp32 (it changes the math)
   int64_t peak_bytes = 0;
   bool edge = false;      // predicted above the margin's limit but within the budget: it
                           // fits only where its real steps under the budget say so
@@ -254,14 +255,15 @@ inline int offload_rank(const StepSettings& s) {
                                                    : 0;
 }
 
-// How the choice sees a plan with `settings` (which recomputes, or not) and
-// its prediction.
-inline Ranked ranked(const StepSettings& settings, const StepPrediction& predicted, bool recomputes) {
+// How the choice sees a plan with `settings` (whose schedules recompute, or
+// not: `checkpoints`) and its prediction. Selective recomputation recomputes too.
+inline Ranked ranked(const StepSettings& settings, const StepPrediction& predicted, bool checkpoints) {
   Ranked r;
   r.seconds = predicted.seconds;
-  r.recomputes = recomputes ? 1 : 0;
+  r.recomputes = checkpoints || settings.selective_recompute() ? 1 : 0;
   r.offload = offload_rank(settings);
   r.micro_batches = predicted.accumulation_steps;
+  r.lower_precision = settings.precision() == Precision::kFP32 ? 0 : 1;
   r.peak_bytes = predicted.peak_bytes;
   return r;
 }
@@ -277,16 +279,17 @@ inline double fastest_seconds(const std::vector<Ranked>& candidates, bool with_e
 }
 
 // What a plan does, in the order a tie is settled: recomputation, then
-// offload, then micro-batches (less of each first).
-inline std::tuple<int, int, int64_t> work(const Ranked& c) {
-  return std::make_tuple(c.recomputes, c.offload, c.micro_batches);
+// offload, then micro-batches (less of each first), then a precision below
+// fp32 (fp32 first: it keeps the math, and on a CPU it is the faster).
+inline std::tuple<int, int, int64_t, int> work(const Ranked& c) {
+  return std::make_tuple(c.recomputes, c.offload, c.micro_batches, c.lower_precision);
 }
 
 // The index of the plan to choose among `candidates` (-1: none), edge ones
 // aside (they have not run): of those within `tie` of the fastest (kTimeTie for predictions; for measured times,
 // at least the measurement's own noise), the one without recomputation, then
-// with less offload, then with fewer micro-batches, then the faster and the
-// smaller. Ties are settled by what a plan does, never by which of them
+// with less offload, then with fewer micro-batches, then in fp32, then the
+// faster and the smaller. Ties are settled by what a plan does, never by which of them
 // timing noise put ahead, and the answer does not depend on their order.
 inline int64_t choose(const std::vector<Ranked>& candidates, double tie = kTimeTie) {
   const double fastest = fastest_seconds(candidates, /*with_edges=*/false);
@@ -432,7 +435,7 @@ inline bool settled(const std::vector<std::vector<double>>& samples) {
 // Whether the timings `samples` (of candidates `order`; empty: ran out of
 // memory or not run) after `passes` may give the choice to a plan that does
 // more than another timed one: no candidate that does less (earlier in
-// choose()'s order: no recomputation, less offload, fewer micro-batches) than
+// choose()'s order: no recomputation, less offload, fewer micro-batches, fp32) than
 // the fastest lost to it beyond the tie band, or kConfirmPasses have run. A
 // shared machine's slow spell can last a candidate's two steps; a third pass
 // confirms the loss before the plan does more work for it.
@@ -476,8 +479,8 @@ inline bool busy_machine(double free_cores, int threads, double noise) {
 // The one of `candidates` that does least (-1: none): of all predicted to fit,
 // edge ones aside, less those whose steps ran out of memory (out_of_memory[k]
 // for candidate order[k]), the first in choose()'s order without times (no
-// recomputation, less offload, fewer micro-batches, then fewer bytes): the
-// same answer whatever noise made of the times, or of the predictions.
+// recomputation, less offload, fewer micro-batches, fp32, then fewer bytes):
+// the same answer whatever noise made of the times, or of the predictions.
 inline int64_t does_least(const std::vector<Ranked>& candidates, const std::vector<size_t>& order,
                           const std::vector<bool>& out_of_memory) {
   std::vector<Ranked> fit;
@@ -528,7 +531,7 @@ struct Measured {
 // other processes left, by default a CpuLoad over the passes) times decide
 // nothing: of all the candidates predicted to fit whose steps did not run out
 // of memory, the one that does least is chosen (choose()'s order: no
-// recomputation, less offload, fewer micro-batches, then fewer bytes), so the
+// recomputation, less offload, fewer micro-batches, fp32, then fewer bytes), so the
 // plan depends neither on the noise nor on which candidates the noisy
 // predictions put forward. A candidate that runs out of memory is not run again.
 inline Measured choose_measured(const std::vector<Ranked>& candidates, const std::vector<size_t>& order,
@@ -600,7 +603,7 @@ inline std::string timed_text(const std::vector<std::string>& names, const std::
   const std::string tie =
       m.busy ? fmt::format("{}: a busy machine's times cannot tell plans apart, so of all those predicted to fit, "
                            "the one that does least (no recomputation, then less offload, then fewer "
-                           "micro-batches, then fewer bytes) is chosen",
+                           "micro-batches, then fp32, then fewer bytes) is chosen",
                            m.free_cores >= 0
                                ? fmt::format("other processes left {:.1f} free cores for LibTorch's {} threads",
                                              m.free_cores, at::get_num_threads())

@@ -585,6 +585,88 @@ TEST_F(ModulePlanTest, TheChosenPlanRanUnderTheBudgetBeforeItWasReturnedUnlessVe
   EXPECT_TRUE(unverified.timed.empty()) << "nothing is timed without verification";
 }
 
+// A user's block that is slow in bf16, as a CPU without bf16 units is (in
+// bf16 it computes its product five times more, the extra ones without a
+// graph): its bf16 plans are predicted and measured slower than its fp32 ones,
+// checkpointed or not, so the fastest prediction is fp32 wherever fp32 fits.
+struct SlowHalfBlockImpl : torch::nn::Module {
+  explicit SlowHalfBlockImpl(int64_t width) : fc(register_module("fc", torch::nn::Linear(width, width))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = fc->forward(x);
+    if (h.scalar_type() == torch::kBFloat16) {
+      torch::NoGradGuard extra;
+      for (int i = 0; i < 4; ++i) h.add_(fc->forward(x), 0);
+    }
+    return torch::tanh(h);
+  }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(SlowHalfBlock);
+
+struct SlowHalfNetImpl : torch::nn::Module {
+  SlowHalfNetImpl(int64_t width, int64_t depth) {
+    in = register_module("in", torch::nn::Linear(16, width));
+    torch::nn::Sequential blocks;
+    for (int64_t i = 0; i < depth; ++i) blocks->push_back(SlowHalfBlock(width));
+    body = register_module("body", memfit::CheckpointedSequential(blocks));
+    head = register_module("head", torch::nn::Linear(width, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head->forward(body->forward(in->forward(x))); }
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  memfit::CheckpointedSequential body{nullptr};
+};
+TORCH_MODULE(SlowHalfNet);
+torch::Tensor slow_half_loss(SlowHalfNetImpl& net, const torch::data::Example<>& b) { return cross_entropy_of(net, b); }
+
+bool recomputes_any(const memfit::ModulePlan& p) {
+  return p.settings.selective_recompute() ||
+         std::any_of(p.schedules.begin(), p.schedules.end(), memfit::detail::recomputes);
+}
+
+// On a busy machine (PlanOptions::free_cores, here fixed, says so) times do
+// not choose: of all the plans predicted to fit, the one that does least is
+// chosen (no recomputation, less offload, fewer micro-batches, fp32 before
+// bf16), and its steps run under the budget before it is returned, whether
+// or not it was among those timed.
+TEST_F(ModulePlanTest, OnABusyMachineThePlanThatDoesLeastRunsUnderTheBudgetWhetherItWasTimedOrNot) {
+  SlowHalfNet net(64, 8);
+  const auto batch = sample(256);
+  const auto options = memfit::PlanOptions()
+                           .precisions({memfit::Precision::kFP32, memfit::Precision::kBF16})
+                           .micro_batching(false)
+                           .offload(false)
+                           .measure_candidates(1)
+                           .free_cores([] { return 0.0; });
+  const memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), slow_half_loss, batch), options,
+                                      memfit::TrainerOptions());
+  const int64_t fp32 = model.predict(256, memfit::StepSettings(), {}).peak_bytes;
+  const int64_t bf16 = model.predict(256, memfit::StepSettings().precision(memfit::Precision::kBF16), {}).peak_bytes;
+  ASSERT_LT(bf16, fp32 * 9 / 10) << "bf16 halves the activations";
+
+  // Both fit whole: fp32, which keeps the math (bf16's fewer bytes chose it before).
+  const auto roomy = memfit::plan(model, 2 * fp32);
+  ASSERT_TRUE(roomy.fits) << roomy.explain();
+  EXPECT_NE(roomy.explain().find("chose by what the plans do"), std::string::npos) << roomy.explain();
+  EXPECT_NE(roomy.explain().find("other processes left 0.0 free cores"), std::string::npos) << roomy.explain();
+  EXPECT_EQ(roomy.settings.precision(), memfit::Precision::kFP32) << roomy.explain();
+  EXPECT_FALSE(recomputes_any(roomy)) << roomy.explain();
+  EXPECT_GT(roomy.measured_peak_bytes, 0) << roomy.explain();
+
+  // Only bf16 fits whole; fp32 fits checkpointed, and is predicted faster:
+  // the one candidate timed (measure_candidates 1) is fp32's, and the choice,
+  // bf16's whole step, runs its steps under the budget after it (before
+  // ab78747 it came back unrun).
+  const int64_t budget = (bf16 * 100 / 97 + fp32) / 2;
+  const auto tight = memfit::plan(model, budget);
+  ASSERT_TRUE(tight.fits) << tight.explain();
+  ASSERT_EQ(tight.timed.size(), 1u) << tight.explain();
+  EXPECT_EQ(tight.timed[0].settings.precision(), memfit::Precision::kFP32) << "the fastest prediction: " << tight.explain();
+  EXPECT_EQ(tight.settings.precision(), memfit::Precision::kBF16) << tight.explain();
+  EXPECT_FALSE(recomputes_any(tight)) << tight.explain();
+  EXPECT_GT(tight.measured_peak_bytes, 0) << "its steps ran: " << tight.explain();
+  EXPECT_LE(tight.measured_peak_bytes, budget) << tight.explain();
+}
+
 TEST_F(ModulePlanTest, ChoosesTheFastestMeasuredOfTheClosestCandidatesUnderTheBudget) {
   ChainNet net(64, 8);
   const auto batch = sample(256);

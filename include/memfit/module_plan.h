@@ -33,7 +33,7 @@
 /// each solves every chain's optimal schedule for the memory its windows
 /// leave; it keeps the fastest plan whose predicted peak fits (plans within
 /// 3% of the fastest are a tie, won by the plan without recomputation, then
-/// with less offload, then with fewer micro-batches), after running the best
+/// with less offload, then with fewer micro-batches, then in fp32), after running the best
 /// candidates under the budget (PlanOptions::verify). find_batch() bisects
 /// the same predictions for the largest batch one pass fits, and profile()
 /// reports the plain step, predicted and measured. In fp32, with the

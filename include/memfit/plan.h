@@ -9,8 +9,9 @@
 ///
 /// How a plan is chosen: candidates predicted to fit are ranked by predicted
 /// time (plans within 3% of the fastest are a tie, won by the plan without
-/// recomputation, then with less offload, then with fewer micro-batches:
-/// what a plan does settles it, not which of them timing noise put ahead).
+/// recomputation (checkpointed or selective), then with less offload, then
+/// with fewer micro-batches, then in fp32: what a plan does settles it, not
+/// which of them timing noise put ahead).
 /// The prediction errs most between micro-batch sizes, by more than the tie
 /// band, so the closest candidates (PlanOptions::measure_candidates, one per
 /// micro-batch and precision) then run real steps under the budget in
@@ -123,6 +124,14 @@ struct PlanOptions {
   /// Candidates predicted to take at most (1 + measure_within) times the
   /// fastest prediction are timed (the time model errs most between micro-batch sizes).
   TORCH_ARG(double, measure_within) = 1.0;
+  /// How many cores other processes leave LibTorch while candidates are
+  /// timed (read after each pass and once the passes end; a negative value:
+  /// unknown, and the timings' own spread says whether the machine is busy,
+  /// see measure_candidates). nullptr: CpuLoad measures it over the timing.
+  /// Set it where the machine's share is known better than the process
+  /// table shows it (a container's CPU quota), or in a test that must know
+  /// which rule chooses.
+  TORCH_ARG(std::function<double()>, free_cores) = nullptr;
 };
 
 /// The knobs of one training step.
