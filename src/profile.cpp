@@ -6,6 +6,7 @@
 #include <torch/autograd.h>
 #include <torch/cuda.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
 
 #include <fmt/format.h>
@@ -13,7 +14,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <sstream>
+#include <string>
 #include <utility>
+#include <vector>
 
 namespace memfit {
 namespace {
@@ -162,6 +166,35 @@ void in_chain(ChainProfile& p, const std::vector<bool>& keeps_input, const std::
   }
 }
 
+// What a layer does, as far as its time goes: the module as it prints (its
+// type, its options, its children's), with its bytes in, out, kept and at
+// its peaks. Layers with one key do the same work on the same shapes.
+std::string work_key(const torch::nn::Module& module, const LayerProfile& l) {
+  std::ostringstream key;
+  key << module << ' ' << l.input_bytes << ' ' << l.output_bytes << ' ' << l.parameter_bytes << ' ' << l.kept_bytes
+      << ' ' << l.forward_peak_bytes << ' ' << l.backward_overhead_bytes << ' ' << l.in_place;
+  return key.str();
+}
+
+// Each layer's times are the median of its timed runs and those of every
+// layer that does the same work (work_key): timing noise cannot set apart
+// layers that do the same (a ResNet stage's blocks, a GPT's), so what a
+// schedule recomputes among them does not follow the noise.
+void same_work_same_time(ChainProfile& p, const std::vector<std::string>& work,
+                         const std::vector<std::vector<double>>& fwds, const std::vector<std::vector<double>>& bwds) {
+  TORCH_INTERNAL_ASSERT(work.size() == p.layers.size() && fwds.size() == work.size() && bwds.size() == work.size());
+  for (size_t i = 0; i < work.size(); ++i) {
+    std::vector<double> fwd, bwd;
+    for (size_t j = 0; j < work.size(); ++j) {
+      if (work[j] != work[i]) continue;
+      fwd.insert(fwd.end(), fwds[j].begin(), fwds[j].end());
+      bwd.insert(bwd.end(), bwds[j].begin(), bwds[j].end());
+    }
+    p.layers[i].forward_seconds = median(fwd);
+    p.layers[i].backward_seconds = median(bwd);
+  }
+}
+
 } // namespace
 
 ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tensor& sample_input,
@@ -181,6 +214,8 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
     rng = compat::get_rng_state({});
   }
   ChainProfile profile;
+  std::vector<std::string> work;               // what each layer does: same_work's key
+  std::vector<std::vector<double>> fwds, bwds;  // each layer's timed runs
   if (device.is_cuda()) profile.workspace_bytes = warm_up(chain, modules, sample_input);
   torch::Tensor x = sample_input.detach();
   std::vector<bool> keeps_input, keeps_output;  // autograd holds the layer's input / output
@@ -254,8 +289,9 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
       }
       restore_buffers(ptr, buffers);
     }
-    l.forward_seconds = median(fwd);
-    l.backward_seconds = median(bwd);
+    work.push_back(work_key(*ptr, l));
+    fwds.push_back(fwd);
+    bwds.push_back(bwd);
     {
       torch::NoGradGuard no_grad;  // the next layer's input, without a graph
       x = module.forward(x.clone()).detach();
@@ -264,6 +300,7 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
     profile.layers.push_back(l);
   }
   compat::set_rng_state(rng);
+  same_work_same_time(profile, work, fwds, bwds);
   in_chain(profile, keeps_input, keeps_output);
   return profile;
 }

@@ -40,6 +40,26 @@ TEST_F(Profile, MeasuresExactBytesPerLayer) {
   EXPECT_EQ(nlohmann::json::parse(p.to_json()).size(), 4u);
 }
 
+// Layers that do the same work (the same module, as it prints, on the same
+// bytes) are timed as one: each takes the median of all their runs, so timing
+// noise cannot rank them, and a schedule over them does not follow it.
+TEST_F(Profile, LayersThatDoTheSameWorkTakeOneTime) {
+  torch::nn::Sequential chain(torch::nn::Linear(32, 32), torch::nn::Tanh(), torch::nn::Linear(32, 32), torch::nn::Tanh(),
+                              torch::nn::Linear(32, 32), torch::nn::Tanh(), torch::nn::Linear(32, 8));
+  const auto p = profile_chain(chain, torch::randn({64, 32}), ProfileOptions().repeats(5));
+  ASSERT_EQ(p.layers.size(), 7u);
+  for (size_t i : {2u, 4u}) {
+    EXPECT_EQ(p.layers[i].forward_seconds, p.layers[0].forward_seconds) << "Linear(32, 32) " << i;
+    EXPECT_EQ(p.layers[i].backward_seconds, p.layers[0].backward_seconds) << "Linear(32, 32) " << i;
+  }
+  for (size_t i : {3u, 5u}) {
+    EXPECT_EQ(p.layers[i].forward_seconds, p.layers[1].forward_seconds) << "Tanh " << i;
+    EXPECT_EQ(p.layers[i].backward_seconds, p.layers[1].backward_seconds) << "Tanh " << i;
+  }
+  for (const auto& l : p.layers) EXPECT_GT(l.forward_seconds, 0.0);
+  EXPECT_EQ(p.layers[6].output_bytes, 64 * 8 * 4) << "the head, other work, keeps its own";
+}
+
 // The bytes a chain's own forward with grad keeps (its output included).
 int64_t kept_by_forward(torch::nn::Sequential& chain, const torch::Tensor& input) {
   const auto leaf = input.detach().requires_grad_(true);

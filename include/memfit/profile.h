@@ -43,8 +43,11 @@ struct LayerProfile {
   /// and temporaries; parameter gradients excluded).
   int64_t backward_overhead_bytes = 0;
   int64_t parameter_bytes = 0;     ///< Bytes of its parameters.
-  double forward_seconds = 0;      ///< Median forward time.
-  double backward_seconds = 0;     ///< Median backward time (input and parameter gradients).
+  /// Median forward time, over its timed runs and those of every layer of
+  /// the chain that does the same work (the same module, as it prints, on
+  /// the same bytes): noise cannot set such layers apart.
+  double forward_seconds = 0;
+  double backward_seconds = 0;     ///< Median backward time (input and parameter gradients), likewise.
   bool in_place = false;           ///< Whether its output shares its input's storage.
   /// Whether, in the chain, its input is let go of once it has run: neither
   /// it nor the layer before keeps that tensor for backward (a Linear's
