@@ -26,17 +26,14 @@
 
 #include "memfit/memory.h"
 #include "memfit/precision.h"
-#include "memfit/profile.h"
 #include "memfit/schedule.h"
 #include "memfit/trainer.h"
 
 #include <torch/arg.h>
-#include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <optional>
 #include <string>
 #include <utility>
