@@ -280,7 +280,8 @@ inline double fastest_seconds(const std::vector<Ranked>& candidates, bool with_e
 
 // What a plan does, in the order a tie is settled: recomputation, then
 // offload, then micro-batches (less of each first), then a precision below
-// fp32 (fp32 first: it keeps the math, and on a CPU it is the faster).
+// fp32 (fp32 first: it keeps the math; which is faster depends on the device,
+// and a tie or a busy machine's choice has no times to say).
 inline std::tuple<int, int, int64_t, int> work(const Ranked& c) {
   return std::make_tuple(c.recomputes, c.offload, c.micro_batches, c.lower_precision);
 }

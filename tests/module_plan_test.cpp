@@ -11,12 +11,14 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -585,18 +587,16 @@ TEST_F(ModulePlanTest, TheChosenPlanRanUnderTheBudgetBeforeItWasReturnedUnlessVe
   EXPECT_TRUE(unverified.timed.empty()) << "nothing is timed without verification";
 }
 
-// A user's block that is slow in bf16, as a CPU without bf16 units is (in
-// bf16 it computes its product five times more, the extra ones without a
-// graph): its bf16 plans are predicted and measured slower than its fp32 ones,
-// checkpointed or not, so the fastest prediction is fp32 wherever fp32 fits.
+// A user's block that is slow in bf16, as a CPU without bf16 units is, and
+// deterministically so: in bf16 its forward also waits a millisecond, several
+// times the whole fp32 step of the module below. Its bf16 plans are predicted
+// and measured slower than its fp32 ones, checkpointed or not, so the fastest
+// prediction is fp32 wherever fp32 fits.
 struct SlowHalfBlockImpl : torch::nn::Module {
   explicit SlowHalfBlockImpl(int64_t width) : fc(register_module("fc", torch::nn::Linear(width, width))) {}
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = fc->forward(x);
-    if (h.scalar_type() == torch::kBFloat16) {
-      torch::NoGradGuard extra;
-      for (int i = 0; i < 4; ++i) h.add_(fc->forward(x), 0);
-    }
+    if (h.scalar_type() == torch::kBFloat16) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     return torch::tanh(h);
   }
   torch::nn::Linear fc;
