@@ -1067,6 +1067,47 @@ std::optional<Candidate> within_reserved(const ModuleStepModel& model, const Mod
   return chosen;
 }
 
+// The plan with its steps run under the budget (PlanOptions::verify): the
+// candidate named `first` where there is one (a busy machine's choice that
+// was not timed), then the best of `fitting` by prediction. A candidate whose
+// steps overrun the budget scales every later prediction by how far it was
+// off, and the plan says so; kVerifyAttempts run in all. Without verify the
+// first is returned unrun. nullopt: none ran within the budget.
+std::optional<Candidate> verified_choice(const ModuleStepModel& model, const ModuleStepModel::Impl& im,
+                                         std::vector<Candidate> fitting, const std::optional<std::string>& first,
+                                         int64_t batch, int64_t budget, int64_t limit, ModulePlan& out) {
+  double correction = 1.0;
+  bool first_tried = !first.has_value();
+  for (int attempts = 0; !fitting.empty() && attempts < kVerifyAttempts;) {
+    auto it = fitting.end();
+    if (!first_tried) {
+      it = std::find_if(fitting.begin(), fitting.end(), [&](const Candidate& c) {
+        return candidate_text(c.settings, c.schedules, batch, out.chains) == *first;
+      });
+      first_tried = true;
+    }
+    if (it == fitting.end()) it = best_fitting(fitting, correction, limit);  // still fits after the correction
+    if (it == fitting.end()) break;
+    const Candidate c = *it;
+    fitting.erase(it);
+    if (!model.options().verify()) return c;
+    ++attempts;
+    const int64_t measured = run_plan(model, im, c.settings, c.schedules, batch, budget).peak_bytes;
+    if (measured >= 0 && measured <= budget) {
+      out.measured_peak_bytes = measured;
+      return c;
+    }
+    correction = std::max(correction * 1.01, double(measured >= 0 ? measured : budget) /
+                                                 double(c.predicted.peak_bytes) * (measured >= 0 ? 1.0 : 1.02));
+    out.why.push_back(fmt::format("{} with checkpoint {}: predicted {}, but its steps {}",
+                                  detail::settings_text(c.settings, batch), schedules_text(out.chains, c.schedules),
+                                  format_bytes(c.predicted.peak_bytes),
+                                  measured >= 0 ? "peaked at " + format_bytes(measured)
+                                                : std::string("ran out of memory under the budget")));
+  }
+  return std::nullopt;
+}
+
 } // namespace
 
 ModulePlan plan(const ModuleStepModel& model, int64_t budget) { return plan(model, budget, model.sample_examples()); }
@@ -1115,9 +1156,6 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget, int64_t batch) {
                                 chains.size(), chains.empty() ? "none" : schedules_text(out.chains, {})));
   out.why.push_back(fmt::format("plain step of {}: predicted peak {}, {:.4f} s", batch,
                                 format_bytes(plain.peak_bytes), plain.seconds));
-  // Verified best first: a candidate whose real steps overrun the budget
-  // scales every later prediction by how far it was off.
-  double correction = 1.0;
   std::optional<Candidate> best;
   if (o.verify() && o.measure_candidates() > 0 && !found.fitting.empty()) {
     double room = 1.0;
@@ -1125,43 +1163,12 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget, int64_t batch) {
     if (room < 1.0) best = within_reserved(model, *model.impl_, batch, budget, micro_batching, room, best, out);
   }
   // On a busy machine the choice is what the plans do, among all predicted to
-  // fit (detail::choose_measured): one that was not timed runs its steps
-  // under the budget first, as those timed did, before any other.
-  std::optional<std::string> untimed;
-  if (best && out.measured_peak_bytes == 0) {
-    untimed = candidate_text(best->settings, best->schedules, batch, out.chains);
-    best.reset();
-  }
-  for (int attempts = 0; !found.fitting.empty() && !best && attempts < kVerifyAttempts;) {
-    auto it = found.fitting.end();
-    if (untimed) {
-      it = std::find_if(found.fitting.begin(), found.fitting.end(), [&](const Candidate& c) {
-        return candidate_text(c.settings, c.schedules, batch, out.chains) == *untimed;
-      });
-      untimed.reset();
-    }
-    if (it == found.fitting.end()) it = best_fitting(found.fitting, correction, limit);  // still fits after the correction
-    if (it == found.fitting.end()) break;
-    const Candidate c = *it;
-    found.fitting.erase(it);
-    if (!o.verify()) {
-      best = c;
-      break;
-    }
-    ++attempts;
-    const int64_t measured = run_plan(model, *model.impl_, c.settings, c.schedules, batch, budget).peak_bytes;
-    if (measured >= 0 && measured <= budget) {
-      best = c;
-      out.measured_peak_bytes = measured;
-    } else {
-      correction = std::max(correction * 1.01, double(measured >= 0 ? measured : budget) /
-                                                   double(c.predicted.peak_bytes) * (measured >= 0 ? 1.0 : 1.02));
-      out.why.push_back(fmt::format("{} with checkpoint {}: predicted {}, but its steps {}",
-                                    detail::settings_text(c.settings, batch), schedules_text(out.chains, c.schedules),
-                                    format_bytes(c.predicted.peak_bytes),
-                                    measured >= 0 ? "peaked at " + format_bytes(measured)
-                                                  : std::string("ran out of memory under the budget")));
-    }
+  // fit (detail::choose_measured), and it may not have been timed: its steps
+  // run under the budget as those timed did, before any other's.
+  if (!best || out.measured_peak_bytes == 0) {
+    const auto first = best ? std::optional<std::string>(candidate_text(best->settings, best->schedules, batch, out.chains))
+                            : std::nullopt;
+    best = verified_choice(model, *model.impl_, std::move(found.fitting), first, batch, budget, limit, out);
   }
   TORCH_CHECK(best.has_value(), "plan: nothing fits ", format_bytes(budget), " (", format_bytes(limit),
               " after PlanOptions::margin) for a batch of ", batch, ": tried micro-batches of ", batch, " down to ",
