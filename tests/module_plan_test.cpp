@@ -96,11 +96,14 @@ struct ScoresBlockImpl : torch::nn::Module, memfit::SelectivelyRecomputed {
 };
 TORCH_MODULE(ScoresBlock);
 
-struct ScoresNetImpl : torch::nn::Module {
-  ScoresNetImpl(int64_t width, int64_t depth) {
+// A user's module of `depth` `Block`s of `width` features: an input layer,
+// the blocks as a chain, a head of 5 classes.
+template <class Block>
+struct BlocksNetImpl : torch::nn::Module {
+  BlocksNetImpl(int64_t width, int64_t depth) {
     in = register_module("in", torch::nn::Linear(16, width));
     torch::nn::Sequential blocks;
-    for (int64_t i = 0; i < depth; ++i) blocks->push_back(ScoresBlock(width));
+    for (int64_t i = 0; i < depth; ++i) blocks->push_back(Block(width));
     body = register_module("body", memfit::CheckpointedSequential(blocks));
     head = register_module("head", torch::nn::Linear(width, 5));
   }
@@ -108,7 +111,8 @@ struct ScoresNetImpl : torch::nn::Module {
   torch::nn::Linear in{nullptr}, head{nullptr};
   memfit::CheckpointedSequential body{nullptr};
 };
-TORCH_MODULE(ScoresNet);
+using ScoresNetImpl = BlocksNetImpl<ScoresBlock>;
+using ScoresNet = torch::nn::ModuleHolder<ScoresNetImpl>;
 torch::Tensor scores_loss(ScoresNetImpl& net, const torch::data::Example<>& b) { return cross_entropy_of(net, b); }
 
 // A user's block whose output is a transposed copy: at a micro-batch of 1
@@ -603,19 +607,8 @@ struct SlowHalfBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(SlowHalfBlock);
 
-struct SlowHalfNetImpl : torch::nn::Module {
-  SlowHalfNetImpl(int64_t width, int64_t depth) {
-    in = register_module("in", torch::nn::Linear(16, width));
-    torch::nn::Sequential blocks;
-    for (int64_t i = 0; i < depth; ++i) blocks->push_back(SlowHalfBlock(width));
-    body = register_module("body", memfit::CheckpointedSequential(blocks));
-    head = register_module("head", torch::nn::Linear(width, 5));
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return head->forward(body->forward(in->forward(x))); }
-  torch::nn::Linear in{nullptr}, head{nullptr};
-  memfit::CheckpointedSequential body{nullptr};
-};
-TORCH_MODULE(SlowHalfNet);
+using SlowHalfNetImpl = BlocksNetImpl<SlowHalfBlock>;
+using SlowHalfNet = torch::nn::ModuleHolder<SlowHalfNetImpl>;
 torch::Tensor slow_half_loss(SlowHalfNetImpl& net, const torch::data::Example<>& b) { return cross_entropy_of(net, b); }
 
 bool recomputes_any(const memfit::ModulePlan& p) {
