@@ -197,6 +197,11 @@ inline std::string settings_text(const StepSettings& s, int64_t batch) {
 // peak: micro-batches of 64 with a checkpoint predicted 2% slower than
 // micro-batches of 32 without, measured 7.6% slower side by side).
 constexpr double kTimeTie = 0.03;
+// Variants of one micro-batch size predicted this close to their group's
+// fastest are all timed (to_time): twice the tie band, so that whether the
+// prediction puts them within kTimeTie of each other does not decide which
+// of them runs.
+constexpr double kTimedVariants = 2 * kTimeTie;
 
 // Chain schedules as JSON that gives them back exactly (what a ModulePlan
 // adds to broadcast_plan's wire), and back.
@@ -319,38 +324,65 @@ inline std::string edge_chosen_text(int64_t predicted_peak, int64_t limit, const
                      format_bytes(predicted_peak), format_bytes(limit), 100 * o.margin(), format_bytes(measured_peak));
 }
 
-// Which of `candidates` to time with real steps (PlanOptions::measure_candidates):
-// choose()'s pick, then the pick of each group (group[i]: candidate i's
-// micro-batch and precision, edge ones apart), those predicted within
-// (1 + within) × the fastest prediction, fastest predicted first, at most
-// `count` of them.
+// Which of `candidates` to time with real steps (PlanOptions::measure_candidates),
+// at most `count` of them, in this order:
+// - choose()'s pick, then the other members of its group (group[i]: candidate
+//   i's micro-batch and precision, edge ones apart) predicted within
+//   kTimedVariants of the group's fastest: the prediction cannot tell them
+//   apart, so which of them it puts first would follow the profile's noise;
+// - each other group's pick among those predicted within (1 + within) × the
+//   fastest prediction, fastest predicted first (predictions err most across
+//   micro-batch sizes);
+// - then those groups' own close variants, in the same order.
 inline std::vector<size_t> to_time(const std::vector<Ranked>& candidates, const std::vector<int64_t>& group,
                                    double within, int64_t count) {
-  std::vector<size_t> picks;
-  if (candidates.empty() || count <= 0) return picks;
+  std::vector<size_t> order;
+  if (candidates.empty() || count <= 0) return order;
+  const auto by_prediction = [&](size_t a, size_t b) {
+    return std::make_pair(candidates[a].seconds, a) < std::make_pair(candidates[b].seconds, b);
+  };
   std::map<int64_t, std::vector<size_t>> members;
   for (size_t i = 0; i < candidates.size(); ++i) members[group[i]].push_back(i);
+  std::vector<size_t> picks;
+  std::map<size_t, std::vector<size_t>> close;  // a group's pick: its group's others within kTimedVariants
   for (const auto& [g, at] : members) {
     std::vector<Ranked> sub;
     for (size_t i : at) {
       sub.push_back(candidates[i]);
       sub.back().edge = false;  // an edge group's own pick is timed like any other
     }
-    picks.push_back(at[static_cast<size_t>(choose(sub))]);
+    const size_t pick = at[static_cast<size_t>(choose(sub))];
+    picks.push_back(pick);
+    const double group_fastest = fastest_seconds(sub, /*with_edges=*/true);
+    for (size_t i : at) {
+      if (i != pick && candidates[i].seconds <= group_fastest * (1 + kTimedVariants)) close[pick].push_back(i);
+    }
+    std::sort(close[pick].begin(), close[pick].end(), by_prediction);
   }
   const double fastest = fastest_seconds(candidates, /*with_edges=*/true);
   picks.erase(std::remove_if(picks.begin(), picks.end(),
                              [&](size_t i) { return candidates[i].seconds > fastest * (1 + within); }),
               picks.end());
-  std::sort(picks.begin(), picks.end(), [&](size_t a, size_t b) {
-    return std::make_pair(candidates[a].seconds, a) < std::make_pair(candidates[b].seconds, b);
-  });
+  std::sort(picks.begin(), picks.end(), by_prediction);
+  const auto add = [&](size_t i) {
+    if (std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
+  };
   if (const int64_t predicted = choose(candidates); predicted >= 0) {
-    picks.erase(std::remove(picks.begin(), picks.end(), static_cast<size_t>(predicted)), picks.end());
-    picks.insert(picks.begin(), static_cast<size_t>(predicted));
+    add(static_cast<size_t>(predicted));
+    const auto own = std::find_if(picks.begin(), picks.end(), [&](size_t p) {
+      return group[p] == group[static_cast<size_t>(predicted)];
+    });
+    if (own != picks.end()) {
+      add(*own);
+      for (size_t i : close[*own]) add(i);
+    }
   }
-  if (static_cast<int64_t>(picks.size()) > count) picks.resize(static_cast<size_t>(count));
-  return picks;
+  for (size_t p : picks) add(p);
+  for (size_t p : picks) {
+    for (size_t i : close[p]) add(i);
+  }
+  if (static_cast<int64_t>(order.size()) > count) order.resize(static_cast<size_t>(count));
+  return order;
 }
 
 // The group of a candidate with `s` for to_time: its micro-batch and

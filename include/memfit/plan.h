@@ -109,8 +109,10 @@ struct PlanOptions {
   /// one (see measure_candidates), and the chosen plan's where none was timed.
   TORCH_ARG(bool, verify) = true;
   /// How many candidates plan() times with real steps before choosing, as
-  /// autotuners do (with verify): the fastest predicted of each
-  /// micro-batch and precision, fastest predicted first, and only those
+  /// autotuners do (with verify): the prediction's choice and the
+  /// variants of its micro-batch and precision predicted within 6% of them,
+  /// then the fastest predicted of each other micro-batch and precision,
+  /// fastest predicted first, then their variants within 6%; only those
   /// within measure_within of the fastest prediction. The measured fastest
   /// is chosen (times within 3% of it are a tie, settled as predictions'
   /// are). On a busy machine (other processes leave fewer free cores than
