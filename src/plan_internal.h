@@ -329,7 +329,10 @@ inline std::string edge_chosen_text(int64_t predicted_peak, int64_t limit, const
 // - choose()'s pick, then the other members of its group (group[i]: candidate
 //   i's micro-batch and precision, edge ones apart) predicted within
 //   kTimedVariants of the group's fastest: the prediction cannot tell them
-//   apart, so which of them it puts first would follow the profile's noise;
+//   apart, so which of them it puts first would follow the profile's noise
+//   (of a family, Ranked::family, only the one that offloads least, and
+//   none that offloads more than the pick: they only add copies to its step,
+//   see offload_adds_copies);
 // - each other group's pick among those predicted within (1 + within) × the
 //   fastest prediction, fastest predicted first (predictions err most across
 //   micro-batch sizes);
@@ -354,8 +357,16 @@ inline std::vector<size_t> to_time(const std::vector<Ranked>& candidates, const 
     const size_t pick = at[static_cast<size_t>(choose(sub))];
     picks.push_back(pick);
     const double group_fastest = fastest_seconds(sub, /*with_edges=*/true);
-    for (size_t i : at) {
-      if (i != pick && candidates[i].seconds <= group_fastest * (1 + kTimedVariants)) close[pick].push_back(i);
+    std::vector<size_t> by_offload = at;  // one variant per family: the one that offloads least
+    std::stable_sort(by_offload.begin(), by_offload.end(),
+                     [&](size_t a, size_t b) { return candidates[a].offload < candidates[b].offload; });
+    std::vector<int64_t> families;
+    for (size_t i : by_offload) {
+      const int64_t f = candidates[i].family;
+      if (i != pick && candidates[i].seconds > group_fastest * (1 + kTimedVariants)) continue;
+      if (f >= 0 && std::find(families.begin(), families.end(), f) != families.end()) continue;
+      families.push_back(f);
+      if (i != pick) close[pick].push_back(i);
     }
     std::sort(close[pick].begin(), close[pick].end(), by_prediction);
   }

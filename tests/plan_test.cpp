@@ -291,6 +291,16 @@ TEST(PlanChoice, VariantsOfOneMicroBatchThatThePredictionCannotTellApartAreAllTi
   const std::vector<detail::Ranked> apart = {candidate(0.160, 1, 0, 8), candidate(0.150, 1, 1, 8),
                                              candidate(0.152, 1, 1, 4)};
   EXPECT_EQ(detail::to_time(apart, {16, 16, 32}, 1.0, 4), (std::vector<size_t>{2, 1}));
+  // Of one family (one step, more or fewer copies) only the variant that
+  // offloads least is timed: the others' steps only add copies to it.
+  auto family = [](detail::Ranked r, int64_t f) {
+    r.family = f;
+    return r;
+  };
+  EXPECT_EQ(detail::to_time({family(candidate(0.150, 1, 0, 8), 0), family(candidate(0.149, 1, 1, 8), 0),
+                             family(candidate(0.151, 1, 1, 8), 1)},
+                            {16, 16, 16}, 1.0, 4),
+            (std::vector<size_t>{0, 2}));
   // The cap holds: the prediction's pick and its tied variant come first.
   EXPECT_EQ(detail::to_time({candidate(0.150, 1, 0, 8), candidate(0.149, 1, 1, 8), candidate(0.152, 1, 1, 4)},
                             {16, 16, 32}, 1.0, 2),
