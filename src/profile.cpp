@@ -14,8 +14,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -183,15 +185,16 @@ std::string work_key(const torch::nn::Module& module, const LayerProfile& l) {
 void same_work_same_time(ChainProfile& p, const std::vector<std::string>& work,
                          const std::vector<std::vector<double>>& fwds, const std::vector<std::vector<double>>& bwds) {
   TORCH_INTERNAL_ASSERT(work.size() == p.layers.size() && fwds.size() == work.size() && bwds.size() == work.size());
+  std::map<std::string, std::pair<std::vector<double>, std::vector<double>>> runs;  // each key's forward, backward runs
   for (size_t i = 0; i < work.size(); ++i) {
-    std::vector<double> fwd, bwd;
-    for (size_t j = 0; j < work.size(); ++j) {
-      if (work[j] != work[i]) continue;
-      fwd.insert(fwd.end(), fwds[j].begin(), fwds[j].end());
-      bwd.insert(bwd.end(), bwds[j].begin(), bwds[j].end());
-    }
-    p.layers[i].forward_seconds = median(fwd);
-    p.layers[i].backward_seconds = median(bwd);
+    auto& [fwd, bwd] = runs[work[i]];
+    fwd.insert(fwd.end(), fwds[i].begin(), fwds[i].end());
+    bwd.insert(bwd.end(), bwds[i].begin(), bwds[i].end());
+  }
+  std::map<std::string, std::pair<double, double>> medians;
+  for (const auto& [key, run] : runs) medians[key] = {median(run.first), median(run.second)};
+  for (size_t i = 0; i < work.size(); ++i) {
+    std::tie(p.layers[i].forward_seconds, p.layers[i].backward_seconds) = medians.at(work[i]);
   }
 }
 
@@ -214,7 +217,7 @@ ChainProfile profile_chain(const torch::nn::Sequential& chain, const torch::Tens
     rng = compat::get_rng_state({});
   }
   ChainProfile profile;
-  std::vector<std::string> work;               // what each layer does: same_work's key
+  std::vector<std::string> work;               // what each layer does: its work_key
   std::vector<std::vector<double>> fwds, bwds;  // each layer's timed runs
   if (device.is_cuda()) profile.workspace_bytes = warm_up(chain, modules, sample_input);
   torch::Tensor x = sample_input.detach();
