@@ -7,7 +7,7 @@
 // allocator, side by side.
 //
 //   lib = ctypes.CDLL("build/bench/libmemfit_tax.so")
-//   lib.memfit_tax_setup(b"cnn", batch, micro, 0, 0, 0, 0, 0, b"", b"cpu")   # 0: whole batches
+//   lib.memfit_tax_setup(b"cnn", batch, micro, 0, 0, 0, 0, 0, b"", b"cpu", b"fp32")   # 0: whole batches
 //   lib.memfit_tax_set_data(...); lib.memfit_tax_set_parameter(i, ptr, numel) ...
 //   loss = lib.memfit_tax_step(0, 1 or 2, step)   # the loop, the Trainer, the Trainer on TorchScript
 //
@@ -24,6 +24,7 @@
 #include "memfit/compat.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
+#include "memfit/precision.h"
 #include "memfit/trainer.h"
 
 #include <torch/torch.h>
@@ -34,6 +35,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 
 namespace {
 
@@ -41,6 +43,7 @@ struct Tax {
   torch::Device device{torch::kCPU};
   int64_t batch = 0;
   int64_t micro = 0;
+  memfit::Precision precision = memfit::Precision::kFP32;  // the forwards' autocast (bf16: every side alike)
   torch::Tensor inputs, targets;
   torch::nn::Sequential loop_model{nullptr};
   std::unique_ptr<torch::optim::Adam> loop_optimizer;
@@ -83,9 +86,13 @@ torch::nn::Sequential make(const std::string& kind, int64_t vocab, int64_t width
       memfit::ModelOptions().num_classes(vocab).width(width).depth(depth).heads(heads).context(context));
 }
 
+// The loss in fp32 outside autocast, as the Trainer and bench/peers.py take it.
 torch::Tensor loss_of(const torch::Tensor& out, const torch::Tensor& y) {
-  if (out.dim() > 2) return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
-  return torch::nn::functional::cross_entropy(out, y);
+  const auto logits = out.to(torch::kFloat);
+  if (logits.dim() > 2) {
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+  }
+  return torch::nn::functional::cross_entropy(logits, y);
 }
 
 // The hand-written loop: what a LibTorch user writes for accumulation.
@@ -96,7 +103,12 @@ double loop_step(Tax& t, const torch::Tensor& host_x, const torch::Tensor& host_
   double total = 0;
   for (int64_t start = 0; start < t.batch; start += m) {
     const int64_t len = std::min(m, t.batch - start);
-    auto loss = loss_of(t.loop_model->forward(x.narrow(0, start, len)), y.narrow(0, start, len));
+    torch::Tensor out;
+    {
+      memfit::AutocastGuard autocast(t.device, t.precision);  // a user's at::autocast calls, scoped
+      out = t.loop_model->forward(x.narrow(0, start, len));
+    }
+    auto loss = loss_of(std::exchange(out, torch::Tensor()), y.narrow(0, start, len));  // the output dies here
     if (len != t.batch) loss = loss * (double(len) / double(t.batch));
     total += loss.item<double>();
     loss.backward();
@@ -120,22 +132,26 @@ const char* memfit_tax_error() { return last_error.c_str(); }
 /// Builds the C++ sides (model "cnn" or "gpt"; the GPT's sizes from the
 /// arguments; with `script` a TorchScript file of the same model, a third
 /// side: the Trainer on load_torchscript's chain); micro 0 runs whole
-/// batches; `device` is "cpu" or "cuda". Returns 0, or -1.
+/// batches; `device` is "cpu" or "cuda"; `precision` "fp32" or "bf16" (the
+/// forwards under autocast). Returns 0, or -1.
 int memfit_tax_setup(const char* model, int64_t batch, int64_t micro, int64_t vocab, int64_t width, int64_t depth,
-                     int64_t heads, int64_t context, const char* script, const char* device) {
+                     int64_t heads, int64_t context, const char* script, const char* device, const char* precision) {
   return guarded(
       [&] {
         auto t = std::make_unique<Tax>();
         t->device = torch::Device(device);
         t->batch = batch;
         t->micro = micro;
+        t->precision = memfit::parse_precision(precision);
+        TORCH_CHECK(t->precision != memfit::Precision::kFP16, "memfit_tax_setup: precision fp32 or bf16, got fp16");
         t->loop_model = make(model, vocab, width, depth, heads, context);
         t->loop_model->to(t->device);
         t->loop_optimizer = std::make_unique<torch::optim::Adam>(t->loop_model->parameters(),
                                                                  torch::optim::AdamOptions(1e-3));
         t->trainer_model = make(model, vocab, width, depth, heads, context);
         const auto options =
-            memfit::TrainerOptions().batch_size(batch).micro_batch_size(micro).lr(1e-3).device(t->device);
+            memfit::TrainerOptions().batch_size(batch).micro_batch_size(micro).lr(1e-3).device(t->device).precision(
+                t->precision);
         t->trainer = std::make_unique<memfit::Trainer>(t->trainer_model, options);
         if (script != nullptr && *script != 0) {
           t->script_model = memfit::load_torchscript(script);

@@ -18,6 +18,11 @@ side, in turn, in a rotating order:
            torch.jit.script of its model: what bench/peers.py and a user
            with a scripted model hand memfit.
 
+With --precision fp32,bf16 (the default) each configuration runs in fp32 and
+again with every side's forwards under bf16 autocast and the loss in fp32
+(the Trainer's TrainerOptions::precision(kBF16), the loop's AutocastGuard,
+Python's torch.autocast), as bench/peers.py's bf16 runs take it.
+
 Reported per configuration (whole batches, then micro-batches): each side's
 median step time, its step peak, its losses (equal when the math is), and the
 ratios trainer/loop, trainer/python and loop/python, each as the median of the
@@ -32,7 +37,7 @@ losses may part by rounding, and are reported, not required equal.
 
 Usage (after `make`; against the pip torch, its venv's python and build-pip):
   /usr/bin/python3 bench/tax.py [--model cnn|gpt|both] [--rounds 30] [--threads 2] [--build build]
-                                [--device cuda] [--gpt-size W,D,H,C] [--gpt-batch 16]
+                                [--device cuda] [--gpt-size W,D,H,C] [--gpt-batch 16] [--precision fp32,bf16]
 """
 import argparse
 import ctypes
@@ -52,12 +57,14 @@ SIDES = ("python", "loop", "trainer", "script")
 BATCHES = 4  # distinct batches, cycled
 
 
-def python_step(model, opt, x, y, micro):
+def python_step(model, opt, x, y, micro, low):
     x, y = x.to(peers.DEVICE), y.to(peers.DEVICE)
     k = 1 if micro == 0 else len(x) // micro
     total = 0.0
     for xs, ys in zip(x.chunk(k), y.chunk(k)):
-        loss = loss_of(model(xs), ys)
+        with torch.autocast(peers.DEVICE.type, dtype=torch.bfloat16, enabled=low):
+            out = model(xs)
+        loss = loss_of(out, ys)
         if k > 1:
             loss = loss * (len(xs) / len(x))
         total += float(loss)
@@ -70,7 +77,7 @@ def python_step(model, opt, x, y, micro):
 def load(lib_path):
     lib = ctypes.CDLL(lib_path)
     lib.memfit_tax_error.restype = ctypes.c_char_p
-    lib.memfit_tax_setup.argtypes = [ctypes.c_char_p] + [ctypes.c_int64] * 7 + [ctypes.c_char_p, ctypes.c_char_p]
+    lib.memfit_tax_setup.argtypes = [ctypes.c_char_p] + [ctypes.c_int64] * 7 + [ctypes.c_char_p] * 3
     lib.memfit_tax_set_data.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
                                         ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
     lib.memfit_tax_parameter_count.restype = ctypes.c_int64
@@ -91,7 +98,7 @@ def shape_of(t):
     return (ctypes.c_int64 * t.dim())(*t.shape), t.dim()
 
 
-def setup(lib, kind, batch, micro, script):
+def setup(lib, kind, batch, micro, script, precision):
     """The Python side's model, optimizer and data; the C++ sides get copies of all three."""
     if kind == "gpt":
         inputs, targets, vocab = read_jargon(GPT["context"], batch * BATCHES)
@@ -110,7 +117,7 @@ def setup(lib, kind, batch, micro, script):
     if kind == "cnn":
         torch.jit.script(model).save(script)
     check(lib, lib.memfit_tax_setup(kind.encode(), batch, micro, *sizes, script.encode() if kind == "cnn" else b"",
-                                    str(peers.DEVICE).encode()), "setup")
+                                    str(peers.DEVICE).encode(), precision.encode()), "setup")
     s, d = shape_of(inputs)
     ts, td = shape_of(targets)
     check(lib, lib.memfit_tax_set_data(inputs.data_ptr(), int(not inputs.is_floating_point()), s, d,
@@ -125,15 +132,15 @@ def setup(lib, kind, batch, micro, script):
     return model, torch.optim.Adam(model.parameters(), lr=1e-3), inputs, targets
 
 
-def measure(lib, kind, batch, micro, rounds, script):
-    model, opt, inputs, targets = setup(lib, kind, batch, micro, script)
+def measure(lib, kind, batch, micro, rounds, script, precision):
+    model, opt, inputs, targets = setup(lib, kind, batch, micro, script, precision)
     sides = SIDES if kind == "cnn" else SIDES[:3]
 
     def step(side, s):
         if side == "python":
             i = s % BATCHES
             return python_step(model, opt, inputs[i * batch:(i + 1) * batch], targets[i * batch:(i + 1) * batch],
-                               micro)
+                               micro, precision == "bf16")
         return lib.memfit_tax_step(SIDES.index(side) - 1, s)
 
     times = {side: [] for side in sides}
@@ -169,19 +176,22 @@ def spread(values):
     return statistics.median(v), at(0.1), at(0.9)
 
 
-def report(kind, batch, micro, times, peaks, losses):
+def report(kind, batch, micro, precision, times, peaks, losses):
     m = {side: statistics.median(times[side]) for side in times}
-    how = "whole batches" if micro == 0 else f"{batch // micro} micro-batches of {micro}"
+    how = ("whole batches" if micro == 0 else f"{batch // micro} micro-batches of {micro}") + \
+        (", bf16 autocast" if precision == "bf16" else "")
     ratios = []
     for a, b in (("trainer", "loop"), ("trainer", "python"), ("loop", "python"), ("script", "trainer")):
         r = spread([x / y for x, y in zip(times[a], times[b])]) if a in times else None
         ratios.append(f"{r[0]:.3f} ({r[1]:.3f}–{r[2]:.3f})" if r else "")
-    drift = max(abs(losses["trainer"][i] - losses[s][i]) for s in losses for i in range(len(losses[s])))
+    def drift(sides):
+        return max(abs(losses["trainer"][i] - losses[s][i]) for s in sides for i in range(len(losses[s])))
+    cpp, python = drift([s for s in losses if s != "python"]), drift(["python"])
     cells = " | ".join(f"{1e3 * m[s]:.1f} ms" if s in m else "" for s in SIDES)
     print(f"| {kind} | {batch}, {how} | {cells} | {' | '.join(ratios)} | "
-          f"{', '.join(mib(peaks[s]) for s in peaks)} | {drift:.1e} |")
+          f"{', '.join(mib(peaks[s]) for s in peaks)} | {cpp:.1e} | {python:.1e} |")
     sys.stdout.flush()
-    return drift
+    return cpp, python if precision == "fp32" else 0.0
 
 
 def main():
@@ -193,12 +203,17 @@ def main():
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--gpt-size", metavar="W,D,H,C", help="the GPT's width, depth, heads and context")
     p.add_argument("--gpt-batch", type=int, default=16, help="the GPT's batch (micro-batches of half of it)")
+    p.add_argument("--precision", default="fp32,bf16",
+                   help="comma-separated: fp32, bf16 (every side's forwards under bf16 autocast, the loss in fp32)")
     a = p.parse_args()
     peers.DEVICE = torch.device(a.device)
     if a.gpt_size:
         set_gpt_size(a.gpt_size, "tax.py")
     if a.rounds < 1 or a.threads < 1:
         sys.exit("tax.py: --rounds and --threads must be positive")
+    precisions = a.precision.split(",")
+    if not precisions or any(x not in ("fp32", "bf16") for x in precisions):
+        sys.exit(f"tax.py: --precision {a.precision}: expected fp32, bf16 or fp32,bf16")
     lib_path = os.path.join(a.build, "bench", "libmemfit_tax.so")
     if not os.path.exists(lib_path):
         sys.exit(f"tax.py: {lib_path} is missing: build memfit's benchmarks first (make)")
@@ -213,20 +228,26 @@ def main():
           f"BLAS: {blas}; Adam (lr 1e-3); {a.rounds} rounds of one step per side in rotating order after 2 "
           f"warm-up rounds; time: median step; ratios: median of the per-round ratios (10th–90th percentile); "
           f"peak: the step's peak above what is held before it, memfit's meter; loss drift: the largest "
-          f"difference between the Trainer's loss and another side's at the same step.\n")
+          f"difference between the Trainer's loss and the other C++ sides' (loop, script), and Python's, at the "
+          f"same step. Under bf16 autocast Python's may part from the C++ sides' by rounding: LibTorch's C++ "
+          f"nn::Linear on inputs of more than 2 dimensions adds its fp32 bias to the bf16 product after "
+          f"the matmul, where Python's aten::linear adds it rounded to bf16 (the GPT; the CNN's Linear takes "
+          f"2-D inputs).\n")
     print("| model | batch | python | loop | trainer | script | trainer ÷ loop | trainer ÷ python | loop ÷ python "
-          "| script ÷ trainer | step peaks (python, loop, trainer[, script]) | loss drift |")
-    print("|---|---|---:|---:|---:|---:|---|---|---|---|---|---:|")
+          "| script ÷ trainer | step peaks (python, loop, trainer[, script]) | loss drift, C++ | loss drift, Python |")
+    print("|---|---|---:|---:|---:|---:|---|---|---|---|---|---:|---:|")
     configs = []
-    if a.model in ("cnn", "both"):
-        configs += [("cnn", 128, 0), ("cnn", 128, 64)]
-    if a.model in ("gpt", "both"):
-        configs += [("gpt", a.gpt_batch, 0), ("gpt", a.gpt_batch, a.gpt_batch // 2)]
-    drift = 0.0
+    for precision in precisions:
+        if a.model in ("cnn", "both"):
+            configs += [("cnn", 128, 0, precision), ("cnn", 128, 64, precision)]
+        if a.model in ("gpt", "both"):
+            configs += [("gpt", a.gpt_batch, 0, precision), ("gpt", a.gpt_batch, a.gpt_batch // 2, precision)]
+    drift = 0.0  # where the sides must agree: the C++ ones always, Python's in fp32
     with tempfile.TemporaryDirectory() as tmp:
-        for kind, batch, micro in configs:
-            drift = max(drift, report(kind, batch, micro,
-                                      *measure(lib, kind, batch, micro, a.rounds, os.path.join(tmp, "chain.pt"))))
+        for kind, batch, micro, precision in configs:
+            drift = max(drift, *report(kind, batch, micro, precision,
+                                       *measure(lib, kind, batch, micro, a.rounds, os.path.join(tmp, "chain.pt"),
+                                                precision)))
     if drift > 1e-6 and peers.DEVICE.type == "cpu":  # the same kernels in the same order give the same losses
         sys.exit(f"tax.py: the sides' losses differ by up to {drift:.1e}: they do not run the same math, "
                  f"so their times do not compare")
