@@ -20,6 +20,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <utility>
 
 namespace memfit {
 
@@ -237,6 +238,15 @@ ChainProfile scale_profile(const ChainProfile& a, const ChainProfile& b, int64_t
   return out;
 }
 
+// Whether settings `a` and `b` are measured as one (ModuleStepModel::Impl::measure):
+// the same precision, selective recomputation and offload; the micro-batch
+// and schedules are the planner's to vary.
+bool same_measurement(const StepSettings& a, const StepSettings& b) {
+  return a.precision() == b.precision() && a.selective_recompute() == b.selective_recompute() &&
+         a.offload_optimizer() == b.offload_optimizer() && a.offload_gradients() == b.offload_gradients() &&
+         a.offload_parameters() == b.offload_parameters() && a.tile_bytes() == b.tile_bytes();
+}
+
 } // namespace
 
 // What a warm-up and a measured step saw of the chains: each one's input,
@@ -283,6 +293,9 @@ struct ModuleStepModel::Impl {
   std::vector<StepSettings> held_back;
   bool streamed_measured = false;
   std::string profile_note;  // how PlanOptions::profile_budget chose the micro-batches measured, if it did
+  // The plain step's events at micro-batches of 1, where fit_profile_batches
+  // measured them: measure() reuses them rather than running the same steps again.
+  std::optional<std::vector<Event>> plain_one;
 
   // Selective recomputation's choices: both where the options allow it and
   // the module has SelectivelyRecomputed parts; the first is the plain step's.
@@ -367,7 +380,10 @@ Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
   out.small = measure_at(s, m_small, profile_chains ? &small : nullptr, nullptr);
   out.large = measure_at(s, m_large, profile_chains ? &large : nullptr, &out.state_bytes);
   // Micro-batches of 1, for times; not with batch statistics (BatchNorm1d refuses one example).
-  if (m_small > 1 && !batch_statistics) out.one = measure_at(s, 1, nullptr, nullptr);
+  if (m_small > 1 && !batch_statistics) {
+    const bool plain = plain_one && same_measurement(s, plain_settings());
+    out.one = plain ? *std::exchange(plain_one, std::nullopt) : measure_at(s, 1, nullptr, nullptr);
+  }
   check_same_marks(out.small, out.large, m_small, m_large);
   if (profile_chains) {
     // The chains' layers run where their inputs were captured: on the step's
@@ -414,12 +430,7 @@ std::vector<int64_t> tile_choices(const std::vector<FoundChain>& chains) {
 
 const Measurement& ModuleStepModel::Impl::find(const StepSettings& s) const {
   for (const auto& m : measured) {
-    if (m.settings.precision() == s.precision() && m.settings.selective_recompute() == s.selective_recompute() &&
-        m.settings.offload_optimizer() == s.offload_optimizer() &&
-        m.settings.offload_gradients() == s.offload_gradients() &&
-        m.settings.offload_parameters() == s.offload_parameters() && m.settings.tile_bytes() == s.tile_bytes()) {
-      return m;
-    }
+    if (same_measurement(m.settings, s)) return m;
   }
   TORCH_CHECK(false, "ModuleStepModel: precision ", to_string(s.precision()), " with offload '",
               offload_text(s), "'", s.selective_recompute() ? " and selective recomputation" : "",
@@ -506,6 +517,7 @@ void ModuleStepModel::Impl::fit_profile_batches() {
   const auto a = measure_at(s, lo, nullptr, nullptr);
   const auto b = measure_at(s, 2 * lo, nullptr, nullptr);
   check_same_marks(a, b, lo, 2 * lo);
+  if (lo == 1) plain_one = a;  // measure() times the plain step at 1 too
   auto needs = [&](int64_t m) {
     int64_t most = 0;
     for (size_t i = 0; i < a.size(); ++i) {

@@ -718,6 +718,26 @@ TEST_F(ModulePlanTest, ALargeMicroBatchedBatchIsVerifiedOnAFewMicroBatchesThatPe
   EXPECT_NE(timed.explain().find("about 64 examples, not all 4096"), std::string::npos) << timed.explain();
 }
 
+// Fitting the measured micro-batches to PlanOptions::profile_budget runs the
+// plain step at micro-batches of 1 first; measuring the step's times at 1
+// reuses those steps rather than running them again.
+TEST_F(ModulePlanTest, ThePlainStepAtMicroBatchesOfOneIsMeasuredOnce) {
+  ChainNet net(64, 8);
+  const auto batch = sample(256);
+  int64_t ones = 0;  // forwards of one example
+  auto counting = [&ones](ChainNetImpl& n, const torch::data::Example<>& b) {
+    ones += b.data.size(0) == 1 ? 1 : 0;
+    return cross_entropy_of(n, b);
+  };
+  const auto options = memfit::PlanOptions().measure_candidates(0).verify(false).profile_budget(64 << 20);
+  memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), counting, batch), options);
+  // Each setting measured (plain, the optimizer state offloaded, and the
+  // gradients too) runs a warm-up and two measured steps of two micro-batches
+  // of 1: six forwards each, the plain step's among them only once.
+  ASSERT_EQ(model.measured_settings().size(), 3u);
+  EXPECT_EQ(ones, 6 * 3);
+}
+
 TEST_F(ModulePlanTest, AStepPredictedAboveTheMarginFitsWhereItsRealStepsDo) {
   ChainNet net(64, 8);
   const auto batch = sample(256);
