@@ -324,15 +324,34 @@ inline std::string edge_chosen_text(int64_t predicted_peak, int64_t limit, const
                      format_bytes(predicted_peak), format_bytes(limit), 100 * o.margin(), format_bytes(measured_peak));
 }
 
+// The members `at` of one timing group other than its `pick` that to_time
+// times beside it: those predicted within kTimedVariants of the group's
+// `fastest`, one per family (Ranked::family), the one that offloads least,
+// the pick counting as its family's: a variant that offloads more than one
+// timed already only adds copies to its step (see offload_adds_copies).
+inline std::vector<size_t> close_variants(const std::vector<Ranked>& candidates, std::vector<size_t> at, size_t pick,
+                                          double fastest) {
+  std::stable_sort(at.begin(), at.end(),
+                   [&](size_t a, size_t b) { return candidates[a].offload < candidates[b].offload; });
+  std::vector<size_t> out;
+  std::vector<int64_t> families;
+  for (size_t i : at) {
+    const int64_t f = candidates[i].family;
+    if (i != pick && candidates[i].seconds > fastest * (1 + kTimedVariants)) continue;
+    if (f >= 0 && std::find(families.begin(), families.end(), f) != families.end()) continue;
+    families.push_back(f);
+    if (i != pick) out.push_back(i);
+  }
+  return out;
+}
+
 // Which of `candidates` to time with real steps (PlanOptions::measure_candidates),
 // at most `count` of them, in this order:
 // - choose()'s pick, then the other members of its group (group[i]: candidate
 //   i's micro-batch and precision, edge ones apart) predicted within
-//   kTimedVariants of the group's fastest: the prediction cannot tell them
-//   apart, so which of them it puts first would follow the profile's noise
-//   (of a family, Ranked::family, only the one that offloads least, and
-//   none that offloads more than the pick: they only add copies to its step,
-//   see offload_adds_copies);
+//   kTimedVariants of the group's fastest (close_variants): the prediction
+//   cannot tell them apart, so which of them it puts first would follow the
+//   profile's noise;
 // - each other group's pick among those predicted within (1 + within) × the
 //   fastest prediction, fastest predicted first (predictions err most across
 //   micro-batch sizes);
@@ -356,18 +375,7 @@ inline std::vector<size_t> to_time(const std::vector<Ranked>& candidates, const 
     }
     const size_t pick = at[static_cast<size_t>(choose(sub))];
     picks.push_back(pick);
-    const double group_fastest = fastest_seconds(sub, /*with_edges=*/true);
-    std::vector<size_t> by_offload = at;  // one variant per family: the one that offloads least
-    std::stable_sort(by_offload.begin(), by_offload.end(),
-                     [&](size_t a, size_t b) { return candidates[a].offload < candidates[b].offload; });
-    std::vector<int64_t> families;
-    for (size_t i : by_offload) {
-      const int64_t f = candidates[i].family;
-      if (i != pick && candidates[i].seconds > group_fastest * (1 + kTimedVariants)) continue;
-      if (f >= 0 && std::find(families.begin(), families.end(), f) != families.end()) continue;
-      families.push_back(f);
-      if (i != pick) close[pick].push_back(i);
-    }
+    close[pick] = close_variants(candidates, at, pick, fastest_seconds(sub, /*with_edges=*/true));
     std::sort(close[pick].begin(), close[pick].end(), by_prediction);
   }
   const double fastest = fastest_seconds(candidates, /*with_edges=*/true);
