@@ -5,6 +5,10 @@
 # checkpoint, offload), its tie band (Plan::measured_tie), whether a busy
 # machine left the choice to what the plans do ("busy") or times decided
 # ("timed"), how many candidates were timed, and the command's wall time.
+# After each case's runs, a line counts how many of them gave the most common
+# plan, and the most common micro-batch and precision (what the plan computes;
+# plans that differ only in what they recompute or offload give the same
+# gradients, bitwise).
 #
 # Usage (after `make build`): bash bench/plan_stability.sh [BUILD] [RUNS] [CASES]
 # CASES: "default" (the cases below) or "tight": the CNN of bench/peers.py's
@@ -31,8 +35,9 @@ case ${3:-default} in
   *) echo "plan_stability.sh: CASES is default or tight, got '$3'" >&2; exit 2 ;;
 esac
 json=$(mktemp)
+keys=$(mktemp)
 busy=
-trap 'rm -f "$json"; [ -n "$busy" ] && kill "$busy" 2>/dev/null || true' EXIT
+trap 'rm -f "$json" "$keys"; [ -n "$busy" ] && kill "$busy" 2>/dev/null || true' EXIT
 for mode in quiet busy; do
   if [ "$mode" = busy ]; then
     yes > /dev/null &
@@ -40,14 +45,18 @@ for mode in quiet busy; do
   fi
   for c in "${cases[@]}"; do
     echo "== $mode: memfit plan $c"
+    : > "$keys"
     for _ in $(seq "$runs"); do
       start=$(date +%s.%N)
       # shellcheck disable=SC2086  # the case's words are separate arguments
       "$build/memfit" plan $c --json > "$json"
       end=$(date +%s.%N)
-      python3 - "$json" "$start" "$end" "${3:-default}" <<'PY'
+      python3 - "$json" "$start" "$end" "${3:-default}" "$keys" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1]))
+with open(sys.argv[5], "a") as keys:  # the plan, then what it computes
+    print(json.dumps([[j.get(k) for k in ("micro_batch", "precision", "checkpoint", "offload", "tile_bytes")],
+                      [j["micro_batch"], j["precision"]]]), file=keys)
 timed = [w for w in j["why"] if w.startswith("timed")]
 how = "busy" if timed and "what the plans do" in timed[0] else "timed"
 tiles = f", tiles of {j['tile_bytes']} bytes" if j.get("tile_bytes") else ""
@@ -58,5 +67,11 @@ if sys.argv[4] == "tight":  # what the choice saw: each timed candidate's fastes
         f"{t['micro_batch']} {t['offload']} [{t['checkpoint']}] {1e3 * t['measured_seconds']:.1f} ms" for t in j["timed"]))
 PY
     done
+    python3 - "$keys" <<'PY'
+import collections, json, sys
+runs = [json.loads(line) for line in open(sys.argv[1])]
+most = lambda i: collections.Counter(json.dumps(r[i]) for r in runs).most_common(1)[0][1]
+print(f"-- the same plan in {most(0)} of {len(runs)} runs; the same micro-batch and precision in {most(1)} of {len(runs)}")
+PY
   done
 done

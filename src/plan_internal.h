@@ -202,6 +202,16 @@ constexpr double kTimeTie = 0.03;
 // prediction puts them within kTimeTie of each other does not decide which
 // of them runs.
 constexpr double kTimedVariants = 2 * kTimeTie;
+// Measured times this close to the fastest are a tie between plans that
+// compute differently (same_math: another micro-batch size, with batch
+// statistics another normalisation, or another precision). One run of the
+// planner settles its own passes within kTimeTie, but the same two plans'
+// measured gap moves by about 2% more from one run to the next on a quiet
+// machine (the ResNet at 15.36 MiB: micro-batches of 16 with a checkpoint
+// timed 3.8%, 3.6% and -0.6% ahead of 8 without in three runs,
+// docs/plan_stability_tight_2026-11-27c.txt), so what a plan computes
+// follows the times only beyond this wider band.
+constexpr double kMathTie = 0.05;
 
 // Chain schedules as JSON that gives them back exactly (what a ModulePlan
 // adds to broadcast_plan's wire), and back.
@@ -306,6 +316,51 @@ inline int64_t choose(const std::vector<Ranked>& candidates, double tie = kTimeT
     if (best < 0 || key(candidates[i]) < key(candidates[static_cast<size_t>(best)])) best = static_cast<int64_t>(i);
   }
   return best;
+}
+
+// Whether plans `a` and `b` compute the same: as many micro-batches, in the
+// same precision. Plans that differ only in what they recompute or offload
+// give the same gradients, bitwise.
+inline bool same_math(const Ranked& a, const Ranked& b) {
+  return a.micro_batches == b.micro_batches && a.lower_precision == b.lower_precision;
+}
+
+// The tie band between measured plans `a` and `b` whose own timing's band is
+// `tie`: that band where they compute the same (same_math), at least
+// kMathTie where they do not.
+inline double tie_between(const Ranked& a, const Ranked& b, double tie) {
+  return same_math(a, b) ? tie : std::max(kMathTie, tie);
+}
+
+// choose() for measured times `ran`, `tie` their band: of each set of plans
+// that compute the same (same_math), choose()'s pick within `tie` of the
+// set's fastest; then, of those picks within max(kMathTie, tie) of the
+// fastest of all, the one that does least (choose()'s order). Noise between
+// runs may then change how a plan recomputes or offloads, which leaves its
+// gradients as they were, but what it computes only where times lie more
+// than kMathTie apart.
+inline int64_t choose_timed(const std::vector<Ranked>& ran, double tie) {
+  const double fastest = fastest_seconds(ran, /*with_edges=*/false);
+  std::vector<Ranked> picks;
+  std::vector<size_t> at;
+  std::vector<bool> seen(ran.size(), false);
+  for (size_t i = 0; i < ran.size(); ++i) {
+    if (seen[i] || ran[i].edge) continue;
+    std::vector<Ranked> same;
+    std::vector<size_t> where;
+    for (size_t j = i; j < ran.size(); ++j) {
+      if (ran[j].edge || !same_math(ran[i], ran[j])) continue;
+      seen[j] = true;
+      same.push_back(ran[j]);
+      where.push_back(j);
+    }
+    const auto pick = static_cast<size_t>(choose(same, tie));
+    if (same[pick].seconds > fastest * (1 + std::max(kMathTie, tie))) continue;
+    picks.push_back(same[pick]);
+    at.push_back(where[pick]);
+  }
+  const int64_t chosen = choose(picks, std::numeric_limits<double>::infinity());  // each within its band already
+  return chosen < 0 ? -1 : static_cast<int64_t>(at[static_cast<size_t>(chosen)]);
 }
 
 // What the line on the candidates timed says of an edge one (see is_edge).
@@ -488,7 +543,7 @@ inline bool settled(const std::vector<std::vector<double>>& samples) {
 // memory or not run) after `passes` may give the choice to a plan that does
 // more than another timed one: no candidate that does less (earlier in
 // choose()'s order: no recomputation, less offload, fewer micro-batches, fp32) than
-// the fastest lost to it beyond the tie band, or kConfirmPasses have run. A
+// the fastest lost to it beyond their tie band (tie_between), or kConfirmPasses have run. A
 // shared machine's slow spell can last a candidate's two steps; a third pass
 // confirms the loss before the plan does more work for it.
 inline bool confirmed(const std::vector<Ranked>& candidates, const std::vector<size_t>& order,
@@ -502,7 +557,8 @@ inline bool confirmed(const std::vector<Ranked>& candidates, const std::vector<s
   }
   for (size_t k = 0; k < samples.size(); ++k) {
     if (samples[k].empty() || key(k) >= key(fastest)) continue;
-    if (*std::min_element(samples[k].begin(), samples[k].end()) > best * (1 + kTimeTie)) return false;
+    const double tie = tie_between(candidates[order[k]], candidates[order[fastest]], kTimeTie);
+    if (*std::min_element(samples[k].begin(), samples[k].end()) > best * (1 + tie)) return false;
   }
   return true;
 }
@@ -568,17 +624,18 @@ struct Measured {
   int64_t chosen = -1;              // index into the candidates (-1: none ran)
   std::vector<StepTiming> timed;    // each one's timing, in the order timed
   int passes = 0;                   // passes over the candidates
-  double tie = kTimeTie;            // the tie band used: kTimeTie or the noise, the larger
+  double tie = kTimeTie;            // the tie band used: kTimeTie or the noise, the larger (kMathTie at
+                                    // least between plans that compute differently: tie_between)
   bool busy = false;                // a busy machine (busy_machine): what the plans do chose
   double free_cores = -1;           // the cores other processes left free while timing (-1: unknown)
 };
 
 // Times candidates `order` with `run` in passes, every other one in reverse
 // order (drift on a shared machine then weighs on all alike), kMinPasses to
-// kMaxPasses of them (see settled and confirmed), and returns choose()'s pick among those
-// that ran, with each one's fastest measured time in place of its
+// kMaxPasses of them (see settled and confirmed), and returns choose_timed()'s pick among
+// those that ran, with each one's fastest measured time in place of its
 // prediction. Times closer than the measurement's noise (timing_noise) are a
-// tie too, and a candidate is timed at least as slow as one of its family
+// tie too, plans that compute differently tie within kMathTie at least, and a candidate is timed at least as slow as one of its family
 // that offloads less (offload_adds_copies). On a busy machine (busy_machine; `free_cores` says how many cores
 // other processes left, by default a CpuLoad over the passes) times decide
 // nothing: of all the candidates predicted to fit whose steps did not run out
@@ -636,9 +693,17 @@ inline Measured choose_measured(const std::vector<Ranked>& candidates, const std
     out.busy = out.chosen >= 0;
     if (out.busy) return out;
   }
-  const int64_t chosen = choose(ran, out.tie);
+  const int64_t chosen = choose_timed(ran, out.tie);
   out.chosen = chosen < 0 ? -1 : static_cast<int64_t>(at[static_cast<size_t>(chosen)]);
   return out;
+}
+
+// What timed_text says of the band between plans that compute differently
+// (tie_between), where it is wider than `tie`.
+inline std::string math_tie_text(double tie) {
+  return kMathTie > tie ? fmt::format(" ({:.0f}% between micro-batch sizes or precisions, which change what a step "
+                                      "computes)", 100 * kMathTie)
+                        : std::string();
 }
 
 // The plan's line on the candidates timed: each one's `names` entry with its
@@ -662,8 +727,8 @@ inline std::string timed_text(const std::vector<std::string>& names, const std::
                                : fmt::format("the timed steps spread by {:.0f}%, more than {:.0f}%", 100 * m.tie,
                                              100 * kBusy))
       : m.tie > kTimeTie ? fmt::format("times within {:.0f}% are a tie: the timing's own noise, as the passes did "
-                                       "not settle", 100 * m.tie)
-                         : fmt::format("times within {:.0f}% are a tie", 100 * kTimeTie);
+                                       "not settle{}", 100 * m.tie, math_tie_text(m.tie))
+                         : fmt::format("times within {:.0f}% are a tie{}", 100 * kTimeTie, math_tie_text(m.tie));
   return fmt::format("timed the {} closest candidate(s) with real steps under the budget, in {} passes, every "
                      "other one in reverse order (each a warm-up step and a timed one; a candidate's fastest "
                      "timed step counts; {}): {}; {}",
