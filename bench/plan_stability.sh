@@ -10,7 +10,10 @@
 # plans that differ only in what they recompute or offload give the same
 # gradients, bitwise).
 #
-# Usage (after `make build`): bash bench/plan_stability.sh [BUILD] [RUNS] [CASES]
+# Usage (after `make build`): [EXTRA_ARGS=...] bash bench/plan_stability.sh [BUILD] [RUNS] [CASES]
+# EXTRA_ARGS: more `memfit plan` flags for every case (e.g. "--threads 1").
+# bench/stability_rules.py replays a tight run's timed choices under the
+# one-band and the two-band tie rule.
 # CASES: "default" (the cases below) or "tight": the CNN of bench/peers.py's
 # table at the budgets where hand-tuned PyTorch runs stop fitting, where the
 # best candidates lie within a few percent of each other.
@@ -44,12 +47,12 @@ for mode in quiet busy; do
     busy=$!
   fi
   for c in "${cases[@]}"; do
-    echo "== $mode: memfit plan $c"
+    echo "== $mode: memfit plan $c${EXTRA_ARGS:+ $EXTRA_ARGS}"
     : > "$keys"
     for _ in $(seq "$runs"); do
       start=$(date +%s.%N)
       # shellcheck disable=SC2086  # the case's words are separate arguments
-      "$build/memfit" plan $c --json > "$json"
+      "$build/memfit" plan $c ${EXTRA_ARGS:-} --json > "$json"
       end=$(date +%s.%N)
       python3 - "$json" "$start" "$end" "${3:-default}" "$keys" <<'PY'
 import json, sys

@@ -1039,7 +1039,7 @@ std::optional<Candidate> measured_choice(const ModuleStepModel& model, const Mod
 // The grid is searched again with the limit scaled by the `room` they left
 // (allocated ÷ reserved), so that schedules are solved for what the allocator
 // lets the step allocate, and those not yet timed are timed; the faster of
-// their choice and `best` (as detail::choose settles measured times) stands.
+// their choice and `best` (as detail::choose_timed settles measured times) stands.
 std::optional<Candidate> within_reserved(const ModuleStepModel& model, const ModuleStepModel::Impl& im,
                                          int64_t batch, int64_t budget,
                                          bool micro_batching, double room, std::optional<Candidate> best,
@@ -1069,7 +1069,7 @@ std::optional<Candidate> within_reserved(const ModuleStepModel& model, const Mod
         detail::ranked(chosen->settings, chosen->predicted, any_recompute(chosen->schedules))};
     measured[0].seconds = best_seconds;
     measured[1].seconds = out.measured_seconds;
-    if (detail::choose(measured) == 0) {
+    if (detail::choose_timed(measured, detail::kTimeTie) == 0) {
       out.measured_seconds = best_seconds;
       out.measured_peak_bytes = best_peak;
       out.why.push_back("the choice so far stays: the new candidates measured no faster");

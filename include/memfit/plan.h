@@ -216,7 +216,10 @@ struct Plan {
   int64_t measured_peak_bytes = 0;   ///< The chosen plan's real steps' peak under the budget (0: not run).
   /// Measured times within this fraction of the fastest were a tie, settled by
   /// what the plans do: 0.03, or the timing's own noise where its passes did
-  /// not settle; 0 when nothing was timed. On a busy machine (other
+  /// not settle; 0 when nothing was timed. Between plans that compute
+  /// differently (another micro-batch size or precision) the band is at
+  /// least 0.05, so what a plan computes does not follow a few percent of
+  /// noise from one run to the next. On a busy machine (other
   /// processes left fewer free cores than LibTorch has threads, CpuLoad)
   /// times decide nothing: of all the plans predicted to fit, the one that
   /// does least is chosen, and the reasons say so.
