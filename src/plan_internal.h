@@ -698,6 +698,22 @@ inline Measured choose_measured(const std::vector<Ranked>& candidates, const std
   return out;
 }
 
+// What a busy machine's plan advises: with `threads` intra-op threads where
+// other processes left `free_cores` (-1: unknown), as many threads as free
+// cores would stop LibTorch's threads taking turns with them ("": no
+// fewer would). With one core of two busy, planning the GPT took 111 s
+// with two threads and 18 s with one, its steps 2.5-3.3 s against 0.24 s
+// (docs/plan_busy_threads_2026-11-27.txt).
+inline std::string threads_advice(double free_cores, int threads) {
+  if (free_cores < 0) return {};
+  const int fit = std::max(1, static_cast<int>(std::lround(free_cores)));
+  return fit < threads ? fmt::format("; at::set_num_threads({}) would give LibTorch's threads cores of their own "
+                                     "(threads that take turns with other processes wait on each other, and steps "
+                                     "slow many times over)",
+                                     fit)
+                       : std::string();
+}
+
 // What timed_text says of the band between plans that compute differently
 // (tie_between), where it is wider than `tie`.
 inline std::string math_tie_text(double tie) {
@@ -720,12 +736,13 @@ inline std::string timed_text(const std::vector<std::string>& names, const std::
   const std::string tie =
       m.busy ? fmt::format("{}: a busy machine's times cannot tell plans apart, so of all those predicted to fit, "
                            "the one that does least (no recomputation, then less offload, then fewer "
-                           "micro-batches, then fp32, then fewer bytes) is chosen",
+                           "micro-batches, then fp32, then fewer bytes) is chosen{}",
                            m.free_cores >= 0
                                ? fmt::format("other processes left {:.1f} free cores for LibTorch's {} threads",
                                              m.free_cores, at::get_num_threads())
                                : fmt::format("the timed steps spread by {:.0f}%, more than {:.0f}%", 100 * m.tie,
-                                             100 * kBusy))
+                                             100 * kBusy),
+                           threads_advice(m.free_cores, at::get_num_threads()))
       : m.tie > kTimeTie ? fmt::format("times within {:.0f}% are a tie: the timing's own noise, as the passes did "
                                        "not settle{}", 100 * m.tie, math_tie_text(m.tie))
                          : fmt::format("times within {:.0f}% are a tie{}", 100 * kTimeTie, math_tie_text(m.tie));

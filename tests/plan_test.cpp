@@ -210,6 +210,27 @@ TEST(PlanChoice, OnABusyMachineWhatThePlansDoDecidesSoFivePlansAgree) {
   EXPECT_FALSE(detail::busy_machine(-1, 2, 0.2));
 }
 
+// A busy machine's plan says how many threads would have cores of their own:
+// with one core of two busy, LibTorch's two threads took turns with the other
+// process and planning the GPT took 111 s, against 18 s with one thread
+// (docs/plan_busy_threads_2026-11-27.txt).
+TEST(PlanChoice, ABusyMachinesPlanSaysHowManyThreadsWouldHaveCoresOfTheirOwn) {
+  EXPECT_NE(detail::threads_advice(1.1, 2).find("at::set_num_threads(1)"), std::string::npos);
+  EXPECT_NE(detail::threads_advice(2.4, 4).find("at::set_num_threads(2)"), std::string::npos);
+  EXPECT_NE(detail::threads_advice(0.2, 2).find("at::set_num_threads(1)"), std::string::npos) << "at least one";
+  EXPECT_EQ(detail::threads_advice(0.3, 1), "") << "one thread is already the fewest";
+  EXPECT_EQ(detail::threads_advice(1.6, 2), "") << "as many threads as free cores";
+  EXPECT_EQ(detail::threads_advice(-1, 2), "") << "the load is unknown";
+  detail::Measured m;
+  m.busy = true;
+  m.free_cores = 0.4;
+  m.chosen = 0;
+  m.timed = {detail::StepTiming{0.2, 100}};
+  const auto text = detail::timed_text({"micro-batch 4"}, {0.2}, m);
+  EXPECT_NE(text.find("chose by what the plans do"), std::string::npos) << text;
+  EXPECT_EQ(text.find("at::set_num_threads") != std::string::npos, at::get_num_threads() > 1) << text;
+}
+
 // Offloading only adds copies: where noise timed the larger offload of one
 // step (its family) faster beyond the tie band, the smaller offload's time
 // stands for it, and the tie goes to the one that offloads less. On a quiet
