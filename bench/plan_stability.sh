@@ -12,9 +12,10 @@
 #
 # Usage (after `make build`): [EXTRA_ARGS=...] bash bench/plan_stability.sh [BUILD] [RUNS] [CASES]
 # EXTRA_ARGS: more `memfit plan` flags for every case (e.g. "--threads 1").
+# MODES: "quiet busy" (the default), or either alone.
 # bench/stability_rules.py replays a tight run's timed choices under the
 # one-band and the two-band tie rule.
-# CASES: "default" (the cases below) or "tight": the CNN of bench/peers.py's
+# CASES: "default" (the cases below), "gpt" (its GPT case alone) or "tight": the CNN of bench/peers.py's
 # table at the budgets where hand-tuned PyTorch runs stop fitting, where the
 # best candidates lie within a few percent of each other.
 set -euo pipefail
@@ -30,18 +31,20 @@ case ${3:-default} in
       "--model gpt --batch 16 --budget 40MiB"
       "--model mlp --batch 256 --budget 1MiB"
     ) ;;
+  gpt)
+    cases=("--model gpt --batch 16 --budget 40MiB") ;;
   tight)
     cases=()
     for budget in 19.23MiB 15.82MiB 15.36MiB; do
       cases+=("--model resnet --depth 3 --batch 128 --budget $budget --batch-statistics per-micro-batch")
     done ;;
-  *) echo "plan_stability.sh: CASES is default or tight, got '$3'" >&2; exit 2 ;;
+  *) echo "plan_stability.sh: CASES is default, gpt or tight, got '$3'" >&2; exit 2 ;;
 esac
 json=$(mktemp)
 keys=$(mktemp)
 busy=
 trap 'rm -f "$json" "$keys"; [ -n "$busy" ] && kill "$busy" 2>/dev/null || true' EXIT
-for mode in quiet busy; do
+for mode in ${MODES:-quiet busy}; do
   if [ "$mode" = busy ]; then
     yes > /dev/null &
     busy=$!
@@ -65,7 +68,7 @@ how = "busy" if timed and "what the plans do" in timed[0] else "timed"
 tiles = f", tiles of {j['tile_bytes']} bytes" if j.get("tile_bytes") else ""
 print(f"micro-batch {j['micro_batch']}, {j['precision']}, checkpoint {j['checkpoint']}, offload {j['offload']}{tiles}; "
       f"tie {j['measured_tie']:.2f}, {how}, {len(j['timed'])} timed, {float(sys.argv[3]) - float(sys.argv[2]):.1f} s")
-if sys.argv[4] == "tight":  # what the choice saw: each timed candidate's fastest step
+if j["timed"]:  # what the choice saw: each timed candidate's fastest step
     print("  timed: " + "; ".join(
         f"{t['micro_batch']} {t['offload']} [{t['checkpoint']}] {1e3 * t['measured_seconds']:.1f} ms" for t in j["timed"]))
 PY

@@ -4,8 +4,10 @@ under two rules, to compare them on the same measurements:
 
 - one band: of the candidates measured within the run's tie band (3%, or
   its timing noise) of the fastest, the one that does least;
-- two bands (since 2026-11-27, detail::choose_timed): within one micro-batch
-  size the same, then between sizes a band of at least 5%.
+- two bands (since 2026-11-27, detail::choose_timed): of each micro-batch
+  size, the one that does least within the run's band of that size's
+  fastest and within 5% (or the run's band, the wider) of the fastest of
+  all; then the one of those that does least.
 
 "Does least" is the planner's order: no recomputation, then less offload,
 then fewer micro-batches, then the faster. A larger offload of the same step
@@ -71,9 +73,11 @@ def two_bands(timed, tie, batch):
     fastest = min(c[3] for c in timed)
     picks = []
     for mb in sorted({c[0] for c in timed}):
-        pick = one_band([c for c in timed if c[0] == mb], tie, batch)
-        if pick[3] <= fastest * (1 + max(0.05, tie)):
-            picks.append(pick)
+        same = [c for c in timed if c[0] == mb]
+        near = min(c[3] for c in same)
+        running = [c for c in same if c[3] <= near * (1 + tie) and c[3] <= fastest * (1 + max(0.05, tie))]
+        if running:
+            picks.append(min(running, key=lambda c: key(c, batch)))
     return min(picks, key=lambda c: key(c, batch))
 
 

@@ -333,30 +333,40 @@ inline double tie_between(const Ranked& a, const Ranked& b, double tie) {
 }
 
 // choose() for measured times `ran`, `tie` their band: of each set of plans
-// that compute the same (same_math), choose()'s pick within `tie` of the
-// set's fastest; then, of those picks within max(kMathTie, tie) of the
-// fastest of all, the one that does least (choose()'s order). Noise between
-// runs may then change how a plan recomputes or offloads, which leaves its
-// gradients as they were, but what it computes only where times lie more
-// than kMathTie apart.
+// that compute the same (same_math), the one that does least (choose()'s
+// order) among those within `tie` of the set's fastest and within
+// max(kMathTie, tie) of the fastest of all; then, of those picks, the one
+// that does least. Noise between runs may then change how a plan recomputes
+// or offloads, which leaves its gradients as they were, but what it
+// computes only where times lie more than kMathTie apart. Every plan within
+// `tie` of the fastest is in its set's running, so the choice never does
+// more than choose(ran, tie)'s.
 inline int64_t choose_timed(const std::vector<Ranked>& ran, double tie) {
   const double fastest = fastest_seconds(ran, /*with_edges=*/false);
+  const double band = std::max(kMathTie, tie);
   std::vector<Ranked> picks;
   std::vector<size_t> at;
   std::vector<bool> seen(ran.size(), false);
   for (size_t i = 0; i < ran.size(); ++i) {
     if (seen[i] || ran[i].edge) continue;
-    std::vector<Ranked> same;
-    std::vector<size_t> where;
+    std::vector<size_t> members;
     for (size_t j = i; j < ran.size(); ++j) {
       if (ran[j].edge || !same_math(ran[i], ran[j])) continue;
       seen[j] = true;
-      same.push_back(ran[j]);
+      members.push_back(j);
+    }
+    double set_fastest = std::numeric_limits<double>::infinity();
+    for (size_t j : members) set_fastest = std::min(set_fastest, ran[j].seconds);
+    std::vector<Ranked> running;
+    std::vector<size_t> where;
+    for (size_t j : members) {
+      if (ran[j].seconds > set_fastest * (1 + tie) || ran[j].seconds > fastest * (1 + band)) continue;
+      running.push_back(ran[j]);
       where.push_back(j);
     }
-    const auto pick = static_cast<size_t>(choose(same, tie));
-    if (same[pick].seconds > fastest * (1 + std::max(kMathTie, tie))) continue;
-    picks.push_back(same[pick]);
+    if (running.empty()) continue;
+    const auto pick = static_cast<size_t>(choose(running, std::numeric_limits<double>::infinity()));
+    picks.push_back(running[pick]);
     at.push_back(where[pick]);
   }
   const int64_t chosen = choose(picks, std::numeric_limits<double>::infinity());  // each within its band already

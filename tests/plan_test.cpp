@@ -320,6 +320,15 @@ TEST(PlanChoice, WhatAPlanComputesFollowsTheTimesOnlyBeyondAWiderBand) {
   // of the fastest pick but beyond 5% of the fastest plan is out.
   EXPECT_EQ(measure({0.1160, 0.1100, 0.1125}).chosen, 2) << "8 is 5.5% behind 16 offloading: 16, without offload";
   EXPECT_NEAR(measure({0.1160, 0.1100, 0.1125}).tie, detail::kTimeTie, 1e-12) << "within one size the band stays 3%";
+  // The wider band never makes the plan do more than one band would: here
+  // one 3% band takes micro-batches of 16 offloading (2.9% behind, no
+  // recomputation); 16 without offload, within 3% of it but 5.9% behind
+  // the fastest, must not stand for its size and leave the choice to 8's
+  // recomputation.
+  const std::vector<detail::Ranked> ran = {candidate(0.1000, 1, 0, 16), candidate(0.1029, 0, 1, 8),
+                                           candidate(0.1059, 0, 0, 8)};
+  EXPECT_EQ(detail::choose(ran, detail::kTimeTie), 1);
+  EXPECT_EQ(detail::choose_timed(ran, detail::kTimeTie), 1);
 }
 
 // The variants of one micro-batch size that the prediction cannot tell apart
