@@ -131,7 +131,11 @@ TEST_F(TrainerTest, Bf16AutocastHalvesActivationBytesAndStillLearns) {
   EXPECT_EQ(bf16.step_memory.parameters, fp32.step_memory.parameters) << "fp32 parameters";
   // Conv and linear outputs are bf16 (2 of 4 bytes); BatchNorm and ReLU keep
   // their input's dtype, and the fp32 loss is tiny: activations at most 0.6x.
-  EXPECT_LT(bf16.step_memory.activations, 0.6 * fp32.step_memory.activations);
+  // A CPU without native bf16 convolutions holds more for their backward
+  // (testing::cpu_computes_bf16_natively): there the bytes are not halved.
+  if (testing::cpu_computes_bf16_natively()) {
+    EXPECT_LT(bf16.step_memory.activations, 0.6 * fp32.step_memory.activations);
+  }
   EXPECT_LT(mean_loss(bf16, 30, 40), 0.75 * mean_loss(bf16, 0, 10));
   EXPECT_NEAR(mean_loss(bf16, 30, 40), mean_loss(fp32, 30, 40), 0.1 * mean_loss(fp32, 30, 40));
 }
