@@ -57,10 +57,10 @@ for mode in ${MODES:-quiet busy}; do
       # shellcheck disable=SC2086  # the case's words are separate arguments
       "$build/memfit" plan $c ${EXTRA_ARGS:-} --json > "$json"
       end=$(date +%s.%N)
-      python3 - "$json" "$start" "$end" "${3:-default}" "$keys" <<'PY'
+      python3 - "$json" "$start" "$end" "$keys" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1]))
-with open(sys.argv[5], "a") as keys:  # the plan, then what it computes
+with open(sys.argv[4], "a") as keys:  # the plan, then what it computes
     print(json.dumps([[j.get(k) for k in ("micro_batch", "precision", "checkpoint", "offload", "tile_bytes")],
                       [j["micro_batch"], j["precision"]]]), file=keys)
 timed = [w for w in j["why"] if w.startswith("timed")]
