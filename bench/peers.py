@@ -420,7 +420,8 @@ def main():
     p.add_argument("--model", choices=["cnn", "gpt"], default="cnn")
     p.add_argument("--pairs", type=int, default=3, help="memfit against the best hand-tuned run, pairs per budget")
     p.add_argument("--low-precision", action=argparse.BooleanOptionalAction, default=True,
-                   help="also compare where precision may change (memfit --precision any against the whole grid)")
+                   help="also compare where precision may change: the hand grid's bf16 autocast rows, and memfit "
+                        "--precision any against the whole grid")
     p.add_argument("--quick", action="store_true", help="a small grid (accumulation 1, 2; one segment count)")
     p.add_argument("--torch2", metavar="PYTHON", help="a Python with PyTorch 2.x: its tools too, in a second process")
     p.add_argument("--torch2-build", default="build-pip", help="memfit built against that PyTorch (its meter)")
@@ -487,13 +488,13 @@ def main():
         if TORCH2:
             rows = torch2_rows(pytorch, a.quick, segment_counts, a.only, a.compile)
         else:
-            grid = [(n, step) for n, step in hand_grid(a.quick, segment_counts) if a.only in (None, n)]
+            grid = [(n, step) for n, step in hand_grid(a.quick, segment_counts, a.low_precision) if a.only in (None, n)]
             if not grid:
                 sys.exit(f"peers.py: --only {a.only!r} names no row of the hand-tuning grid")
             rows = [pytorch(n, step) for n, step in grid]
         print(json.dumps({"rows": rows, "blas": blas, "threads": torch.get_num_threads()}))
         return
-    grid = hand_grid(a.quick, segment_counts)
+    grid = hand_grid(a.quick, segment_counts, a.low_precision)
     rows = [pytorch(name, step) for name, step in grid]
     base = rows[0]
     torch2 = run_torch2(a, a.torch2, a.torch2_build) if a.torch2 else None
@@ -551,12 +552,13 @@ def main():
     print_report(a, description, base, rows, torch2, blas, fp32_pairs, any_pairs)
 
 
-def hand_grid(quick, segment_counts):
-    """What a user tries by hand: accumulation × checkpoint_sequential segments × bf16, each a (name, step)."""
+def hand_grid(quick, segment_counts, low_precision=True):
+    """What a user tries by hand: accumulation × checkpoint_sequential segments × bf16 (where `low_precision`:
+    the precision may change), each a (name, step)."""
     ks = (1, 2) if quick else (1, 2, 4, 8)
     segs = [None] + (segment_counts[:1] if quick else segment_counts)
     grid = []
-    for low in (False, True):
+    for low in (False, True) if low_precision else (False,):
         for k in ks:
             for s in segs:
                 parts = [f"accumulation {k}" if k > 1 else "", f"checkpoint_sequential {s}" if s else "",
