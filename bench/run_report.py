@@ -31,7 +31,8 @@ def environment_text(report):
     blas = env.get("blas", {})
     library = f" ({blas['library']})" if blas.get("library") else ""
     return (f"LibTorch {env.get('libtorch', '?')}, {env.get('threads', '?')} threads, "
-            f"BLAS: {blas.get('name', '?')}{library}{', freed host memory kept' if env.get('host_memory_kept') else ''}")
+            f"BLAS: {blas.get('name', '?')}{library}{', freed host memory kept' if env.get('host_memory_kept') else ''}"
+            f"{', CPU without native bf16' if env.get('cpu_bf16') is False else ''}")
 
 
 def keep_freed_host_memory():

@@ -200,9 +200,10 @@ BlasInfo blas_info() {
 }
 
 std::string Environment::to_string() const {
-  return fmt::format("LibTorch {}, {}, {} thread{}, BLAS: {}{}{}", libtorch, cuda ? "CUDA" : "CPU only", threads,
+  return fmt::format("LibTorch {}, {}, {} thread{}, BLAS: {}{}{}{}", libtorch, cuda ? "CUDA" : "CPU only", threads,
                      threads == 1 ? "" : "s", blas.name(), blas.library.empty() ? "" : " (" + blas.library + ")",
-                     host_memory_kept ? ", freed host memory kept" : "");
+                     host_memory_kept ? ", freed host memory kept" : "",
+                     cpu_bf16 ? "" : ", CPU without native bf16");
 }
 
 std::string Environment::to_json() const {
@@ -217,7 +218,8 @@ std::string Environment::to_json() const {
         {"library", blas.library},
         {"config", blas.config},
         {"threads", blas.threads}}},
-      {"host_memory_kept", host_memory_kept}};
+      {"host_memory_kept", host_memory_kept},
+      {"cpu_bf16", cpu_bf16}};
   return j.dump();
 }
 
@@ -245,9 +247,18 @@ bool keep_freed_host_memory() {
 #endif
 }
 
+bool cpu_computes_bf16_natively() {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;  // other CPUs' bf16 (Arm's BF16 extension) is not detected yet
+#endif
+}
+
 Environment environment() {
   Environment env;
   env.host_memory_kept = host_memory_kept.load();
+  env.cpu_bf16 = cpu_computes_bf16_natively();
   env.libtorch = TORCH_VERSION;
   env.cuda = compat::kBuiltWithCuda && torch::cuda::is_available();
   env.threads = at::get_num_threads();

@@ -78,6 +78,14 @@ expect master-weights-need-precision 2 'precision bf16' err -- train --master-we
 expect bad-device 2 "invalid device 'tpu'.*cpu, cuda or cuda:N" err -- train --device tpu --steps 1
 expect bf16-run 0 'precision bf16, parameters in bf16 with fp32 master weights on the host' out -- \
   train --model resnet --width 4 --steps 3 --batch 16 --no-eval -q --precision bf16 --master-weights host
+# bf16 alone on a CPU that computes it through LibTorch's fallback kernels is
+# warned about, in one line, and only there.
+if grep -qw avx512_bf16 /proc/cpuinfo; then
+  check bf16-run-no-warning-on-native-bf16 lacks 'without AVX-512 BF16' "$tmp/err"
+else
+  check bf16-run-warns-without-native-bf16 grep -q \
+    '^memfit: warning: bf16 on a CPU without AVX-512 BF16: .*--precision any times both' "$tmp/err"
+fi
 version=$("$bin" --version)
 if [[ "$version" == *"LibTorch 1."* ]]; then
   expect fp16-on-cpu-refused 2 'fp16 compute is not available on the CPU.*--precision bf16' err -- \

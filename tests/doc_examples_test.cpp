@@ -356,6 +356,11 @@ TEST_F(DocExamples, EnvironmentHeader) {
   if (!warning.empty()) err << "warning: " << warning << "\n";
   EXPECT_EQ(err.str().empty(), warning.empty());
   {
+    const auto precision = memfit::cpu_computes_bf16_natively() ? memfit::Precision::kBF16
+                                                                : memfit::Precision::kFP32;
+    EXPECT_EQ(precision == memfit::Precision::kBF16, memfit::environment().cpu_bf16);
+  }
+  {
     memfit::CpuLoad load;
     // ... timed work ...
     if (load.free_cores() >= 0 && load.free_cores() < 1.5) std::cerr << "another process shares the cores\n";

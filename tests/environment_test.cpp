@@ -9,9 +9,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <string>
-#include <thread>
 #include <thread>
 
 #include <sys/wait.h>
@@ -137,6 +137,18 @@ TEST(Environment, RecordsVersionThreadsAndBlas) {
   EXPECT_EQ(j.at("blas").at("name"), env.blas.name());
   EXPECT_EQ(j.at("blas").at("library"), env.blas.library);
   EXPECT_EQ(j.at("host_memory_kept"), env.host_memory_kept);
+  EXPECT_EQ(j.at("cpu_bf16"), env.cpu_bf16);
+  EXPECT_EQ(contains(env.to_string(), ", CPU without native bf16"), !env.cpu_bf16) << env.to_string();
+}
+
+// The kernel's own list of the CPU's features says the same as CPUID.
+TEST(Environment, NativeBf16IsWhatProcCpuinfoSays) {
+  std::ifstream in("/proc/cpuinfo");
+  if (!in) GTEST_SKIP() << "no /proc/cpuinfo to compare with";
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!contains(text, "vendor_id")) GTEST_SKIP() << "/proc/cpuinfo of a CPU other than x86";
+  EXPECT_EQ(cpu_computes_bf16_natively(), contains(text, " avx512_bf16")) << "CPUID and /proc/cpuinfo disagree";
+  EXPECT_EQ(environment().cpu_bf16, cpu_computes_bf16_natively());
 }
 
 // glibc's malloc maps a large tensor from the system afresh and unmaps it

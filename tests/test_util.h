@@ -3,6 +3,7 @@
 // checks that no budget leaks between tests.
 
 #include "memfit/data.h"
+#include "memfit/environment.h"
 #include "memfit/memory.h"
 
 #include <gtest/gtest.h>
@@ -115,13 +116,7 @@ inline void clear_grads(const std::vector<torch::Tensor>& params) {
 // 32 terms lands 0.6% from the exact sum of its bf16 inputs (0.1% is one
 // rounding), and autocast's convolutions hold more bytes for backward than
 // fp32's (the ResNet of TrainerTest: 13.1 MB of activations against 10.7).
-inline bool cpu_computes_bf16_natively() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
+inline bool cpu_computes_bf16_natively() { return memfit::cpu_computes_bf16_natively(); }
 
 } // namespace testing
 } // namespace memfit

@@ -461,6 +461,17 @@ std::vector<memfit::Precision> plan_precisions(const std::string& text, const to
   return {text == "auto" ? memfit::auto_precision(device) : memfit::parse_precision(text)};
 }
 
+// The warning for bf16 alone on a CPU that computes it through LibTorch's
+// fallback kernels (no AVX-512 BF16), or empty.
+std::string precision_warning(const std::vector<memfit::Precision>& precisions, const torch::Device& device) {
+  if (!device.is_cpu() || memfit::cpu_computes_bf16_natively() || precisions.size() != 1 ||
+      precisions[0] != memfit::Precision::kBF16) {
+    return "";
+  }
+  return "bf16 on a CPU without AVX-512 BF16: LibTorch's fallback bf16 kernels run slower than fp32 here and may "
+         "hold more bytes for backward; --precision any times both, --precision fp32 keeps the math";
+}
+
 // Sets LibTorch's intra-op threads (every hardware thread unless --threads).
 // More threads than hardware threads are capped, with a warning: OpenMP
 // threads spin, and oversubscribed cores slow LibTorch down many times over.
@@ -907,6 +918,7 @@ int run_train(const TrainArgs& a) {
     fmt::print("resumed from {} at step {}\n", a.resume, trainer.step());
   }
   print_warning(blas_warning);
+  if (world.rank == 0) print_warning(precision_warning(precisions, device));
   if (!a.save.empty() && world.rank == 0) {  // what `memfit generate` needs to build the model again
     nlohmann::json card = {{"model", a.model},     {"width", a.width},     {"depth", a.depth},
                            {"heads", a.heads},     {"context", a.context}, {"dropout", a.dropout},

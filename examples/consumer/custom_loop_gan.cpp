@@ -5,6 +5,7 @@
 // through LibTorch's torch::data MNIST reader.
 #include <memfit/checkpoint.h>
 #include <memfit/data.h>
+#include <memfit/environment.h>
 #include <memfit/memory.h>
 #include <memfit/precision.h>
 
@@ -45,8 +46,12 @@ struct Discriminator : nn::Module {
 int main() {
   torch::manual_seed(0);
   const torch::Device device = torch::cuda::is_available() ? torch::kCUDA : torch::kCPU;
-  // bf16 on the CPU (fp32's range: the scaler's powers of two change nothing), fp16 on CUDA.
-  const auto precision = device.is_cuda() ? memfit::Precision::kFP16 : memfit::Precision::kBF16;
+  // fp16 on CUDA; bf16 on a CPU that computes it natively (fp32's range: the scaler's powers of two change
+  // nothing); fp32 elsewhere, where LibTorch's fallback bf16 kernels are slower than fp32 (AutocastGuard off).
+  const auto precision = device.is_cuda()                       ? memfit::Precision::kFP16
+                         : memfit::cpu_computes_bf16_natively() ? memfit::Precision::kBF16
+                                                                : memfit::Precision::kFP32;
+  std::printf("autocast: %s\n", memfit::to_string(precision).c_str());
   auto data = [] {
     memfit::UntrackedGuard host;  // the data set is host memory, not the device's
     return torch::data::datasets::MNIST(memfit::fashion_mnist_folder())

@@ -79,6 +79,23 @@ struct BlasInfo {
 /// comment). Cheap: a few dynamic-loader look-ups, no product is run.
 BlasInfo blas_info();
 
+/// Whether this CPU computes bf16 natively (AVX-512 BF16 on x86-64).
+///
+/// Where it does not (an AVX2 CPU), LibTorch's CPU bf16 kernels fall back to
+/// slower paths: on an AVX2 AMD EPYC, bf16 convolutions took about 10 s a
+/// CNN step, bf16 products rounded their partial sums, and autocast's
+/// convolutions held more bytes for backward than fp32's (docs/precision.md).
+/// Lower precision on such a CPU trades time for nothing: choose fp32 there,
+/// or let the planner time both (PlanOptions::precisions). CUDA devices are
+/// not concerned. Cheap: one CPUID look-up, cached by the compiler's runtime.
+///
+/// Example:
+/// \code
+///   const auto precision = memfit::cpu_computes_bf16_natively() ? memfit::Precision::kBF16
+///                                                               : memfit::Precision::kFP32;
+/// \endcode
+bool cpu_computes_bf16_natively();
+
 /// The LibTorch version, CUDA, threads and BLAS of this process: what a
 /// benchmark's header and a run's report record.
 ///
@@ -93,12 +110,15 @@ struct Environment {
   int threads = 0;        ///< at::get_num_threads()
   BlasInfo blas;
   bool host_memory_kept = false;  ///< keep_freed_host_memory() configured glibc's malloc
+  bool cpu_bf16 = false;          ///< cpu_computes_bf16_natively()
 
 
-  /// One line, as printed at the top of a benchmark's output.
+  /// One line, as printed at the top of a benchmark's output; it ends in
+  /// ", CPU without native bf16" where cpu_bf16 is false.
   std::string to_string() const;
   /// {"libtorch": ..., "cuda": ..., "threads": ..., "blas": {"name", "vendor",
-  /// "threading", "library", "config", "threads"}, "host_memory_kept": ...}.
+  /// "threading", "library", "config", "threads"}, "host_memory_kept": ...,
+  /// "cpu_bf16": ...}.
   std::string to_json() const;
 };
 
