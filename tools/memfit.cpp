@@ -575,8 +575,9 @@ std::string saved_plan_path(const std::string& dir_or_checkpoint) {
   return (std::filesystem::path(resumed_checkpoint(dir_or_checkpoint)).parent_path() / "plan.json").string();
 }
 
-// Every usage error of `memfit train`, found before any work.
-void validate_train(const TrainArgs& a) {
+// Every usage error of `memfit train`, found before any work. Returns the
+// plan of --plan FILE, read once here, or nullopt.
+std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
   using memfit::tools::usage_check;
   namespace fs = std::filesystem;
   usage_check(a.checkpoint != "optimal" || !a.checkpoint_budget.empty(),
@@ -615,13 +616,14 @@ void validate_train(const TrainArgs& a) {
   const std::string resumed = a.resume.empty() ? "" : resumed_checkpoint(a.resume);
   usage_check(resumed.empty() || fs::is_regular_file(resumed), "--resume ", a.resume, ": no checkpoint file at ",
               resumed, "; give the folder that --save wrote");
+  std::optional<memfit::ModulePlan> given;
   if (plan_file(a)) {
     usage_check(!knobs_by_hand(a), "--plan ", a.plan, " sets the micro-batch, checkpointing and offload itself: "
                 "drop --micro-batch, --checkpoint, --offload, --master-weights and --parallel pipeline, or use "
                 "--plan none");
     usage_check(fs::is_regular_file(a.plan), "--plan ", a.plan, ": neither auto, none nor a plan's file; "
                 "`memfit plan --save FILE` writes one");
-    memfit::tools::as_usage([&] { memfit::load_plan(a.plan); });  // readable, before any work
+    given = memfit::tools::as_usage([&] { return memfit::load_plan(a.plan); });  // readable, before any work
   }
   if (const auto saved = resumed.empty() ? std::string() : saved_plan_path(a.resume); plans_knobs(a) && fs::exists(saved)) {
     try {  // readable, before any work
@@ -643,6 +645,7 @@ void validate_train(const TrainArgs& a) {
     }
   }
   check_model_fits(a);
+  return given;
 }
 
 memfit::BatchStatistics batch_statistics(const ModelArgs& a) {
@@ -784,7 +787,8 @@ memfit::ModulePlan given_plan(const TrainArgs& a, const memfit::ModulePlan& give
   return given;
 }
 
-int run_train(const TrainArgs& a) {
+// `given`: the plan of --plan FILE (validate_train), or nullopt.
+int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given) {
   const torch::Device device = parse_device(a.device);
   // Data parallel when started by `memfit launch`, torchrun, srun or mpirun.
   const auto world = memfit::world_from_env();
@@ -817,9 +821,7 @@ int run_train(const TrainArgs& a) {
   const auto& train_data = workload.train;
   const auto& test_data = workload.test;
 
-  // --plan FILE: the saved plan, checked against this run once the model is built.
-  std::optional<memfit::ModulePlan> given;
-  if (plan_file(a)) given = memfit::tools::as_usage([&] { return memfit::load_plan(a.plan); });
+  // --plan FILE (given): the saved plan, checked against this run once the model is built.
   const int64_t budget = !a.budget.empty() ? memfit::parse_memory_size(a.budget) : given ? given->budget : 0;
 
   auto chain = workload.make();
@@ -1093,8 +1095,8 @@ int main(int argc, char** argv) {
   for (const auto* sub : app.get_subcommands()) where += " " + sub->get_name();
   try {
     if (app.got_subcommand("train")) {
-      validate_train(train_args);
-      return run_train(train_args);
+      const auto given = validate_train(train_args);
+      return run_train(train_args, given);
     }
     if (app.got_subcommand("launch")) return memfit::tools::run_launch(launch_args);
     if (app.got_subcommand("generate")) return memfit::tools::run_generate(generate_args);
