@@ -3,6 +3,7 @@
 
 #include "memfit/checkpoint.h"
 #include "memfit/compat.h"
+#include "memfit/environment.h"
 #include "memfit/precision.h"
 #include "test_util.h"
 
@@ -702,9 +703,9 @@ TEST_F(Master, Bf16TrainingTracksFp32Loss) {
   const double bf16 = train(true);
   EXPECT_LT(fp32, 0.05) << "the fp32 run learns";
   // Where the CPU's bf16 products round their partial sums (no AVX-512
-  // BF16: testing::cpu_computes_bf16_natively), the bf16 run ends further
+  // BF16: memfit::cpu_computes_bf16_natively), the bf16 run ends further
   // from fp32's (0.0106 against 0.0078 on an AVX2 EPYC); it still learns.
-  const double tolerance = testing::cpu_computes_bf16_natively() ? 0.05 : 0.5;
+  const double tolerance = memfit::cpu_computes_bf16_natively() ? 0.05 : 0.5;
   EXPECT_NEAR(bf16, fp32, tolerance * fp32 + 1e-3);
 }
 

@@ -3,7 +3,6 @@
 // checks that no budget leaks between tests.
 
 #include "memfit/data.h"
-#include "memfit/environment.h"
 #include "memfit/memory.h"
 
 #include <gtest/gtest.h>
@@ -109,14 +108,6 @@ inline std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& par
 inline void clear_grads(const std::vector<torch::Tensor>& params) {
   for (const auto& p : params) const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
 }
-
-// Whether this CPU computes bf16 natively (AVX-512 BF16), as the machines
-// that measured docs/precision.md's bf16 figures did. Elsewhere (an AVX2 AMD
-// EPYC, 2026-11-27) LibTorch's CPU bf16 kernels fall back: a bf16 product of
-// 32 terms lands 0.6% from the exact sum of its bf16 inputs (0.1% is one
-// rounding), and autocast's convolutions hold more bytes for backward than
-// fp32's (the ResNet of TrainerTest: 13.1 MB of activations against 10.7).
-inline bool cpu_computes_bf16_natively() { return memfit::cpu_computes_bf16_natively(); }
 
 } // namespace testing
 } // namespace memfit

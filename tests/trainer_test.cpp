@@ -1,6 +1,7 @@
 #include "memfit/trainer.h"
 
 #include "memfit/compat.h"
+#include "memfit/environment.h"
 #include "memfit/models.h"
 #include "test_util.h"
 
@@ -132,8 +133,8 @@ TEST_F(TrainerTest, Bf16AutocastHalvesActivationBytesAndStillLearns) {
   // Conv and linear outputs are bf16 (2 of 4 bytes); BatchNorm and ReLU keep
   // their input's dtype, and the fp32 loss is tiny: activations at most 0.6x.
   // A CPU without native bf16 convolutions holds more for their backward
-  // (testing::cpu_computes_bf16_natively): there the bytes are not halved.
-  if (testing::cpu_computes_bf16_natively()) {
+  // (memfit::cpu_computes_bf16_natively): there the bytes are not halved.
+  if (memfit::cpu_computes_bf16_natively()) {
     EXPECT_LT(bf16.step_memory.activations, 0.6 * fp32.step_memory.activations);
   }
   EXPECT_LT(mean_loss(bf16, 30, 40), 0.75 * mean_loss(bf16, 0, 10));
