@@ -632,6 +632,7 @@ inline void offload_adds_copies(std::vector<Ranked>& candidates) {
 // What choose_measured measured and chose.
 struct Measured {
   int64_t chosen = -1;              // index into the candidates (-1: none ran)
+  int64_t chosen_timed = -1;        // index into timed of the chosen (-1: none ran, or a busy machine's choice)
   std::vector<StepTiming> timed;    // each one's timing, in the order timed
   int passes = 0;                   // passes over the candidates
   double tie = kTimeTie;            // the tie band used: kTimeTie or the noise, the larger (kMathTie at
@@ -686,14 +687,14 @@ inline Measured choose_measured(const std::vector<Ranked>& candidates, const std
     }
   }
   std::vector<Ranked> ran;
-  std::vector<size_t> at;
+  std::vector<size_t> at;  // each of ran's index into timed
   for (size_t k = 0; k < order.size(); ++k) {
     if (samples[k].empty()) continue;
     out.timed[k].seconds = *std::min_element(samples[k].begin(), samples[k].end());
     ran.push_back(candidates[order[k]]);
     ran.back().seconds = out.timed[k].seconds;
     ran.back().edge = false;  // its steps ran under the budget: it fits
-    at.push_back(order[k]);
+    at.push_back(k);
   }
   offload_adds_copies(ran);
   out.tie = std::max(kTimeTie, timing_noise(samples));
@@ -704,7 +705,9 @@ inline Measured choose_measured(const std::vector<Ranked>& candidates, const std
     if (out.busy) return out;
   }
   const int64_t chosen = choose_timed(ran, out.tie);
-  out.chosen = chosen < 0 ? -1 : static_cast<int64_t>(at[static_cast<size_t>(chosen)]);
+  if (chosen < 0) return out;
+  out.chosen_timed = static_cast<int64_t>(at[static_cast<size_t>(chosen)]);
+  out.chosen = static_cast<int64_t>(order[static_cast<size_t>(out.chosen_timed)]);
   return out;
 }
 
@@ -730,6 +733,24 @@ inline std::string math_tie_text(double tie) {
   return kMathTie > tie ? fmt::format(" ({:.0f}% between micro-batch sizes or precisions, which change what a step "
                                       "computes)", 100 * kMathTie)
                         : std::string();
+}
+
+// What timed_text says of the choice: "chose the fastest measured" only
+// where it was; a plan chosen within the tie band over a faster one is
+// named, with how far behind it measured and what decided (choose_timed:
+// within the tie, what a plan does, as choose() orders it).
+inline std::string choice_text(const std::vector<std::string>& names, const Measured& m) {
+  if (m.busy) return "chose by what the plans do";
+  if (m.chosen < 0 || m.chosen_timed < 0) return "none ran, so the prediction chooses";
+  const auto c = static_cast<size_t>(m.chosen_timed);
+  size_t fastest = c;
+  for (size_t k = 0; k < m.timed.size(); ++k) {
+    if (m.timed[k].seconds > 0 && m.timed[k].seconds < m.timed[fastest].seconds) fastest = k;
+  }
+  if (fastest == c) return "chose the fastest measured";
+  return fmt::format("chose {}, {:.1f}% behind the fastest measured ({}): within the tie, what a plan does "
+                     "decides (no recomputation, then less offload, then fewer micro-batches, then fp32)",
+                     names[c], 100 * (m.timed[c].seconds / m.timed[fastest].seconds - 1), names[fastest]);
 }
 
 // The plan's line on the candidates timed: each one's `names` entry with its
@@ -759,9 +780,7 @@ inline std::string timed_text(const std::vector<std::string>& names, const std::
   return fmt::format("timed the {} closest candidate(s) with real steps under the budget, in {} passes, every "
                      "other one in reverse order (each a warm-up step and a timed one; a candidate's fastest "
                      "timed step counts; {}): {}; {}",
-                     names.size(), m.passes, tie, fmt::join(lines, "; "),
-                     m.busy ? "chose by what the plans do"
-                     : m.chosen >= 0 ? "chose the fastest measured" : "none ran, so the prediction chooses");
+                     names.size(), m.passes, tie, fmt::join(lines, "; "), choice_text(names, m));
 }
 
 // The CPU random generator's state, put back on destruction: planning's
