@@ -135,8 +135,8 @@ TEST(PlanChoice, RealStepsDecideWherePredictionsCannotTell) {
 // plan that wins a tie over a faster one is named, with how far behind that
 // one it measured and what decided (memfit plan's ResNet at 35.21 MiB on an
 // AVX2 CPU chose micro-batches of 16 within a 17% band; at 15.82 MiB, in
-// docs/planner.md, micro-batches of 8 over 16 measured faster, and both
-// plans said "chose the fastest measured").
+// docs/planner.md, two plans chose micro-batches of 8 over 16, which
+// measured faster, and said "chose the fastest measured").
 TEST(PlanChoice, ThePlanSaysWhenATieChoseASlowerPlanThanTheFastestMeasured) {
   const std::vector<detail::Ranked> predicted = {candidate(0.2, 0, 0, 2), candidate(0.2, 0, 0, 4)};
   const auto quiet = [] { return static_cast<double>(at::get_num_threads()); };
