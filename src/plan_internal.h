@@ -300,6 +300,8 @@ inline double fastest_seconds(const std::vector<Ranked>& candidates, bool with_e
 inline std::tuple<int, int, int64_t, int> work(const Ranked& c) {
   return std::make_tuple(c.recomputes, c.offload, c.micro_batches, c.lower_precision);
 }
+// work()'s order, as the plan's lines name it.
+constexpr const char* kWorkOrder = "no recomputation, then less offload, then fewer micro-batches, then fp32";
 
 // The index of the plan to choose among `candidates` (-1: none), edge ones
 // aside (they have not run): of those within `tie` of the fastest (kTimeTie for predictions; for measured times,
@@ -749,8 +751,8 @@ inline std::string choice_text(const std::vector<std::string>& names, const Meas
   }
   if (fastest == c) return "chose the fastest measured";
   return fmt::format("chose {}, {:.1f}% behind the fastest measured ({}): within the tie, what a plan does "
-                     "decides (no recomputation, then less offload, then fewer micro-batches, then fp32)",
-                     names[c], 100 * (m.timed[c].seconds / m.timed[fastest].seconds - 1), names[fastest]);
+                     "decides ({})",
+                     names[c], 100 * (m.timed[c].seconds / m.timed[fastest].seconds - 1), names[fastest], kWorkOrder);
 }
 
 // The plan's line on the candidates timed: each one's `names` entry with its
@@ -766,14 +768,13 @@ inline std::string timed_text(const std::vector<std::string>& names, const std::
   }
   const std::string tie =
       m.busy ? fmt::format("{}: a busy machine's times cannot tell plans apart, so of all those predicted to fit, "
-                           "the one that does least (no recomputation, then less offload, then fewer "
-                           "micro-batches, then fp32, then fewer bytes) is chosen{}",
+                           "the one that does least ({}, then fewer bytes) is chosen{}",
                            m.free_cores >= 0
                                ? fmt::format("other processes left {:.1f} free cores for LibTorch's {} threads",
                                              m.free_cores, at::get_num_threads())
                                : fmt::format("the timed steps spread by {:.0f}%, more than {:.0f}%", 100 * m.tie,
                                              100 * kBusy),
-                           threads_advice(m.free_cores, at::get_num_threads()))
+                           kWorkOrder, threads_advice(m.free_cores, at::get_num_threads()))
       : m.tie > kTimeTie ? fmt::format("times within {:.0f}% are a tie: the timing's own noise, as the passes did "
                                        "not settle{}", 100 * m.tie, math_tie_text(m.tie))
                          : fmt::format("times within {:.0f}% are a tie{}", 100 * kTimeTie, math_tie_text(m.tie));
