@@ -97,6 +97,19 @@ Counters& counters() {
 
 thread_local int untracked_depth = 0;
 
+// AllocationFault: whether a guard lives, the allocations it has numbered,
+// and the one to fail (0: none).
+struct Fault {
+  std::atomic<bool> active{false};
+  std::atomic<int64_t> count{0};
+  std::atomic<int64_t> fail_at{0};
+  std::atomic<bool> failed{false};
+};
+Fault& fault() {
+  static Fault* f = new Fault();
+  return *f;
+}
+
 void raise_to(std::atomic<int64_t>& target, int64_t value) {
   int64_t seen = target.load(std::memory_order_relaxed);
   while (value > seen &&
@@ -117,6 +130,16 @@ void raise_to(std::atomic<int64_t>& target, int64_t value) {
 // Adds `n` bytes to the counters or throws without changing them.
 void reserve(int64_t n) {
   Counters& c = counters();
+  if (fault().active.load(std::memory_order_acquire)) {
+    Fault& f = fault();
+    const int64_t k = f.count.fetch_add(1, std::memory_order_relaxed) + 1;
+    if (k == f.fail_at.load(std::memory_order_relaxed)) {
+      f.failed.store(true, std::memory_order_relaxed);
+      TORCH_CHECK_WITH(OutOfMemoryError, false,
+                       fmt::format("CPU out of memory: allocation {} of {} failed on purpose (memfit::AllocationFault)",
+                                   k, format_bytes(n)));
+    }
+  }
   int64_t now;
   const int64_t budget = c.budget.load(std::memory_order_relaxed);
   if (budget <= 0) {
@@ -348,6 +371,23 @@ torch::Tensor to_device(const torch::Tensor& tensor, const torch::Device& device
   const bool on_device = tensor.has_storage() && side_table().counted(tensor.storage().data());
   return on_device ? tensor : tensor.clone();
 }
+
+AllocationFault::AllocationFault(int64_t fail_at) {
+  TORCH_CHECK(fail_at >= 0, "AllocationFault: fail_at must be >= 0 (0: count only), got ", fail_at);
+  ensure_tracking();
+  Fault& f = fault();
+  TORCH_CHECK(!f.active.load(), "AllocationFault: another guard is live; guards do not nest");
+  f.count.store(0);
+  f.fail_at.store(fail_at);
+  f.failed.store(false);
+  f.active.store(true, std::memory_order_release);
+}
+
+AllocationFault::~AllocationFault() { fault().active.store(false, std::memory_order_release); }
+
+int64_t AllocationFault::allocations() const { return fault().count.load(); }
+
+bool AllocationFault::failed() const { return fault().failed.load(); }
 
 UntrackedGuard::UntrackedGuard() {
   ensure_tracking();

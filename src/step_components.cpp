@@ -108,15 +108,70 @@ void ClipStep::before_optimizer_step(StepState& s) {
   }
 }
 
-void ReleaseGradients::end_step(StepState&) {
-  for (const auto& p : params_) {
-    if (!p.grad().defined()) continue;
-    if (set_to_none_) {
-      const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
-    } else {
-      const_cast<torch::Tensor&>(p).mutable_grad().detach_().zero_();
+void StateRollback::begin_step(StepState&) {
+  UntrackedGuard host;  // host copies, as a GPU run would hold them
+  if (saved_.size() != buffers_.size()) {
+    saved_.clear();
+    for (const auto& b : buffers_) {
+      saved_.push_back(torch::empty(b.sizes(), b.options().device(torch::kCPU).pinned_memory(b.is_cuda())));
     }
   }
+  for (size_t i = 0; i < buffers_.size(); ++i) saved_[i].copy_(buffers_[i], /*non_blocking=*/true);
+  rng_ = compat::get_rng_state(device_.is_cuda() ? std::vector<c10::DeviceIndex>{device_.index() < 0 ? c10::DeviceIndex(0) : device_.index()}
+                                                : std::vector<c10::DeviceIndex>{});
+}
+
+void StateRollback::abort_step(StepState&) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < buffers_.size() && i < saved_.size(); ++i) {
+    const_cast<torch::Tensor&>(buffers_[i]).copy_(saved_[i]);
+  }
+  compat::set_rng_state(rng_);
+}
+
+void OwnGradients::begin_step(StepState&) {
+  aside_.assign(params_.size(), torch::Tensor());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& g = params_[i].grad();
+    kept_[i] = 0;
+    if (!g.defined()) continue;
+    const auto& z = zeroed_[i];
+    if (!set_to_none_ && z.impl == g.unsafeGetTensorImpl() && z.version == g._version()) {
+      kept_[i] = 1;  // its own
+      continue;
+    }
+    aside_[i] = g;
+    const_cast<torch::Tensor&>(params_[i]).mutable_grad() = torch::Tensor();
+  }
+}
+
+void OwnGradients::release(size_t i) {
+  auto& p = const_cast<torch::Tensor&>(params_[i]);
+  if (!p.grad().defined()) return;
+  if (set_to_none_) {
+    p.mutable_grad() = torch::Tensor();
+  } else {
+    p.mutable_grad().detach_().zero_();
+    zeroed_[i] = Zeroed{p.grad().unsafeGetTensorImpl(), p.grad()._version()};
+  }
+}
+
+void OwnGradients::end_step(StepState&) {
+  for (size_t i = 0; i < params_.size(); ++i) release(i);
+  aside_.clear();  // other code's gradients took no part in the step
+}
+
+void OwnGradients::abort_step(StepState&) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = const_cast<torch::Tensor&>(params_[i]);
+    if (kept_[i] != 0) {
+      release(i);  // its own gradient is zero again, as the step found it
+    } else {
+      p.mutable_grad() = i < aside_.size() ? aside_[i] : torch::Tensor();
+    }
+  }
+  aside_.clear();
 }
 
 } // namespace detail

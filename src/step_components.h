@@ -9,6 +9,7 @@
 #include "memfit/step.h"
 #include "memfit/stream.h"
 #include "memfit/trainer.h"
+#include "memfit/compat.h"
 
 #include <torch/nn/module.h>
 
@@ -85,7 +86,10 @@ class PrecisionStep final : public StepComponent {
   torch::Tensor scale_loss(const torch::Tensor& loss) override { return scaler_.scale(loss); }
   bool optimizer_step(StepState& s) override;
   void after_optimizer_step(StepState&) override { scaler_.update(); }
-  void abort_step(StepState&) override { autocast_.reset(); }
+  void abort_step(StepState&) override {
+    autocast_.reset();
+    scaler_.discard_step();
+  }
 
  private:
   torch::Device device_;
@@ -144,16 +148,54 @@ class ClipStep final : public StepComponent {
   ProcessGroup* stages_;
 };
 
-// Releases the model's (and the masters') gradients at the end of the step.
-class ReleaseGradients final : public StepComponent {
+// What a step changes besides the parameters and the optimizer's state:
+// the module's buffers (BatchNorm's running statistics) and the RNG states.
+// It copies them before the step (host memory, small) and puts them back
+// when the step throws, so a failed step leaves them as they were. First of
+// the components: its begin_step sees the buffers before any other changes
+// them, its abort_step runs last. Sync points: none (on CUDA the buffers
+// are copied to pinned host memory asynchronously).
+class StateRollback final : public StepComponent {
  public:
-  ReleaseGradients(std::vector<torch::Tensor> params, bool set_to_none)
-      : params_(std::move(params)), set_to_none_(set_to_none) {}
-  void end_step(StepState&) override;
+  StateRollback(std::vector<torch::Tensor> buffers, torch::Device device)
+      : buffers_(std::move(buffers)), device_(device) {}
+  void begin_step(StepState&) override;
+  void abort_step(StepState&) override;
 
  private:
+  std::vector<torch::Tensor> buffers_;
+  std::vector<torch::Tensor> saved_;  // host copies, made once
+  torch::Device device_;
+  compat::RngState rng_;
+};
+
+// The step's own gradients: it starts from none of its own (gradients that
+// other code left on the parameters, a GAN generator's backward through
+// this model or a user's own backward, are set aside and never flow into
+// the step), releases them at the end (Python's zero_grad(set_to_none)), and
+// on a step that throws drops what the step accumulated and puts back what
+// it set aside. With set_to_none false a gradient the last step zeroed is
+// its own, recognised by its tensor and version counter, and is kept.
+class OwnGradients final : public StepComponent {
+ public:
+  OwnGradients(std::vector<torch::Tensor> params, bool set_to_none)
+      : params_(std::move(params)), set_to_none_(set_to_none), zeroed_(params_.size()), kept_(params_.size()) {}
+  void begin_step(StepState&) override;
+  void end_step(StepState&) override;
+  void abort_step(StepState&) override;
+
+ private:
+  // A gradient this component zeroed, as it left it.
+  struct Zeroed {
+    const void* impl = nullptr;
+    uint32_t version = 0;
+  };
+  void release(size_t i);
   std::vector<torch::Tensor> params_;
   bool set_to_none_;
+  std::vector<Zeroed> zeroed_;
+  std::vector<torch::Tensor> aside_;  // per parameter: what other code left there
+  std::vector<char> kept_;            // per parameter: the step began on its own zeroed gradient
 };
 
 } // namespace detail

@@ -4,6 +4,7 @@
 
 #include "memfit/compat.h"
 #include "memfit/freeze.h"
+#include "memfit/optim.h"
 #include "memfit/state.h"
 #include "memory_internal.h"
 #include "read_ahead.h"
@@ -32,6 +33,9 @@ constexpr const char* kCheckpointFile = "checkpoint.pt";
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
+
+// The first line of an error's message (c10 appends context on later lines).
+std::string first_line(const std::string& message) { return message.substr(0, message.find('\n')); }
 
 // What a loss function must return: the batch's mean loss, a floating
 // scalar with grad.
@@ -133,16 +137,17 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainerOptions& o,
                 "for example std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1))");
     return optimizer;
   }
+  // memfit's optimizers: LibTorch's, with a step that completes or changes nothing (optim.h).
   switch (o.optimizer()) {
     case OptimizerKind::kSGD:
-      return std::make_unique<torch::optim::SGD>(
+      return std::make_unique<optim::SGD>(
           std::move(params),
           torch::optim::SGDOptions(o.lr()).momentum(o.momentum()).weight_decay(o.weight_decay()));
     case OptimizerKind::kAdam:
-      return std::make_unique<torch::optim::Adam>(
+      return std::make_unique<optim::Adam>(
           std::move(params), torch::optim::AdamOptions(o.lr()).weight_decay(o.weight_decay()));
     case OptimizerKind::kAdamW:
-      return std::make_unique<torch::optim::AdamW>(
+      return std::make_unique<optim::AdamW>(
           std::move(params), torch::optim::AdamWOptions(o.lr()).weight_decay(o.weight_decay()));
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled optimizer kind");
@@ -153,6 +158,24 @@ MasterWeightsMode parse_master_weights_mode(const std::string& name) {
   if (name == "device") return MasterWeightsMode::kDevice;
   if (name == "host") return MasterWeightsMode::kHost;
   TORCH_CHECK(false, "unknown master weights mode '", name, "': expected none, device or host");
+}
+
+OnOutOfMemory parse_on_out_of_memory(const std::string& name) {
+  if (name == "throw") return OnOutOfMemory::kThrow;
+  if (name == "replan") return OnOutOfMemory::kReplan;
+  TORCH_CHECK(false, "unknown out-of-memory action '", name, "': expected throw or replan");
+}
+
+OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch_statistics_may_change) {
+  const bool refuse = !batch_statistics_may_change && batch_statistics_layer(module).has_value();
+  return [refuse](const OutOfMemoryEvent& e) -> std::optional<Replan> {
+    const int64_t micro = e.micro_batch_size > 0 ? std::min(e.micro_batch_size, e.examples) : e.examples;
+    if (refuse || micro <= 1) return std::nullopt;
+    Replan r;
+    r.micro_batch_size = (micro + 1) / 2;
+    r.description = "micro-batches of " + std::to_string(r.micro_batch_size);
+    return r;
+  };
 }
 
 OptimizerKind parse_optimizer_kind(const std::string& name) {
@@ -253,6 +276,18 @@ void Trainer::check_options() const {
     TORCH_CHECK(options_.micro_batch_size() == 0, "a pipeline cuts each batch into pipeline().chunks() "
                 "chunks: set micro_batch_size 0 and the chunks instead (got micro_batch_size ",
                 options_.micro_batch_size(), ")");
+  }
+  TORCH_CHECK(options_.max_replans() >= 0, "max_replans must be >= 0, got ", options_.max_replans());
+  TORCH_CHECK(options_.restore_after() >= 0, "restore_after must be >= 0 (0: keep the re-planned settings), got ",
+              options_.restore_after());
+  if (options_.on_out_of_memory() == OnOutOfMemory::kReplan) {
+    TORCH_CHECK(options_.process_group() == nullptr, "on_out_of_memory kReplan re-plans one process's steps; "
+                "with a process group the ranks would have to agree on every re-plan, which is not supported "
+                "yet: use OnOutOfMemory::kThrow with process_group");
+    TORCH_CHECK(options_.replan() || !batch_statistics_layer(*module_).has_value(), "on_out_of_memory kReplan "
+                "re-plans with more micro-batches, which changes the math of a module with batch statistics "
+                "(BatchNorm '", batch_statistics_layer(*module_).value_or(""), "'): allow it with replan("
+                "memfit::more_micro_batches(module, true)), or use OnOutOfMemory::kThrow");
   }
   check_precision_supported(options_.precision(), options_.device());
 }
@@ -360,12 +395,17 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
         std::move(holders));
   }
   generator_ = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
+  first_micro_batch_ = options_.micro_batch_size();
+  if (options_.on_out_of_memory() == OnOutOfMemory::kReplan && !options_.replan()) {
+    options_.replan(more_micro_batches(*module_, false));
+  }
   build_components();
 }
 
 // The step's components, in the order the step calls them at each point.
 void Trainer::build_components() {
   using namespace detail;
+  components_.push_back(std::make_shared<StateRollback>(module_->buffers(), options_.device()));
   if (stream_) components_.push_back(std::make_shared<StreamStep>(*stream_));
   if (ddp_) components_.push_back(std::make_shared<DataParallelStep>(*ddp_, *options_.process_group()));
   if (pipeline_) {
@@ -384,7 +424,7 @@ void Trainer::build_components() {
   const std::vector<torch::Tensor> params = module_->parameters();
   std::vector<torch::Tensor> release = params;
   if (master_) release.insert(release.end(), master_->master_parameters().begin(), master_->master_parameters().end());
-  components_.push_back(std::make_shared<ReleaseGradients>(std::move(release), options_.set_to_none()));
+  components_.push_back(std::make_shared<OwnGradients>(std::move(release), options_.set_to_none()));
   timeline_ = std::make_shared<Timeline>(options_.device(), params, state_on_host() ? nullptr : master_.get(),
                                          state_on_host() ? nullptr : state_optimizer());
   components_.push_back(timeline_);
@@ -505,8 +545,106 @@ class AbortGuard {
 
 } // namespace
 
+// One step, retried under a new plan while it runs out of memory and the
+// policy finds settings (OnOutOfMemory::kReplan). Every failed attempt has
+// left the state as the step found it (the components' abort_step).
 StepRecord Trainer::run_step(const detail::StepInput& in) {
   TORCH_CHECK(in.examples > 0, "train_step needs a batch with examples, got an empty one");
+  if (options_.restore_after() > 0 && clean_steps_ >= options_.restore_after() &&
+      options_.micro_batch_size() != first_micro_batch_) {
+    options_.micro_batch_size(first_micro_batch_);  // the limit may have lifted: try the first plan again
+    clean_steps_ = 0;
+  }
+  for (int64_t attempt = 1;; ++attempt) {
+    const auto start = Clock::now();
+    std::optional<PeakMeter> meter(std::in_place, options_.device());
+    try {
+      StepRecord rec = step_once(in);
+      rec.replans = attempt - 1;
+      ++clean_steps_;
+      return rec;
+    } catch (const c10::OutOfMemoryError& e) {
+      const int64_t peak = meter->peak();
+      meter.reset();
+      if (!recover(e, in, attempt, peak, seconds_since(start))) throw;
+    }
+  }
+}
+
+std::string Trainer::settings_text() const {
+  const int64_t micro = options_.micro_batch_size();
+  return micro > 0 ? "micro-batches of " + std::to_string(micro) : "no micro-batching";
+}
+
+// After a failed attempt: true to run the step again under the policy's
+// settings; false to let the error propagate (kThrow). Gives up with one
+// line naming what was tried and the closest peak.
+bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& in, int64_t attempt, int64_t peak,
+                      double seconds) {
+  if (options_.on_out_of_memory() != OnOutOfMemory::kReplan) return false;
+  const auto replan_start = Clock::now();
+  const std::string what = first_line(e.what_without_backtrace());
+  const bool committing = std::exchange(committing_, false);
+  TORCH_CHECK_WITH(OutOfMemoryError, !committing || optim::is_transactional(*optimizer_), "step ", step_ + 1,
+                   " ran out of memory inside the optimizer's step, which may have changed some parameters "
+                   "already (", what, "): recovery needs an optimizer whose step completes or changes nothing "
+                   "(OptimizerKind, memfit::optim)");
+  empty_cache(options_.device());
+  // The bytes no re-plan can move: what the Trainer holds between steps (the
+  // parameters, their masters and the optimizer's state on the device) and
+  // one gradient per parameter (none on the device when they go to the host).
+  const int64_t budget = memory_budget(options_.device());
+  int64_t fixed = memory_allocated(options_.device());
+  if (!state_on_host() && state_optimizer() != nullptr) fixed += optim::lazy_state_bytes(*state_optimizer());
+  if (options_.offload_gradients() != Offload::kHost) {
+    for (const auto& p : module_->parameters()) fixed += p.requires_grad() ? int64_t(p.nbytes()) : 0;
+  }
+  TORCH_CHECK_WITH(OutOfMemoryError, budget <= 0 || fixed <= budget, "step ", step_ + 1, " ran out of memory: ",
+                   "the budget ", format_bytes(budget), " is smaller than the bytes no re-plan can move (",
+                   format_bytes(fixed), ": parameters, their gradients and the optimizer's state): raise the budget, "
+                   "or move the optimizer state and gradients to the host (TrainerOptions::offload_optimizer and "
+                   "offload_gradients)");
+  OutOfMemoryEvent event;
+  event.step = step_ + 1;
+  event.attempt = attempt;
+  event.examples = in.examples;
+  event.micro_batch_size = options_.micro_batch_size();
+  event.peak_bytes = peak;
+  event.limit_bytes = budget > 0 ? budget : peak;
+  event.what = what;
+  Recovery r;
+  r.step = event.step;
+  r.what = what;
+  r.peak_bytes = peak;
+  r.limit_bytes = event.limit_bytes;
+  r.before = settings_text();
+  std::optional<Replan> next;
+  if (attempt <= options_.max_replans()) next = options_.replan()(event);
+  if (next) {
+    options_.micro_batch_size(next->micro_batch_size);
+    if (next->apply) next->apply();
+    r.after = next->description.empty() ? settings_text() : next->description;
+  }
+  r.seconds = seconds + seconds_since(replan_start);
+  recoveries_.push_back(r);
+  clean_steps_ = 0;
+  std::string tried;
+  for (const auto& x : recoveries_) {
+    if (x.step == r.step) tried += (tried.empty() ? "" : ", ") + x.before;
+  }
+  TORCH_CHECK_WITH(OutOfMemoryError, next.has_value(), "step ", r.step, " ran out of memory under ",
+                   format_bytes(r.limit_bytes), " and could not be re-planned after ", attempt, " attempt",
+                   attempt == 1 ? "" : "s", " (", tried, "); the last reached ", format_bytes(peak),
+                   " before it failed (", what, "): raise the budget, or lower the batch size");
+  TORCH_WARN("step ", r.step, " ran out of memory at ", format_bytes(peak), " under ", format_bytes(r.limit_bytes),
+             " with ", r.before, "; re-planned to ", r.after, " and run again (", fmt::format("{:.3f}", r.seconds),
+             " s lost)");
+  return true;
+}
+
+// One attempt at the step: it completes, or it throws having called every
+// component's abort_step, which leaves the state as the step found it.
+StepRecord Trainer::step_once(const detail::StepInput& in) {
   const auto& cs = components_;
   const auto start_time = Clock::now();
   PeakMeter meter(options_.device());
@@ -562,12 +700,14 @@ StepRecord Trainer::run_step(const detail::StepInput& in) {
   call_all(cs, [&](StepComponent& c) { c.finish_backward(s); });
   if (!s.skip) {
     call_all(cs, [&](StepComponent& c) { c.before_optimizer_step(s); });
+    committing_ = true;  // an optimizer of memfit's changes nothing until it has all it allocates
     bool stepped_by_component = false;
     for (const auto& c : cs) stepped_by_component = stepped_by_component || c->optimizer_step(s);
     if (!stepped_by_component) {
       optimizer_->step();
       s.stepped = true;
     }
+    committing_ = false;
     call_all(cs, [&](StepComponent& c) { c.after_optimizer_step(s); });
   }
   abort.done();
@@ -644,6 +784,7 @@ TrainReport Trainer::run_fit(int64_t n, const BatchReader& read, const BatchView
               order_.defined() ? order_.size(0) : 0, " examples, but the data set has ", n,
               ": resume with the data the run was saved with");
   TrainReport report;
+  const size_t recoveries_before = recoveries_.size();
   report.steps.reserve(static_cast<size_t>(std::min<int64_t>(total - step_, 4096)));  // grows with the steps taken
   PeakMeter run_meter(options_.device());
   module_->train();
@@ -675,6 +816,10 @@ TrainReport Trainer::run_fit(int64_t n, const BatchReader& read, const BatchView
     }
   };
   while (step_ < total) {
+    // The run's position before the step: a step that throws leaves it so.
+    const torch::Tensor order_before = order_;
+    const int64_t cursor_before = cursor_, epoch_before = epoch_;
+    const at::Generator generator_before = !order_.defined() || cursor_ >= n ? generator_.clone() : at::Generator();
     if (next_epoch(order_, cursor_, n, generator_)) ++epoch_;
     int64_t global = 0;
     const auto indices = share_of(order_, cursor_, global);
@@ -683,7 +828,24 @@ TrainReport Trainer::run_fit(int64_t n, const BatchReader& read, const BatchView
     read_ahead();  // the next batches are read while this step runs
     detail::StepInput in = view(batch);
     in.global_examples = global;
-    StepRecord rec = run_step(in);
+    StepRecord rec;
+    try {
+      rec = run_step(in);
+    } catch (const std::exception& e) {
+      order_ = order_before;
+      cursor_ = cursor_before;
+      epoch_ = epoch_before;
+      if (generator_before.defined()) generator_ = generator_before;
+      // The step left the state as it found it: a run that gives up keeps it.
+      if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr && !options_.save_dir().empty() &&
+          options_.on_out_of_memory() == OnOutOfMemory::kReplan) {
+        save(options_.save_dir());
+      }
+      throw;
+    }
+    for (size_t i = report.recoveries.size() + recoveries_before; i < recoveries_.size(); ++i) {
+      report.recoveries.push_back(recoveries_[i]);
+    }
     report.skipped_steps += rec.skipped ? 1 : 0;
     if (!timeline_->skipped() && rec.peak_bytes > report.step_memory.peak) {
       report.step_memory = breakdown(rec.peak_bytes, timeline_->model_grad_bytes());
@@ -895,7 +1057,7 @@ torch::Tensor Trainer::stand_in(const torch::Tensor& param) const {
 
 std::string Trainer::optimizer_type() const {
   const auto* o = zero_ != nullptr ? zero_->local_optimizer() : optimizer_.get();
-  return o != nullptr ? c10::demangle(typeid(*o).name()) : std::string("none");
+  return o != nullptr ? optim::state_type_name(*o) : std::string("none");
 }
 
 // A checkpoint resumes only into the optimizer, precision and batch size
@@ -1066,7 +1228,18 @@ std::string TrainReport::to_json() const {
                           {"seconds", s.seconds},
                           {"peak_bytes", s.peak_bytes},
                           {"current_bytes", s.current_bytes},
-                          {"skipped", s.skipped}});
+                          {"skipped", s.skipped},
+                          {"replans", s.replans}});
+  }
+  j["recoveries"] = nlohmann::json::array();
+  for (const auto& r : recoveries) {
+    j["recoveries"].push_back({{"step", r.step},
+                               {"what", r.what},
+                               {"peak_bytes", r.peak_bytes},
+                               {"limit_bytes", r.limit_bytes},
+                               {"before", r.before},
+                               {"after", r.after},
+                               {"seconds", r.seconds}});
   }
   j["step_timeline"] = nlohmann::json::array();
   for (const auto& m : step_timeline) {
@@ -1088,6 +1261,7 @@ std::string TrainReport::to_json() const {
                             {"peak_bytes", peak_bytes},
                             {"precision", precision},
                             {"skipped_steps", skipped_steps},
+                            {"recoveries", recoveries.size()},
                             {"stopped", stopped},
                             {"final_scale", final_scale},
                             {"step_memory", nlohmann::json::parse(step_memory.to_json())}};

@@ -51,7 +51,7 @@ for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --
             --checkpoint-budget --offload-checkpoints --precision --master-weights --device --clip-grad-norm --skip-nonfinite \
             --micro-batch --prefetch-factor --freeze --offload --offload-tile --save --save-every --resume --plan --dist-timeout \
             --zero-stage --parallel --chunks --schedule --heads --context --dropout --selective-recompute --text \
-            --torchscript; do
+            --torchscript --on-out-of-memory; do
   check "train-help-documents$flag" grep -q -- "$flag" "$tmp/train-help"
 done
 expect version 0 'memfit 0\.' out -- --version
@@ -175,7 +175,15 @@ expect gzipped-garbage 1 "train-images-idx3-ubyte.gz is damaged: its IDX magic n
 expect good-data-after-bad 0 'final loss' out -- train --model mlp --width 8 --depth 1 --steps 1 --no-eval -q
 unset MEMFIT_CACHE_DIR
 expect over-budget 1 'out of memory.*tried to allocate' err -- \
+  train --model mlp --budget 1MiB --steps 2 --no-eval -q --plan none --on-out-of-memory throw
+expect over-budget-fixed 1 'the budget 1.00 MiB is smaller than the bytes no re-plan can move .*--offload optimizer,gradients' err -- \
   train --model mlp --budget 1MiB --steps 2 --no-eval -q --plan none
+expect over-budget-recovered 0 'recovered from out of memory [0-9]+ times? .*micro-batches of' out -- \
+  train --model mlp --width 64 --batch 256 --budget 1.3MiB --steps 2 --no-eval -q --plan none
+check over-budget-recovery-line grep -qE 'memfit train: step 1 ran out of memory .* re-planned to micro-batches of' "$tmp/err"
+expect on-out-of-memory-bad 2 'on-out-of-memory' err -- train --on-out-of-memory retry
+expect on-out-of-memory-batch-statistics 2 "changes the math of a model with batch statistics .*--batch-statistics per-micro-batch" err -- \
+  train --model resnet --steps 1 --no-eval -q --on-out-of-memory replan
 expect over-budget-plan 1 'nothing fits 16.00 KiB .*tried micro-batches of 64 down to 1.*the closest predicted peak is .* \(micro-batch 1, fp32, offload .*parameters.*\).*less may fit with --precision any' err -- \
   train --model mlp --budget 16KiB --steps 2 --no-eval -q
 # The default MLP's 2.55 MiB of parameters train in 1 MiB: streamed from the host in tiles.

@@ -13,6 +13,7 @@
 #include "memfit/schedule.h"
 #include "memfit/stream.h"
 #include "memfit/models.h"
+#include "memfit/optim.h"
 #include "memfit/module_plan.h"
 #include "memfit/plan.h"
 #include "memfit/precision.h"
@@ -75,6 +76,71 @@ TEST_F(DocExamples, PrecisionHeader) {
     opt.step();
     master.master_to_model();
     EXPECT_EQ(model->weight.scalar_type(), torch::kBFloat16);
+  }
+}
+
+TEST_F(DocExamples, OptimHeader) {
+  {  // SGD
+    auto lin = torch::nn::Linear(4, 2);
+    memfit::optim::SGD sgd(lin->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    lin(torch::ones({3, 4})).sum().backward();
+    sgd.step();
+  }
+  {  // Adam
+    auto lin = torch::nn::Linear(4, 2);
+    memfit::optim::Adam adam(lin->parameters(), torch::optim::AdamOptions(1e-3).amsgrad(true));
+    lin(torch::ones({3, 4})).sum().backward();
+    adam.step();
+  }
+  {  // AdamW
+    auto lin = torch::nn::Linear(4, 2);
+    memfit::optim::AdamW adamw(lin->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    lin(torch::ones({3, 4})).sum().backward();
+    adamw.step();
+  }
+  {  // is_transactional
+    auto lin = torch::nn::Linear(4, 2);
+    memfit::optim::Adam adam(lin->parameters());
+    torch::optim::Adam plain(lin->parameters());
+    EXPECT_TRUE(memfit::optim::is_transactional(adam) && !memfit::optim::is_transactional(plain));
+  }
+  {  // lazy_state_bytes
+    auto lin = torch::nn::Linear(4, 2);  // 10 parameters
+    memfit::optim::Adam adam(lin->parameters());
+    EXPECT_EQ(memfit::optim::lazy_state_bytes(adam), 2 * 10 * 4);
+  }
+  {  // state_type_name
+    auto lin = torch::nn::Linear(4, 2);
+    memfit::optim::Adam adam(lin->parameters());
+    EXPECT_EQ(memfit::optim::state_type_name(adam), "torch::optim::Adam");
+  }
+}
+
+TEST_F(DocExamples, RecoveryFromOutOfMemory) {
+  {  // AllocationFault
+    int64_t made = 0;
+    {
+      memfit::AllocationFault count(0);
+      auto a = torch::empty({4}), b = torch::empty({4});
+      made = count.allocations();
+    }
+    memfit::AllocationFault fail(made);  // the last of them throws
+    bool thrown = false;
+    try { auto a = torch::empty({4}), b = torch::empty({4}); } catch (const c10::OutOfMemoryError&) { thrown = true; }
+    EXPECT_TRUE(made == 2 && thrown);
+  }
+  {  // parse_on_out_of_memory
+    EXPECT_EQ(memfit::parse_on_out_of_memory("replan"), memfit::OnOutOfMemory::kReplan);
+  }
+  {  // more_micro_batches
+    auto policy = memfit::more_micro_batches(*memfit::make_mlp(), false);
+    memfit::OutOfMemoryEvent e;
+    e.examples = 64;
+    EXPECT_EQ(policy(e)->micro_batch_size, 32);
+  }
+  {  // GradScaler::discard_step
+    memfit::GradScaler scaler;
+    scaler.discard_step();  // nothing recorded yet: a no-op
   }
 }
 

@@ -2,8 +2,10 @@
 // Shared test helpers: a fixture that seeds every RNG the tests use and
 // checks that no budget leaks between tests.
 
+#include "memfit/compat.h"
 #include "memfit/data.h"
 #include "memfit/memory.h"
+#include "memory_internal.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -107,6 +109,44 @@ inline std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& par
 /// Sets the gradients of `params` to none.
 inline void clear_grads(const std::vector<torch::Tensor>& params) {
   for (const auto& p : params) const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
+}
+
+/// Copies of every state tensor and Adam step count of `o`, in the order of
+/// `params`, each parameter's led by whether it has state (1 or 0).
+inline std::vector<torch::Tensor> optimizer_state_of(torch::optim::Optimizer& o,
+                                                     const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  auto& state = o.state();
+  for (const auto& p : params) {
+    const auto found = state.find(compat::optimizer_state_key(p));
+    out.push_back(torch::tensor(found != state.end() ? 1 : 0));
+    if (found == state.end()) continue;
+    detail::for_each_state_tensor(*found->second, [&](torch::Tensor& t) { out.push_back(t.clone()); });
+    if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(found->second.get())) {
+      out.push_back(torch::tensor(a->step()));
+    }
+    if (auto* a = dynamic_cast<torch::optim::AdamWParamState*>(found->second.get())) {
+      out.push_back(torch::tensor(a->step()));
+    }
+  }
+  return out;
+}
+
+/// Copies of `tensors` (undefined stays undefined).
+inline std::vector<torch::Tensor> copies(const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : tensors) out.push_back(t.defined() ? t.detach().clone() : torch::Tensor());
+  return out;
+}
+
+/// Expects `a` and `b` bitwise equal, tensor for tensor (undefined where the other is).
+inline void expect_bitwise(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
+                           const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].defined(), b[i].defined()) << what << ": tensor " << i << " defined in one only";
+    if (a[i].defined()) EXPECT_TRUE(a[i].equal(b[i])) << what << ": tensor " << i << " differs";
+  }
 }
 
 } // namespace testing

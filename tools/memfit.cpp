@@ -85,6 +85,7 @@ struct TrainArgs : ModelArgs {
   std::string device = "cpu";
   double clip_grad_norm = 0;
   bool skip_nonfinite = false;
+  std::string on_out_of_memory = "auto";
   int64_t micro_batch = 0;
   int64_t prefetch_factor = 0;
   std::vector<std::string> freeze;
@@ -340,6 +341,13 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   train->add_flag("--skip-nonfinite", a.skip_nonfinite,
                   "Skip steps whose loss is NaN or infinite instead of stopping");
+  train->add_option("--on-out-of-memory", a.on_out_of_memory,
+                    "A step that runs out of memory: replan (undo it, re-plan with more micro-batches, run it "
+                    "again: the same math), throw (end the run, exit 1), or auto (replan in one process where "
+                    "micro-batches keep the math: without batch statistics, or with --batch-statistics "
+                    "per-micro-batch)")
+      ->check(CLI::IsMember({"auto", "replan", "throw"}))
+      ->capture_default_str();
   train->add_option("--micro-batch", a.micro_batch,
                     "Examples per forward/backward; gradients accumulate over the --batch "
                     "(0: the whole batch at once)")
@@ -792,6 +800,9 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
   const torch::Device device = parse_device(a.device);
   // Data parallel when started by `memfit launch`, torchrun, srun or mpirun.
   const auto world = memfit::world_from_env();
+  memfit::tools::usage_check(a.on_out_of_memory != "replan" || !world.distributed(),
+                             "--on-out-of-memory replan re-plans one process's steps, and this run has ",
+                             world.world_size, " ranks: use --on-out-of-memory throw (or auto) with memfit launch");
   std::shared_ptr<memfit::ProcessGroup> group;
   std::optional<c10::DeviceGuard> device_guard;
   if (world.distributed()) {
@@ -848,6 +859,14 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
   }
   memfit::CheckpointedSequential checkpointed(chain, ck_options);
   torch::nn::Sequential model = pipelined ? chain : torch::nn::Sequential(checkpointed);
+  // Recovery from out of memory (--on-out-of-memory): more micro-batches keep the math of a model
+  // without batch statistics; with them only where --batch-statistics per-micro-batch allows it.
+  const bool statistics_may_change = a.batch_statistics == "per-micro-batch";
+  const auto statistics_layer = memfit::batch_statistics_layer(*model);
+  memfit::tools::usage_check(a.on_out_of_memory != "replan" || statistics_may_change || !statistics_layer,
+                             "--on-out-of-memory replan re-plans with more micro-batches, which changes the math of "
+                             "a model with batch statistics (BatchNorm '", statistics_layer.value_or(""),
+                             "'): add --batch-statistics per-micro-batch, or use --on-out-of-memory throw");
   memfit::TrainerOptions options;
   options.batch_size(a.batch)
       .prefetch_factor(a.prefetch_factor)
@@ -908,6 +927,11 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
   }
   const std::string schedule_text =
       pipelined ? "none (pipeline stages)" : checkpointed->schedule().to_string();
+  if (a.on_out_of_memory == "replan" ||
+      (a.on_out_of_memory == "auto" && !group && (statistics_may_change || !statistics_layer))) {
+    options.on_out_of_memory(memfit::OnOutOfMemory::kReplan)
+        .replan(memfit::more_micro_batches(*model, statistics_may_change));
+  }
   memfit::Trainer trainer(model, options);
   // The run's peak from here: with streamed parameters the model built in
   // (tracked) memory has just gone to its host masters, as on a GPU, where
@@ -972,7 +996,14 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
       std::signal(received, SIG_DFL);
     });
   }
+  // The library's warnings during the run (a step re-planned after running out of memory), a line each.
+  memfit::compat::WarningCapture warnings;
+  const auto print_warnings = [&warnings, &bar] {
+    for (const auto& w : warnings.messages) bar.note(w);
+    warnings.messages.clear();
+  };
   auto on_step = [&](const memfit::StepRecord& r) {
+    print_warnings();
     if (g_signal != 0) trainer.request_stop();
     if (a.quiet) return;
     const double secs =
@@ -988,10 +1019,15 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
       report = trainer.fit(train_data, on_step);
     }
   } catch (...) {
+    print_warnings();
     bar.finish();
     throw;
   }
   bar.finish();
+  if (!report.recoveries.empty()) {
+    fmt::print("recovered from out of memory {} time{} (--on-out-of-memory replan); the run ended with {}\n",
+               report.recoveries.size(), report.recoveries.size() == 1 ? "" : "s", report.recoveries.back().after);
+  }
   if (report.stopped) {
     fmt::print("stopped by signal {} after step {}{}\n", static_cast<int>(g_signal), trainer.step(),
                a.save.empty() ? "" : fmt::format("; checkpoint saved to {}/checkpoint.pt (continue with --resume {})",

@@ -36,6 +36,12 @@ void ProgressBar::update(int64_t step, double loss, double seconds, int64_t curr
   }
 }
 
+void ProgressBar::note(const std::string& line) {
+  finish();
+  fmt::print(out_, "memfit train: {}\n", line);
+  std::fflush(out_);
+}
+
 void ProgressBar::finish() {
   if (open_) fmt::print(out_, "\n");
   open_ = false;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <string>
 
 namespace memfit {
 namespace tools {
@@ -17,6 +18,9 @@ class ProgressBar {
               int64_t peak_bytes);
   /// Ends the line.
   void finish();
+  /// Prints `line` on a line of its own (a warning during the run); the bar
+  /// goes on below it.
+  void note(const std::string& line);
 
  private:
   int64_t total_;

@@ -74,6 +74,7 @@ std::string with_flag_names(std::string message) {
       {"TrainerOptions::precision", "--precision"},
       {"TrainerOptions::micro_batch_size", "--micro-batch"},
       {"TrainerOptions::offload_parameters", "--offload parameters"},
+      {"TrainerOptions::offload_optimizer and offload_gradients", "--offload optimizer,gradients"},
       {"TrainerOptions::process_group", "memfit launch"},
       {"PlanOptions::precisions({kFP32, kBF16})", "--precision any"},
       {"PlanOptions::precisions", "--precision"},

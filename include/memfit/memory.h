@@ -197,6 +197,43 @@ class UntrackedGuard {
   UntrackedGuard& operator=(const UntrackedGuard&) = delete;
 };
 
+/// An RAII guard that counts the tracked CPU allocations made while it lives
+/// and makes the `fail_at`-th of them throw c10::OutOfMemoryError, as an
+/// allocation over the budget would.
+///
+/// It tests out-of-memory paths deterministically: count a step's
+/// allocations with `fail_at` 0 (none fails), then fail each one in turn.
+/// Only counted allocations (not those under UntrackedGuard) are numbered,
+/// on every thread; guards do not nest. The failed allocation changes no
+/// counter. Cost while no guard lives: one atomic load per allocation.
+///
+/// Example:
+/// \code
+///   int64_t made = 0;
+///   {
+///     memfit::AllocationFault count(0);
+///     auto a = torch::empty({4}), b = torch::empty({4});
+///     made = count.allocations();
+///   }
+///   memfit::AllocationFault fail(made);  // the last of them throws
+///   bool thrown = false;
+///   try { auto a = torch::empty({4}), b = torch::empty({4}); } catch (const c10::OutOfMemoryError&) { thrown = true; }
+///   assert(made == 2 && thrown);
+/// \endcode
+class AllocationFault {
+ public:
+  /// Starts counting; the `fail_at`-th counted allocation (1-based) throws,
+  /// none when `fail_at` is 0. Throws c10::Error while another guard lives.
+  explicit AllocationFault(int64_t fail_at);
+  ~AllocationFault();
+  AllocationFault(const AllocationFault&) = delete;
+  AllocationFault& operator=(const AllocationFault&) = delete;
+  /// Counted allocations attempted since the guard began (the failed one included).
+  int64_t allocations() const;
+  /// Whether the chosen allocation was reached and failed.
+  bool failed() const;
+};
+
 /// An RAII meter of the peak memory of `device` during a scope.
 ///
 /// Unlike reset_peak_memory_stats, meters nest and do not disturb the

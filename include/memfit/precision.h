@@ -195,6 +195,18 @@ class GradScaler {
   /// Sets the scale to a one-element float32 tensor's value and forgets the inf checks.
   void update(const torch::Tensor& new_scale);
 
+  /// Forgets the unscaling and inf checks made since the last update(),
+  /// keeping the scale and growth tracker: for a step that threw before its
+  /// update (the Trainer's transaction), so that the retried step unscales
+  /// again. No sync points.
+  ///
+  /// Example:
+  /// \code
+  ///   memfit::GradScaler scaler;
+  ///   scaler.discard_step();  // nothing recorded yet: a no-op
+  /// \endcode
+  void discard_step() { per_optimizer_.clear(); }
+
   /// The current scale (init_scale before the first scale()); 1.0 when
   /// disabled. Reads the scale tensor: a sync on CUDA.
   double get_scale() const;

@@ -29,6 +29,7 @@
 #include <torch/types.h>
 
 #include <any>
+#include <optional>
 #include <cstdint>
 #include <atomic>
 #include <functional>
@@ -101,6 +102,61 @@ enum class ParallelMode {
 
 /// Parses "data" or "pipeline"; throws c10::Error naming the accepted names.
 ParallelMode parse_parallel_mode(const std::string& name);
+
+/// What a Trainer does when a step runs out of memory (c10::OutOfMemoryError).
+enum class OnOutOfMemory {
+  kThrow,   ///< The step is undone and the error propagates (the library's default).
+  kReplan,  ///< The step is undone, re-planned under the memory it found, and run again.
+};
+
+/// Parses "throw" or "replan"; throws c10::Error naming the accepted names.
+///
+/// Example:
+/// \code
+///   assert(memfit::parse_on_out_of_memory("replan") == memfit::OnOutOfMemory::kReplan);
+/// \endcode
+OnOutOfMemory parse_on_out_of_memory(const std::string& name);
+
+/// What a step that ran out of memory tells the policy that re-plans it.
+struct OutOfMemoryEvent {
+  int64_t step = 0;              ///< 1-based number of the step.
+  int64_t attempt = 1;           ///< 1 for the step's first failure, 2 for its retry's, ...
+  int64_t examples = 0;          ///< Examples of this rank's batch.
+  int64_t micro_batch_size = 0;  ///< The failed attempt's micro-batch (0: the whole batch).
+  int64_t peak_bytes = 0;        ///< The most memory_allocated(device) the attempt reached.
+  int64_t limit_bytes = 0;       ///< Memory the step may use: the budget, else the peak it reached.
+  std::string what;              ///< The error's message, first line.
+};
+
+/// The settings a step is retried with after running out of memory.
+struct Replan {
+  /// Examples per forward/backward of the retry (TrainerOptions::micro_batch_size).
+  int64_t micro_batch_size = 0;
+  /// Anything else the retry changes on the module (a chain's schedule);
+  /// called before the retry. Must keep the math.
+  std::function<void()> apply;
+  /// The settings in words, for the recovery's line and the report.
+  std::string description;
+};
+
+/// Re-plans a step that ran out of memory: returns the settings to retry
+/// with, or nullopt to give up (the error then propagates).
+using OutOfMemoryPolicy = std::function<std::optional<Replan>(const OutOfMemoryEvent&)>;
+
+/// The Trainer's default re-planning: twice the micro-batches (half the
+/// micro-batch, down to 1 example), which gives the same gradients; a module
+/// with batch statistics (BatchNorm) is given up on unless
+/// `batch_statistics_may_change`, since its micro-batches normalise with
+/// their own statistics.
+///
+/// Example:
+/// \code
+///   auto policy = memfit::more_micro_batches(*memfit::make_mlp(), false);
+///   memfit::OutOfMemoryEvent e;
+///   e.examples = 64;
+///   assert(policy(e)->micro_batch_size == 32);
+/// \endcode
+OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch_statistics_may_change);
 
 /// Options of a training run, named after PyTorch's (lr, weight_decay, momentum).
 struct TrainerOptions {
@@ -206,6 +262,33 @@ struct TrainerOptions {
   TORCH_ARG(ParallelMode, parallel) = ParallelMode::kData;
   /// The pipeline's chunks, schedule and balance (with ParallelMode::kPipeline).
   TORCH_ARG(PipelineOptions, pipeline) = PipelineOptions();
+  /// What a step that runs out of memory does: every step is undone when it
+  /// throws; with OnOutOfMemory::kReplan it is re-planned (`replan`) and run
+  /// again on the same batch and RNG state, with the same math. One process
+  /// and memfit's optimizers (OptimizerKind, memfit::optim) only.
+  TORCH_ARG(OnOutOfMemory, on_out_of_memory) = OnOutOfMemory::kThrow;
+  /// Re-plans one step may make before it gives up (with kReplan).
+  TORCH_ARG(int64_t, max_replans) = 4;
+  /// How a step is re-planned (with kReplan); empty: more_micro_batches over
+  /// the module, which gives up on a module with batch statistics.
+  TORCH_ARG(OutOfMemoryPolicy, replan) = nullptr;
+  /// After this many steps in a row without running out of memory, a
+  /// re-planned run tries its first micro-batch size again (a limit that
+  /// lifted gives its speed back; one that did not costs one failed attempt
+  /// and re-plans again); 0: it keeps the re-planned settings.
+  TORCH_ARG(int64_t, restore_after) = 0;
+};
+
+/// One recovery from an out-of-memory error: the step, what failed, the
+/// settings before and after, and the time the failed attempt cost.
+struct Recovery {
+  int64_t step = 0;          ///< The step that ran out of memory.
+  std::string what;          ///< The error's first line.
+  int64_t peak_bytes = 0;    ///< The failed attempt's peak.
+  int64_t limit_bytes = 0;   ///< The memory it could use.
+  std::string before;        ///< The failed attempt's settings.
+  std::string after;         ///< The retry's settings ("" when it gave up).
+  double seconds = 0;        ///< Wall time of the failed attempt and the re-plan.
 };
 
 /// One optimizer step as measured.
@@ -217,6 +300,7 @@ struct StepRecord {
   int64_t peak_bytes = 0;  ///< Peak memory_allocated(device) during the step.
   int64_t current_bytes = 0;  ///< memory_allocated(device) after the step.
   bool skipped = false;    ///< The GradScaler skipped the step (inf or NaN gradients).
+  int64_t replans = 0;     ///< Times the step ran out of memory and was re-planned (OnOutOfMemory::kReplan).
 };
 
 /// Memory at the end of one phase of a step (a micro-batch's forward or
@@ -252,6 +336,7 @@ struct TrainReport {
   bool stopped = false;            ///< fit returned early, at Trainer::request_stop.
   bool evaluated = false;          ///< Whether `test` holds a result.
   EvalResult test;                 ///< Test-set result, when evaluated.
+  std::vector<Recovery> recoveries;  ///< Steps that ran out of memory and were re-planned.
 
   /// The report as JSON: {"steps": [{step, epoch, loss, seconds, peak_bytes,
   /// current_bytes}], "summary": {...}}.
@@ -509,6 +594,8 @@ class Trainer {
   const std::vector<PhaseMemory>& last_timeline() const;
   /// The last step's peak by category, as TrainReport::step_memory counts it.
   StepMemory last_step_memory() const;
+  /// Every recovery from an out-of-memory error so far (OnOutOfMemory::kReplan).
+  const std::vector<Recovery>& recoveries() const { return recoveries_; }
 
  private:
   // The module and its loss, with the batch type erased.
@@ -522,8 +609,8 @@ class Trainer {
     TORCH_CHECK(module != nullptr, "Trainer needs a module, got nullptr");
     ErasedLoss e;
     e.module = module;
-    e.loss = std::function<torch::Tensor(const Batch&)>(
-        [module, loss = std::move(loss)](const Batch& batch) -> torch::Tensor { return loss(*module, batch); });
+    e.loss = std::function<torch::Tensor(const Batch&)>(  // mutable: a loss may keep state of its own
+        [module, loss = std::move(loss)](const Batch& batch) mutable -> torch::Tensor { return loss(*module, batch); });
     return e;
   }
   Trainer(ErasedLoss loss, TrainerOptions options);
@@ -574,6 +661,10 @@ class Trainer {
   std::vector<size_t> share_of(const torch::Tensor& order, int64_t cursor, int64_t& global) const;
   int64_t total_steps_of(int64_t examples) const;
   StepRecord run_step(const detail::StepInput& in);
+  StepRecord step_once(const detail::StepInput& in);
+  bool recover(const c10::OutOfMemoryError& e, const detail::StepInput& in, int64_t attempt, int64_t peak,
+               double seconds);
+  std::string settings_text() const;
   void check_options() const;
   void build_components();
   StepMemory breakdown(int64_t peak, int64_t model_grad_bytes) const;
@@ -611,6 +702,12 @@ class Trainer {
   std::vector<std::shared_ptr<StepComponent>> components_;
   class Timeline;
   std::shared_ptr<Timeline> timeline_;  // also in components_
+  // Recovery: the events so far, the first micro-batch size, steps since the last re-plan,
+  // and whether the running step's optimizer has begun changing the parameters.
+  std::vector<Recovery> recoveries_;
+  int64_t first_micro_batch_ = 0;
+  int64_t clean_steps_ = 0;
+  bool committing_ = false;
 };
 
 /// Reads only the model's tensors from a checkpoint that Trainer::save wrote

@@ -1,0 +1,312 @@
+#include "memfit/optim.h"
+
+#include "memfit/compat.h"
+#include "memfit/memory.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Type.h>
+
+#include <cmath>
+#include <functional>
+#include <map>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace memfit {
+namespace optim {
+namespace {
+
+// A scalar operand of `mul_`, `div` or `add_` as LibTorch makes it (a 0-dim
+// CPU tensor marked as a wrapped number), already in the parameter's dtype,
+// which is what TensorIterator would cast it to. Made ahead, in host memory
+// (where a CUDA run holds it too), so that the update allocates nothing.
+torch::Tensor wrapped(double value, at::ScalarType dtype) {
+  UntrackedGuard host;
+  auto t = at::scalar_tensor(value, at::kDouble).to(dtype);
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
+}
+
+// Work buffers as large as the largest parameter of each device and dtype;
+// a parameter's work tensor is a view of the first elements.
+class Workspace {
+ public:
+  void need(const torch::Tensor& p, int count) {
+    auto& e = entries_[{p.device().str(), p.scalar_type()}];
+    e.numel = std::max(e.numel, p.numel());
+    e.count = std::max(e.count, count);
+    e.options = p.options();
+  }
+  void allocate() {
+    for (auto& kv : entries_) {
+      auto& e = kv.second;
+      for (int i = 0; i < e.count; ++i) e.buffers.push_back(torch::empty({e.numel}, e.options));
+    }
+  }
+  torch::Tensor view(const torch::Tensor& p, int index) const {
+    const auto& e = entries_.at({p.device().str(), p.scalar_type()});
+    return e.buffers.at(static_cast<size_t>(index)).narrow(0, 0, p.numel()).view(p.sizes());
+  }
+
+ private:
+  struct Entry {
+    int64_t numel = 0;
+    int count = 0;
+    torch::TensorOptions options;
+    std::vector<torch::Tensor> buffers;
+  };
+  std::map<std::pair<std::string, at::ScalarType>, Entry> entries_;
+};
+
+// Runs `prepare` (which adds state entries, whose keys it records) and, if
+// it throws, removes those entries before rethrowing: a failed step leaves
+// the state as it found it.
+template <class State, class Key, class Prepare>
+void prepare_or_undo(State& state, std::vector<Key>& added, Prepare prepare) {
+  try {
+    prepare();
+  } catch (...) {
+    for (const auto& k : added) state.erase(k);
+    throw;
+  }
+}
+
+torch::Tensor closure_loss(const torch::optim::Optimizer::LossClosure& closure) {
+  if (closure == nullptr) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
+}
+
+// Adam and AdamW: their update after the weight decay is one (LibTorch's
+// adam.cpp and adamw.cpp); `decoupled` is AdamW's decay of the parameter
+// itself, Adam's adds weight_decay * p to the gradient.
+template <class Base, class Options, class State, bool decoupled>
+torch::Tensor adam_step(Base& self, const torch::optim::Optimizer::LossClosure& closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss = closure_loss(closure);
+  using Key = decltype(compat::optimizer_state_key<Base>(std::declval<torch::Tensor>()));
+  struct Item {
+    torch::Tensor p, grad;
+    State* state = nullptr;
+    const Options* options = nullptr;
+    torch::Tensor beta1, beta2, eps, decay, bias2_sqrt;
+    double step_size = 0;
+  };
+  std::vector<Item> items;
+  std::vector<Key> added;
+  Workspace work;
+  auto& state = self.state();
+  prepare_or_undo(state, added, [&] {
+    for (auto& group : self.param_groups()) {
+      const auto& o = static_cast<const Options&>(group.options());
+      const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+      // Scalars by dtype, and sqrt(bias_correction2) by dtype and step.
+      std::map<at::ScalarType, std::vector<torch::Tensor>> scalars;
+      std::map<std::pair<at::ScalarType, int64_t>, torch::Tensor> bias2;
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        TORCH_CHECK(!p.grad().is_sparse(), decoupled ? "AdamW" : "Adam",
+                    " does not support sparse gradients; use a dense gradient");
+        const auto key = compat::optimizer_state_key<Base>(p);
+        if (state.find(key) == state.end()) {
+          auto s = std::make_unique<State>();
+          s->step(0);
+          s->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+          s->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+          if (o.amsgrad()) s->max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+          state[key] = std::move(s);
+          added.push_back(key);
+        }
+        Item it;
+        it.p = p;
+        it.grad = p.grad();
+        it.state = static_cast<State*>(state[key].get());
+        it.options = &o;
+        const auto dtype = p.scalar_type();
+        auto& sc = scalars[dtype];
+        if (sc.empty()) {
+          sc = {wrapped(beta1, dtype), wrapped(beta2, dtype), wrapped(o.eps(), dtype),
+                decoupled ? wrapped(1 - o.lr() * o.weight_decay(), dtype) : torch::Tensor()};
+        }
+        it.beta1 = sc[0];
+        it.beta2 = sc[1];
+        it.eps = sc[2];
+        it.decay = sc[3];
+        const int64_t step = it.state->step() + 1;
+        const double bias_correction1 = 1 - std::pow(beta1, step);
+        const double bias_correction2 = 1 - std::pow(beta2, step);
+        auto& b2 = bias2[{dtype, step}];
+        if (!b2.defined()) b2 = wrapped(std::sqrt(bias_correction2), dtype);
+        it.bias2_sqrt = b2;
+        it.step_size = o.lr() / bias_correction1;
+        work.need(p, (!decoupled && o.weight_decay() != 0) ? 2 : 1);
+        items.push_back(std::move(it));
+      }
+    }
+    work.allocate();
+  });
+  // Nothing below allocates: parameters and state change only here.
+  for (auto& it : items) {
+    const Options& o = *it.options;
+    auto& p = it.p;
+    auto& s = *it.state;
+    torch::Tensor grad = it.grad;
+    if (decoupled && o.weight_decay() != 0) at::mul_out(p, p, it.decay);
+    if (!decoupled && o.weight_decay() != 0) {
+      auto decayed = work.view(p, 1);
+      grad = at::add_out(decayed, grad, p, o.weight_decay());
+    }
+    s.step(s.step() + 1);
+    auto& exp_avg = s.exp_avg();
+    auto& exp_avg_sq = s.exp_avg_sq();
+    const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+    at::mul_out(exp_avg, exp_avg, it.beta1).add_(grad, 1 - beta1);
+    at::mul_out(exp_avg_sq, exp_avg_sq, it.beta2).addcmul_(grad, grad, 1 - beta2);
+    torch::Tensor second = exp_avg_sq;
+    if (o.amsgrad()) {
+      auto& max_exp_avg_sq = s.max_exp_avg_sq();
+      torch::max_out(max_exp_avg_sq, exp_avg_sq, max_exp_avg_sq);
+      second = max_exp_avg_sq;
+    }
+    auto denom = work.view(p, 0);
+    at::sqrt_out(denom, second);
+    at::div_out(denom, denom, it.bias2_sqrt);
+    at::add_out(denom, denom, it.eps);
+    p.addcdiv_(exp_avg, denom, -it.step_size);
+  }
+  return loss;
+}
+
+} // namespace
+
+torch::Tensor SGD::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss = closure_loss(closure);
+  using Key = decltype(compat::optimizer_state_key<torch::optim::SGD>(std::declval<torch::Tensor>()));
+  struct Item {
+    torch::Tensor p, grad, buf, momentum;
+    const torch::optim::SGDOptions* options = nullptr;
+    bool fresh = false;  // the buffer was made for this step: it is the first gradient already
+  };
+  std::vector<Item> items;
+  std::vector<Key> added;
+  Workspace work;
+  auto& st = state();
+  prepare_or_undo(st, added, [&] {
+    for (auto& group : param_groups()) {
+      const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+      std::map<at::ScalarType, torch::Tensor> momentum;  // by dtype
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        Item it;
+        it.p = p;
+        it.grad = p.grad().data();
+        it.options = &o;
+        if (o.momentum() != 0) {
+          auto& m = momentum[p.scalar_type()];
+          if (!m.defined()) m = wrapped(o.momentum(), p.scalar_type());
+          it.momentum = m;
+        }
+        if (o.momentum() != 0) {
+          const auto key = compat::optimizer_state_key<torch::optim::SGD>(p);
+          const auto found = st.find(key);
+          if (found == st.end()) {
+            // LibTorch's first buffer: a clone of the (decayed) gradient.
+            it.buf = o.weight_decay() != 0 ? it.grad.add(p.data(), o.weight_decay()) : torch::clone(it.grad);
+            auto s = std::make_unique<torch::optim::SGDParamState>();
+            s->momentum_buffer(it.buf);
+            st[key] = std::move(s);
+            added.push_back(key);
+            it.fresh = true;
+          } else {
+            it.buf = static_cast<torch::optim::SGDParamState&>(*found->second).momentum_buffer();
+          }
+        }
+        work.need(p, (o.weight_decay() != 0 ? 1 : 0) + (o.momentum() != 0 && o.nesterov() ? 1 : 0));
+        items.push_back(std::move(it));
+      }
+    }
+    work.allocate();
+  });
+  // Nothing below allocates: parameters and state change only here.
+  for (auto& it : items) {
+    const auto& o = *it.options;
+    auto p = it.p.data();
+    torch::Tensor d_p = it.grad;
+    int next = 0;
+    if (o.weight_decay() != 0) {
+      auto decayed = work.view(p, next++);
+      d_p = at::add_out(decayed, d_p, p, o.weight_decay());
+    }
+    if (o.momentum() != 0) {
+      if (!it.fresh) at::mul_out(it.buf, it.buf, it.momentum).add_(d_p, 1 - o.dampening());
+      if (o.nesterov()) {
+        auto ahead = work.view(p, next++);
+        d_p = at::add_out(ahead, d_p, it.buf, o.momentum());
+      } else {
+        d_p = it.buf;
+      }
+    }
+    p.add_(d_p, -1 * o.lr());
+  }
+  return loss;
+}
+
+torch::Tensor Adam::step(LossClosure closure) {
+  return adam_step<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState, false>(*this, closure);
+}
+
+torch::Tensor AdamW::step(LossClosure closure) {
+  return adam_step<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState, true>(*this, closure);
+}
+
+bool is_transactional(const torch::optim::Optimizer& optimizer) {
+  return dynamic_cast<const SGD*>(&optimizer) != nullptr || dynamic_cast<const Adam*>(&optimizer) != nullptr ||
+         dynamic_cast<const AdamW*>(&optimizer) != nullptr;
+}
+
+std::string state_type_name(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const AdamW*>(&optimizer) != nullptr) return "torch::optim::AdamW";
+  if (dynamic_cast<const Adam*>(&optimizer) != nullptr) return "torch::optim::Adam";
+  if (dynamic_cast<const SGD*>(&optimizer) != nullptr) return "torch::optim::SGD";
+  return c10::demangle(typeid(optimizer).name());
+}
+
+namespace {
+// The state bytes `o` will make for its parameters without state: `per` copies
+// of each (the copies a group's options ask for).
+template <class Optimizer, class Options>
+int64_t lazy_bytes(const Optimizer& o, const std::function<int64_t(const Options&)>& per) {
+  int64_t bytes = 0;
+  auto& state = const_cast<Optimizer&>(o).state();
+  for (const auto& group : o.param_groups()) {
+    const auto& options = static_cast<const Options&>(group.options());
+    for (const auto& p : group.params()) {
+      if (state.find(compat::optimizer_state_key<Optimizer>(p)) == state.end()) {
+        bytes += per(options) * static_cast<int64_t>(p.nbytes());
+      }
+    }
+  }
+  return bytes;
+}
+} // namespace
+
+int64_t lazy_state_bytes(const torch::optim::Optimizer& optimizer) {
+  if (const auto* a = dynamic_cast<const torch::optim::AdamW*>(&optimizer)) {
+    return lazy_bytes<torch::optim::AdamW, torch::optim::AdamWOptions>(
+        *a, [](const torch::optim::AdamWOptions& o) { return o.amsgrad() ? 3 : 2; });
+  }
+  if (const auto* a = dynamic_cast<const torch::optim::Adam*>(&optimizer)) {
+    return lazy_bytes<torch::optim::Adam, torch::optim::AdamOptions>(
+        *a, [](const torch::optim::AdamOptions& o) { return o.amsgrad() ? 3 : 2; });
+  }
+  if (const auto* a = dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
+    return lazy_bytes<torch::optim::SGD, torch::optim::SGDOptions>(
+        *a, [](const torch::optim::SGDOptions& o) { return o.momentum() != 0 ? 1 : 0; });
+  }
+  return 0;
+}
+
+} // namespace optim
+} // namespace memfit

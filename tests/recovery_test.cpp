@@ -1,0 +1,361 @@
+// A step is a transaction: whatever throws inside it leaves the Trainer's
+// state bitwise as it was; it starts from its own gradients only; and with
+// OnOutOfMemory::kReplan a step that runs out of memory is re-planned and
+// run again with the same math.
+#include "memfit/compat.h"
+#include "memfit/memory.h"
+#include "memfit/optim.h"
+#include "memfit/trainer.h"
+#include "test_util.h"
+
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <limits>
+#include <unistd.h>
+#include <string>
+#include <vector>
+
+namespace memfit {
+namespace {
+
+using testing::copies;
+using testing::expect_bitwise;
+using testing::expect_error;
+
+// A user's module with dropout (the RNG) and, optionally, BatchNorm (buffers).
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(bool batch_norm = false, double dropout = 0.25)
+      : fc1(register_module("fc1", torch::nn::Linear(20, 32))), fc2(register_module("fc2", torch::nn::Linear(32, 5))),
+        dropout(dropout) {
+    if (batch_norm) norm = register_module("norm", torch::nn::BatchNorm1d(32));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = fc1->forward(x);
+    if (norm) h = norm->forward(h);
+    h = torch::dropout(torch::relu(h), dropout, is_training());
+    return torch::log_softmax(fc2->forward(h), 1);
+  }
+  torch::nn::Linear fc1, fc2;
+  torch::nn::BatchNorm1d norm{nullptr};
+  double dropout;
+};
+TORCH_MODULE(Net);
+
+torch::Tensor nll(NetImpl& net, const torch::data::Example<>& b) {
+  return torch::nll_loss(net.forward(b.data), b.target);
+}
+
+torch::data::Example<> batch_of(int64_t n, int64_t seed) {
+  UntrackedGuard host;  // host memory until staged
+  torch::manual_seed(1000 + seed);
+  return {torch::randn({n, 20}), torch::randint(5, {n})};
+}
+
+// Everything a step may change: parameters, buffers, gradients, masters and
+// their gradients, the optimizer's state, the RNG, the scale and the step.
+std::vector<torch::Tensor> state_of(Trainer& t, Net& net) {
+  auto params = net->parameters();
+  auto out = copies(params);
+  for (const auto& b : copies(net->buffers())) out.push_back(b);
+  for (const auto& g : testing::grads_of(params)) out.push_back(g);
+  std::vector<torch::Tensor> state_params = params;
+  if (auto* m = t.master_weights()) {
+    state_params = m->master_parameters();
+    for (const auto& x : copies(state_params)) out.push_back(x);
+    for (const auto& g : testing::grads_of(state_params)) out.push_back(g);
+  }
+  for (const auto& x : testing::optimizer_state_of(t.optimizer(), state_params)) out.push_back(x);
+  out.push_back(compat::get_rng_state({}).cpu.clone());
+  out.push_back(torch::tensor(t.grad_scaler().get_scale()));
+  out.push_back(torch::tensor(t.step()));
+  return out;
+}
+
+struct Combination {
+  std::string name;
+  TrainerOptions options;
+  bool batch_norm = false;
+};
+
+std::vector<Combination> combinations() {
+  const auto base = TrainerOptions().lr(0.05);
+  return {
+      {"Adam", TrainerOptions(base)},
+      {"SGD with momentum, micro-batches of 8, clipping",
+       TrainerOptions(base).optimizer(OptimizerKind::kSGD).micro_batch_size(8).max_grad_norm(0.5)},
+      {"AdamW, optimizer and gradients on the host",
+       TrainerOptions(base).optimizer(OptimizerKind::kAdamW).weight_decay(0.1).offload_optimizer(Offload::kHost)
+           .offload_gradients(Offload::kHost)},
+      {"Adam, bf16 with fp32 masters", TrainerOptions(base).precision(Precision::kBF16)
+                                            .master_weights(MasterWeightsMode::kDevice)},
+      {"SGD, gradients zeroed in place, micro-batches of 12",
+       TrainerOptions(base).optimizer(OptimizerKind::kSGD).set_to_none(false).micro_batch_size(12)},
+      {"Adam, BatchNorm", TrainerOptions(base), true},
+  };
+}
+
+// Fails every allocation of a step in turn, in each combination: after each
+// failure the state is bitwise what it was (a gradient other code left
+// there included), and the retried step equals the uninterrupted step of a
+// Trainer that never had that gradient.
+TEST(StepTransaction, FailingAnyAllocationOfAStepLeavesTheStateAsItWasAndTheRetryEqualsTheStep) {
+  for (const auto& c : combinations()) {
+    for (int64_t warm : {0, 2}) {
+      SCOPED_TRACE(c.name + ", after " + std::to_string(warm) + " steps");
+      auto make = [&] {
+        torch::manual_seed(7);
+        return Net(c.batch_norm);
+      };
+      Net ref_net = make(), net = make();
+      Trainer reference(ref_net, nll, c.options), trainer(net, nll, c.options);
+      for (int64_t i = 0; i < warm; ++i) {
+        torch::manual_seed(50 + i);
+        reference.train_step(batch_of(24, i));
+        torch::manual_seed(50 + i);
+        trainer.train_step(batch_of(24, i));
+      }
+      const auto batch = batch_of(24, warm);
+      torch::manual_seed(99);
+      int64_t allocations = 0;
+      double loss = 0;
+      {
+        AllocationFault count(0);
+        loss = reference.train_step(batch).loss;
+        allocations = count.allocations();
+      }
+      ASSERT_GT(allocations, 10);
+      // Another model's backward left a gradient on the first parameter.
+      net->parameters()[0].mutable_grad() = torch::full_like(net->parameters()[0], 3.0);
+      torch::manual_seed(99);
+      for (int64_t k = 1; k <= allocations; ++k) {
+        const auto before = state_of(trainer, net);
+        {
+          AllocationFault fail(k);
+          EXPECT_THROW(trainer.train_step(batch), c10::OutOfMemoryError) << "allocation " << k << " of " << allocations;
+        }
+        expect_bitwise(state_of(trainer, net), before, "state after failing allocation " + std::to_string(k));
+        if (::testing::Test::HasFailure()) return;  // one broken combination is enough to read
+      }
+      EXPECT_EQ(trainer.train_step(batch).loss, loss);
+      expect_bitwise(copies(net->parameters()), copies(ref_net->parameters()), "parameters after the retry");
+      expect_bitwise(copies(net->buffers()), copies(ref_net->buffers()), "buffers after the retry");
+    }
+  }
+}
+
+TEST(StepTransaction, AnErrorInTheUsersLossOrTheNonfiniteCheckLeavesTheStateAsItWas) {
+  torch::manual_seed(7);
+  Net net(true);
+  int calls = 0;
+  Trainer trainer(net, [&calls](NetImpl& n, const torch::data::Example<>& b) {
+    if (++calls == 3) throw std::runtime_error("the user's loss failed");
+    auto loss = torch::nll_loss(n.forward(b.data), b.target);
+    return calls == 5 ? loss * std::numeric_limits<double>::quiet_NaN() : loss;
+  }, TrainerOptions().micro_batch_size(8));
+  trainer.train_step(batch_of(16, 0));  // calls 1 and 2
+  const auto batch = batch_of(16, 1);
+  const auto before = state_of(trainer, net);
+  EXPECT_THROW(trainer.train_step(batch), std::runtime_error);  // call 3: the first micro-batch
+  expect_bitwise(state_of(trainer, net), before, "after the loss threw");
+  expect_error([&] { trainer.train_step(batch); }, "the loss is NaN");  // calls 4, 5
+  expect_bitwise(state_of(trainer, net), before, "after the non-finite check");
+}
+
+// A GAN's generator step runs backward through the discriminator; the
+// discriminator's Trainer must step on its own loss alone.
+TEST(StepTransaction, AStepStartsFromItsOwnGradientsNotWhatOtherCodeLeft) {
+  for (bool set_to_none : {true, false}) {
+    SCOPED_TRACE(set_to_none ? "set_to_none" : "zeroed in place");
+    const auto options = TrainerOptions().optimizer(OptimizerKind::kSGD).lr(0.1).set_to_none(set_to_none);
+    torch::manual_seed(7);
+    Net clean_net;
+    torch::manual_seed(7);
+    Net net;
+    Trainer clean(clean_net, nll, options), trainer(net, nll, options);
+    for (int64_t i = 0; i < 3; ++i) {
+      const auto b = batch_of(16, i);
+      net->forward(batch_of(16, 10 + i).data).sum().backward();  // the generator's backward through it
+      torch::manual_seed(i);
+      clean.train_step(b);
+      torch::manual_seed(i);
+      trainer.train_step(b);
+    }
+    expect_bitwise(copies(net->parameters()), copies(clean_net->parameters()), "parameters");
+  }
+}
+
+TEST(StepTransaction, AMutableLossAndAFunctorWithANonConstCallCompile) {
+  struct Counting {
+    int calls = 0;
+    torch::Tensor operator()(NetImpl& n, const torch::data::Example<>& b) {
+      ++calls;
+      return nll(n, b);
+    }
+  };
+  Net net;
+  int seen = 0;
+  Trainer a(net, [calls = 0, &seen](NetImpl& n, const torch::data::Example<>& b) mutable {
+    seen = ++calls;
+    return nll(n, b);
+  }, TrainerOptions().micro_batch_size(4));
+  a.train_step(batch_of(8, 0));
+  EXPECT_EQ(seen, 2);
+  Trainer b(net, Counting(), TrainerOptions());
+  b.train_step(batch_of(8, 0));
+}
+
+// Trains 20 steps of batch 64 whose budget drops to 40% of the plain step's
+// peak at step 5: with kReplan every step completes, re-planned to more
+// micro-batches, and the losses and parameters equal the uninterrupted run's.
+struct BudgetRun {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> params;
+  std::vector<int64_t> replans;
+  std::vector<Recovery> recoveries;
+  int64_t final_micro_batch = 0;
+};
+
+BudgetRun run_with_budget_drop(const TrainerOptions& options, double fraction, int64_t drop_at, int64_t lift_at = 0) {
+  torch::manual_seed(7);
+  Net net(false, /*dropout=*/0.0);  // micro-batches would draw their own dropout masks
+  Trainer trainer(net, nll, options);
+  BudgetRun r;
+  int64_t base = 0, plain = 0;
+  for (int64_t step = 1; step <= 20; ++step) {
+    if (step == drop_at) set_memory_budget(torch::kCPU, base + static_cast<int64_t>(fraction * double(plain)));
+    if (step == lift_at) set_memory_budget(torch::kCPU, 0);
+    const auto b = batch_of(64, step);
+    torch::manual_seed(step);
+    const int64_t before = memory_allocated();
+    const auto rec = trainer.train_step(b);
+    if (step == 2) {  // the optimizer's state exists: the plain step's own peak
+      base = before;
+      plain = rec.peak_bytes - before;
+    }
+    r.losses.push_back(rec.loss);
+    r.replans.push_back(rec.replans);
+  }
+  set_memory_budget(torch::kCPU, 0);
+  r.params = copies(net->parameters());
+  r.recoveries = trainer.recoveries();
+  r.final_micro_batch = trainer.options().micro_batch_size();
+  return r;
+}
+
+TEST(Recovery, ABudgetThatDropsTo40PercentAtStep5Of20IsReplannedAndTheRunEqualsTheUninterruptedOne) {
+  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan);
+  const auto plain = run_with_budget_drop(options, 0, 0);
+  const auto dropped = run_with_budget_drop(options, 0.4, 5);
+  ASSERT_EQ(dropped.losses.size(), 20u);
+  EXPECT_GE(dropped.replans[4], 1) << "step 5 ran out of memory and was re-planned";
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(dropped.losses[i], plain.losses[i]) << "step " << i + 1;
+  for (size_t i = 5; i < 20; ++i) EXPECT_EQ(dropped.replans[i], 0) << "the re-planned settings stay";
+  for (size_t i = 0; i < 20; ++i) EXPECT_NEAR(dropped.losses[i], plain.losses[i], 1e-5) << "step " << i + 1;
+  EXPECT_LT(testing::max_relative_difference(dropped.params, plain.params), 1e-5);
+  ASSERT_FALSE(dropped.recoveries.empty());
+  EXPECT_EQ(dropped.recoveries[0].step, 5);
+  EXPECT_EQ(dropped.recoveries[0].before, "no micro-batching");
+  EXPECT_EQ(dropped.recoveries[0].after, "micro-batches of 32");
+  EXPECT_NE(dropped.recoveries[0].what.find("out of memory"), std::string::npos);
+}
+
+TEST(Recovery, ARunReturnsToItsFirstPlanAfterRestoreAfterCleanStepsOnceTheLimitLifts) {
+  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan);
+  // The budget drops at step 3 and lifts at step 8.
+  const auto kept = run_with_budget_drop(TrainerOptions(options).restore_after(0), 0.4, 3, 8);
+  const auto restored = run_with_budget_drop(TrainerOptions(options).restore_after(4), 0.4, 3, 8);
+  const auto plain = run_with_budget_drop(options, 0, 0);
+  // restore_after 4: step 7 tries the first plan again under the budget
+  // (it fails and is re-planned again), step 11 after the lift, and keeps it.
+  EXPECT_GE(restored.replans[2], 1);
+  EXPECT_GE(restored.replans[6], 1);
+  for (size_t i = 7; i < 20; ++i) EXPECT_EQ(restored.replans[i], 0) << "step " << i + 1;
+  EXPECT_EQ(restored.final_micro_batch, 0) << "back to the first plan: no micro-batching";
+  EXPECT_GT(kept.final_micro_batch, 0) << "restore_after 0 keeps the re-planned micro-batches";
+  EXPECT_GT(restored.recoveries.size(), kept.recoveries.size()) << "restoring under the budget costs a failure";
+  for (size_t i = 0; i < 20; ++i) EXPECT_NEAR(restored.losses[i], plain.losses[i], 1e-5) << "step " << i + 1;
+}
+
+TEST(Recovery, AStepThatCannotFitGivesUpAfterBoundedAttemptsLeavingTheStateAndSavingIt) {
+  const auto dir = (std::filesystem::temp_directory_path() / ("memfit_recovery_" + std::to_string(::getpid()))).string();
+  torch::manual_seed(7);
+  Net net;
+  Trainer trainer(net, nll, TrainerOptions().on_out_of_memory(OnOutOfMemory::kReplan).max_replans(3));
+  trainer.train_step(batch_of(64, 0));
+  const auto batch = batch_of(64, 1);
+  const auto before = state_of(trainer, net);
+  int64_t gradients = 0;
+  for (const auto& p : net->parameters()) gradients += p.nbytes();
+  {  // the parameters, the optimizer's state and the gradients fit, but no micro-batch of 8 or more
+    BudgetGuard tight(torch::kCPU, memory_allocated() + gradients + 256);
+    expect_error([&] { trainer.train_step(batch); },
+                 "could not be re-planned after 4 attempts (no micro-batching, micro-batches of 32, micro-batches "
+                 "of 16, micro-batches of 8); the last reached");
+  }
+  expect_bitwise(state_of(trainer, net), before, "after giving up");
+  ASSERT_EQ(trainer.recoveries().size(), 4u) << "3 re-plans, then the attempt that gave up";
+  EXPECT_EQ(trainer.recoveries().back().after, "");
+  {  // not even the fixed bytes fit: no re-plan is tried
+    BudgetGuard tiny(torch::kCPU, memory_allocated() + 64);
+    expect_error([&] { trainer.train_step(batch); }, "is smaller than the bytes no re-plan can move");
+  }
+  expect_bitwise(state_of(trainer, net), before, "after refusing");
+  EXPECT_EQ(trainer.recoveries().size(), 4u);
+  // fit saves the run before it ends.
+  ImageDataset data;
+  {
+    UntrackedGuard host;
+    data.images = torch::randn({64, 20});
+    data.labels = torch::randint(5, {64});
+  }
+  torch::manual_seed(7);
+  Net other;
+  Trainer saving(other, nll, TrainerOptions().batch_size(32).steps(2).save_dir(dir)
+                                 .on_out_of_memory(OnOutOfMemory::kReplan).max_replans(1));
+  {
+    BudgetGuard tiny(torch::kCPU, memory_allocated() + 64);
+    EXPECT_THROW(saving.fit(data), c10::OutOfMemoryError);
+  }
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(dir) / "checkpoint.pt"));
+}
+
+TEST(Recovery, BadInputIsRefusedWhenTheTrainerIsBuilt) {
+  Net bn(true);
+  expect_error([&] { Trainer t(bn, nll, TrainerOptions().on_out_of_memory(OnOutOfMemory::kReplan)); },
+               "changes the math of a module with batch statistics (BatchNorm 'norm')");
+  Trainer allowed(bn, nll, TrainerOptions().on_out_of_memory(OnOutOfMemory::kReplan)
+                               .replan(more_micro_batches(*bn, true)));
+  Net net;
+  expect_error([&] { Trainer t(net, nll, TrainerOptions().max_replans(-1)); }, "max_replans must be >= 0");
+  expect_error([] { parse_on_out_of_memory("retry"); }, "expected throw or replan");
+}
+
+TEST(Recovery, AnOptimizerWhoseStepIsNotTransactionalIsNotRetriedAfterItBegan) {
+  torch::manual_seed(7);
+  Net net;
+  Trainer trainer(net, nll, TrainerOptions().on_out_of_memory(OnOutOfMemory::kReplan).optimizer_factory(
+                                [](std::vector<torch::Tensor> p) {
+                                  return std::make_unique<torch::optim::Adam>(std::move(p));
+                                }));
+  trainer.train_step(batch_of(16, 0));
+  // Count the step's allocations, then fail its last: inside the optimizer's step.
+  int64_t n = 0;
+  {
+    Net probe_net;
+    Trainer probe(probe_net, nll, TrainerOptions().optimizer_factory([](std::vector<torch::Tensor> p) {
+      return std::make_unique<torch::optim::Adam>(std::move(p));
+    }));
+    probe.train_step(batch_of(16, 0));
+    AllocationFault count(0);
+    probe.train_step(batch_of(16, 1));
+    n = count.allocations();
+  }
+  AllocationFault fail(n);
+  expect_error([&] { trainer.train_step(batch_of(16, 1)); }, "inside the optimizer's step");
+}
+
+} // namespace
+} // namespace memfit
