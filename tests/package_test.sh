@@ -35,6 +35,8 @@ grep -q "streamed parameters train like resident ones" "$work/parameter-offload-
 grep -q "own model trained under the budget" "$work/own-model-mnist-run.log"
 "$work/find/custom_loop_gan" | tee "$work/custom-loop-gan-run.log"
 grep -q "gan trained with memfit's pieces" "$work/custom-loop-gan-run.log"
+"$work/find/own_model_recovery" | tee "$work/own-model-recovery-run.log"
+grep -q "the run recovered from out of memory" "$work/own-model-recovery-run.log"
 "$work/find/own_transformer" | tee "$work/own-transformer-run.log"
 grep -q "own transformer planned under 1/2, 1/4 and 1/8 of its peak" "$work/own-transformer-run.log"
 echo "ok   find_package(memfit CONFIG REQUIRED)"

@@ -147,6 +147,14 @@ std::string report_html(const std::string& json_text, const std::string& title) 
     fact("speed", fmt::format("{:.0f} samples/s", sum["samples_per_second"].get<double>()));
   }
   if (sum.contains("precision")) fact("precision", sum["precision"].get<std::string>());
+  if (run.contains("recoveries") && run["recoveries"].is_array()) {
+    for (const auto& r : run["recoveries"]) {  // steps that ran out of memory and were re-planned
+      if (!r.is_object()) continue;
+      fact(fmt::format("out of memory at step {}", r.value("step", int64_t(0))),
+           fmt::format("{} → {}", r.value("before", std::string()),
+                       r.value("after", std::string()).empty() ? "gave up" : r.value("after", std::string())));
+    }
+  }
   if (run.contains("environment")) {
     const auto& env = run["environment"];
     fact("LibTorch", fmt::format("{}, {}, {} threads", env.value("libtorch", std::string()),

@@ -4,11 +4,19 @@
 /// time (train_step, for a loop of one's own) or a whole run (fit), with
 /// every memory technique as a component of the step (step.h).
 ///
+/// A step is a transaction: when anything throws inside it, the module's
+/// parameters and buffers, the gradients, the optimizer's state (with
+/// memfit::optim's optimizers, which OptimizerKind builds), the GradScaler,
+/// the RNG states, the step and the data position are left as they were,
+/// and OnOutOfMemory::kReplan runs an out-of-memory step again under new
+/// settings (docs/recovery.md).
+///
 /// Thread safety: a Trainer is used from one thread at a time. Sync points:
 /// one per micro-batch (the loss value is read for the report and the
-/// non-finite check). Extra memory: the micro-batch being trained on (copied
-/// to the device from host memory, memfit::to_device), and the optimizer's
-/// state (none on the device with offload_optimizer kHost).
+/// non-finite check); recovery adds none unless a step fails. Extra memory:
+/// the micro-batch being trained on (copied to the device from host memory,
+/// memfit::to_device), and the optimizer's state (none on the device with
+/// offload_optimizer kHost); host copies of the buffers and RNG states.
 
 #include "memfit/batch.h"
 #include "memfit/data.h"
