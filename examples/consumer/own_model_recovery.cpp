@@ -34,16 +34,11 @@ int main() {
     memfit::Trainer trainer(net, nll,
                             memfit::TrainerOptions().lr(1e-3).on_out_of_memory(memfit::OnOutOfMemory::kReplan));
     std::vector<double> losses;
-    int64_t base = 0, plain = 0;
+    int64_t plain_peak = 0;  // the plain step's, once the optimizer's state exists
     for (int64_t i = 0; i < kSteps; ++i) {
-      if (drop && i + 1 == kDropAt) memfit::set_memory_budget(torch::kCPU, base + plain * 4 / 10);
-      const auto b = batch(i);
-      const int64_t before = memfit::memory_allocated();
-      const auto record = trainer.train_step(b);
-      if (i == 1) {  // the optimizer's state exists: the plain step's own bytes
-        base = before;
-        plain = record.peak_bytes - before;
-      }
+      if (drop && i + 1 == kDropAt) memfit::set_memory_budget(torch::kCPU, plain_peak * 4 / 10);
+      const auto record = trainer.train_step(batch(i));
+      if (i == 1) plain_peak = record.peak_bytes;
       losses.push_back(record.loss);
     }
     memfit::set_memory_budget(torch::kCPU, 0);
