@@ -1,6 +1,7 @@
 #include "memfit/trainer.h"
 
 #include "memfit/plan.h"
+#include "memfit/schedule.h"
 
 #include "memfit/compat.h"
 #include "memfit/freeze.h"
@@ -166,14 +167,42 @@ OnOutOfMemory parse_on_out_of_memory(const std::string& name) {
   TORCH_CHECK(false, "unknown out-of-memory action '", name, "': expected throw or replan");
 }
 
+namespace {
+bool recomputes(const std::vector<Segment>& segments) {
+  return std::any_of(segments.begin(), segments.end(), [](const Segment& s) { return s.checkpointed; });
+}
+} // namespace
+
 OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch_statistics_may_change) {
-  const bool refuse = !batch_statistics_may_change && batch_statistics_layer(module).has_value();
-  return [refuse](const OutOfMemoryEvent& e) -> std::optional<Replan> {
+  const bool keep_micro_batch = !batch_statistics_may_change && batch_statistics_layer(module).has_value();
+  const auto chains = find_chains(module);  // the chains' handles, shared with the module
+  return [keep_micro_batch, chains](const OutOfMemoryEvent& e) -> std::optional<Replan> {
     const int64_t micro = e.micro_batch_size > 0 ? std::min(e.micro_batch_size, e.examples) : e.examples;
-    if (refuse || micro <= 1) return std::nullopt;
     Replan r;
-    r.micro_batch_size = (micro + 1) / 2;
-    r.description = "micro-batches of " + std::to_string(r.micro_batch_size);
+    if (!keep_micro_batch && micro > 1) {
+      r.micro_batch_size = (micro + 1) / 2;
+      r.description = "micro-batches of " + std::to_string(r.micro_batch_size);
+      return r;
+    }
+    // Then the chains that recompute nothing recompute sqrt(n) segments.
+    std::vector<FoundChain> plain;
+    for (const auto& c : chains) {
+      if (c.chain->sequential()->size() > 1 && !recomputes(c.chain->schedule().segments)) plain.push_back(c);
+    }
+    if (plain.empty()) return std::nullopt;
+    r.micro_batch_size = e.micro_batch_size;
+    std::vector<std::string> what;
+    std::vector<Schedule> schedules;
+    for (const auto& c : plain) {
+      const auto n = static_cast<int64_t>(c.chain->sequential()->size());
+      schedules.push_back(avoid_in_place_starts(schedule_sqrt(n), c.chain->in_place()));
+      what.push_back("'" + c.name + "' " + schedules.back().to_string());
+    }
+    r.apply = [plain, schedules]() mutable {
+      for (size_t i = 0; i < plain.size(); ++i) plain[i].chain->set_schedule(schedules[i]);
+    };
+    r.description = (micro < e.examples ? "micro-batches of " + std::to_string(micro) + ", " : std::string()) +
+                    "recomputing " + c10::Join(", ", what);
     return r;
   };
 }
@@ -284,10 +313,12 @@ void Trainer::check_options() const {
     TORCH_CHECK(options_.process_group() == nullptr, "on_out_of_memory kReplan re-plans one process's steps; "
                 "with a process group the ranks would have to agree on every re-plan, which is not supported "
                 "yet: use OnOutOfMemory::kThrow with process_group");
-    TORCH_CHECK(options_.replan() || !batch_statistics_layer(*module_).has_value(), "on_out_of_memory kReplan "
-                "re-plans with more micro-batches, which changes the math of a module with batch statistics "
-                "(BatchNorm '", batch_statistics_layer(*module_).value_or(""), "'): allow it with replan("
-                "memfit::more_micro_batches(module, true)), or use OnOutOfMemory::kThrow");
+    TORCH_CHECK(options_.replan() || !batch_statistics_layer(*module_).has_value() || !find_chains(*module_).empty(),
+                "on_out_of_memory kReplan re-plans with more micro-batches, which changes the math of a module "
+                "with batch statistics (BatchNorm '", batch_statistics_layer(*module_).value_or(""), "'), and the "
+                "module has no chain (CheckpointedSequential) to recompute: allow micro-batches with replan("
+                "memfit::more_micro_batches(module, true)), hold its repeated blocks in a CheckpointedSequential, "
+                "or use OnOutOfMemory::kThrow");
   }
   check_precision_supported(options_.precision(), options_.device());
 }
@@ -396,6 +427,13 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
   }
   generator_ = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
   first_micro_batch_ = options_.micro_batch_size();
+  restore_first_schedules_ = [chains = find_chains(*module_)]() mutable {
+    std::vector<Schedule> first;
+    for (const auto& c : chains) first.push_back(c.chain->schedule());
+    return [chains, first]() mutable {
+      for (size_t i = 0; i < chains.size(); ++i) chains[i].chain->set_schedule(first[i]);
+    };
+  }();
   if (options_.on_out_of_memory() == OnOutOfMemory::kReplan && !options_.replan()) {
     options_.replan(more_micro_batches(*module_, false));
   }
@@ -550,9 +588,10 @@ class AbortGuard {
 // left the state as the step found it (the components' abort_step).
 StepRecord Trainer::run_step(const detail::StepInput& in) {
   TORCH_CHECK(in.examples > 0, "train_step needs a batch with examples, got an empty one");
-  if (options_.restore_after() > 0 && clean_steps_ >= options_.restore_after() &&
-      options_.micro_batch_size() != first_micro_batch_) {
+  if (replanned_ && options_.restore_after() > 0 && clean_steps_ >= options_.restore_after()) {
     options_.micro_batch_size(first_micro_batch_);  // the limit may have lifted: try the first plan again
+    restore_first_schedules_();
+    replanned_ = false;
     clean_steps_ = 0;
   }
   for (int64_t attempt = 1;; ++attempt) {
@@ -572,6 +611,7 @@ StepRecord Trainer::run_step(const detail::StepInput& in) {
 }
 
 std::string Trainer::settings_text() const {
+  if (replanned_) return replanned_settings_;
   const int64_t micro = options_.micro_batch_size();
   return micro > 0 ? "micro-batches of " + std::to_string(micro) : "no micro-batching";
 }
@@ -623,7 +663,10 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   if (next) {
     options_.micro_batch_size(next->micro_batch_size);
     if (next->apply) next->apply();
+    replanned_ = false;
     r.after = next->description.empty() ? settings_text() : next->description;
+    replanned_settings_ = r.after;
+    replanned_ = true;
   }
   r.seconds = seconds + seconds_since(replan_start);
   recoveries_.push_back(r);
@@ -635,7 +678,7 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   TORCH_CHECK_WITH(OutOfMemoryError, next.has_value(), "step ", r.step, " ran out of memory under ",
                    format_bytes(r.limit_bytes), " and could not be re-planned after ", attempt, " attempt",
                    attempt == 1 ? "" : "s", " (", tried, "); the last reached ", format_bytes(peak),
-                   " before it failed (", what, "): raise the budget, or lower the batch size");
+                   " before an allocation failed: raise the budget, or lower the batch size");
   TORCH_WARN("step ", r.step, " ran out of memory at ", format_bytes(peak), " under ", format_bytes(r.limit_bytes),
              " with ", r.before, "; re-planned to ", r.after, " and run again (", fmt::format("{:.3f}", r.seconds),
              " s lost)");

@@ -179,11 +179,16 @@ expect over-budget 1 'out of memory.*tried to allocate' err -- \
 expect over-budget-fixed 1 'the budget 1.00 MiB is smaller than the bytes no re-plan can move .*--offload optimizer,gradients' err -- \
   train --model mlp --budget 1MiB --steps 2 --no-eval -q --plan none
 expect over-budget-recovered 0 'recovered from out of memory [0-9]+ times? .*micro-batches of' out -- \
-  train --model mlp --width 64 --batch 256 --budget 1.3MiB --steps 2 --no-eval -q --plan none
+  train --model mlp --width 64 --batch 256 --budget 1.3MiB --steps 2 --no-eval -q --plan none \
+  --report "$tmp/recovered.json"
 check over-budget-recovery-line grep -qE 'memfit train: step [0-9]+ ran out of memory .* re-planned to micro-batches of' "$tmp/err"
+check over-budget-recovery-reported python3 -c 'import json, sys; j = json.load(open(sys.argv[1]))
+r = j["recoveries"]; assert r and r[-1]["after"].startswith("micro-batches of"), r
+assert j["summary"]["recoveries"] == len(r) and sum(s["replans"] for s in j["steps"]) == len(r), j["summary"]' \
+  "$tmp/recovered.json"
 expect on-out-of-memory-bad 2 'on-out-of-memory' err -- train --on-out-of-memory retry
-expect on-out-of-memory-batch-statistics 2 "changes the math of a model with batch statistics .*--batch-statistics per-micro-batch" err -- \
-  train --model resnet --steps 1 --no-eval -q --on-out-of-memory replan
+expect over-budget-recomputed 0 "recovered from out of memory 1 time .*the run ended with recomputing '0' \\[0,4\\)\\*" out -- \
+  train --model resnet --width 4 --batch 64 --budget 13MiB --steps 2 --no-eval -q --plan none
 expect over-budget-plan 1 'nothing fits 16.00 KiB .*tried micro-batches of 64 down to 1.*the closest predicted peak is .* \(micro-batch 1, fp32, offload .*parameters.*\).*less may fit with --precision any' err -- \
   train --model mlp --budget 16KiB --steps 2 --no-eval -q
 # The default MLP's 2.55 MiB of parameters train in 1 MiB: streamed from the host in tiles.

@@ -5,6 +5,7 @@
 #include "memfit/compat.h"
 #include "memfit/memory.h"
 #include "memfit/optim.h"
+#include "memfit/schedule.h"
 #include "memfit/trainer.h"
 #include "test_util.h"
 
@@ -16,6 +17,7 @@
 #include <limits>
 #include <unistd.h>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace memfit {
@@ -132,10 +134,12 @@ TEST(StepTransaction, FailingAnyAllocationOfAStepLeavesTheStateAsItWasAndTheRetr
       torch::manual_seed(99);
       for (int64_t k = 1; k <= allocations; ++k) {
         const auto before = state_of(trainer, net);
+        const int64_t bytes = memory_allocated();
         {
           AllocationFault fail(k);
           EXPECT_THROW(trainer.train_step(batch), c10::OutOfMemoryError) << "allocation " << k << " of " << allocations;
         }
+        EXPECT_EQ(memory_allocated(), bytes) << "the failed step freed all it made (allocation " << k << ")";
         expect_bitwise(state_of(trainer, net), before, "state after failing allocation " + std::to_string(k));
         if (::testing::Test::HasFailure()) return;  // one broken combination is enough to read
       }
@@ -320,6 +324,51 @@ TEST(Recovery, AStepThatCannotFitGivesUpAfterBoundedAttemptsLeavingTheStateAndSa
     EXPECT_THROW(saving.fit(data), c10::OutOfMemoryError);
   }
   EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(dir) / "checkpoint.pt"));
+}
+
+// A module with batch statistics keeps its micro-batch: the default policy
+// recomputes its chain instead, which gives the same gradients (the BatchNorm
+// statistics of each step's batch).
+TEST(Recovery, AModuleWithBatchStatisticsRecomputesItsChainInsteadOfMicroBatching) {
+  auto make = [](ScheduleKind kind) {
+    torch::manual_seed(7);
+    torch::nn::Sequential layers;
+    layers->push_back(torch::nn::Linear(20, 64));
+    for (int i = 0; i < 8; ++i) {
+      layers->push_back(torch::nn::BatchNorm1d(64));
+      layers->push_back(torch::nn::Functional(torch::relu));
+      layers->push_back(torch::nn::Linear(64, 64));
+    }
+    layers->push_back(torch::nn::Linear(64, 5));
+    return torch::nn::Sequential(CheckpointedSequential(layers, CheckpointedSequentialOptions().kind(kind)));
+  };
+  auto peak_of = [&](ScheduleKind kind) {
+    Trainer t(make(kind), TrainerOptions());
+    t.train_step(batch_of(128, 0));
+    return t.train_step(batch_of(128, 1)).peak_bytes;
+  };
+  const int64_t plain_peak = peak_of(ScheduleKind::kNone), recomputed_peak = peak_of(ScheduleKind::kSqrt);
+  ASSERT_LT(recomputed_peak, plain_peak);
+  auto run = [&](bool drop) {
+    auto model = make(ScheduleKind::kNone);
+    Trainer t(model, TrainerOptions().on_out_of_memory(OnOutOfMemory::kReplan));
+    std::vector<double> losses;
+    for (int64_t i = 0; i < 6; ++i) {
+      if (drop && i == 2) set_memory_budget(torch::kCPU, (plain_peak + recomputed_peak) / 2);
+      losses.push_back(t.train_step(batch_of(128, i)).loss);
+    }
+    set_memory_budget(torch::kCPU, 0);
+    UntrackedGuard host;  // the copies must not count against the next run's budget
+    return std::make_tuple(losses, t.recoveries(), t.options().micro_batch_size(), copies(model->parameters()));
+  };
+  const auto [plain_losses, none, plain_micro, plain_params] = run(false);
+  const auto [losses, recoveries, micro, params] = run(true);
+  ASSERT_EQ(recoveries.size(), 1u);
+  EXPECT_EQ(recoveries[0].step, 3);
+  EXPECT_EQ(recoveries[0].after.rfind("recomputing '0' [0,", 0), 0u) << recoveries[0].after;
+  EXPECT_EQ(micro, 0) << "the batch statistics stay the whole batch's";
+  EXPECT_EQ(losses, plain_losses);
+  expect_bitwise(params, plain_params, "parameters");
 }
 
 TEST(Recovery, BadInputIsRefusedWhenTheTrainerIsBuilt) {

@@ -342,10 +342,9 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
   train->add_flag("--skip-nonfinite", a.skip_nonfinite,
                   "Skip steps whose loss is NaN or infinite instead of stopping");
   train->add_option("--on-out-of-memory", a.on_out_of_memory,
-                    "A step that runs out of memory: replan (undo it, re-plan with more micro-batches, run it "
-                    "again: the same math), throw (end the run, exit 1), or auto (replan in one process where "
-                    "micro-batches keep the math: without batch statistics, or with --batch-statistics "
-                    "per-micro-batch)")
+                    "A step that runs out of memory: replan (undo it, re-plan with more micro-batches, or "
+                    "recomputation where micro-batches would change batch statistics, and run it again: the "
+                    "same gradients), throw (end the run, exit 1), or auto (replan in one process)")
       ->check(CLI::IsMember({"auto", "replan", "throw"}))
       ->capture_default_str();
   train->add_option("--micro-batch", a.micro_batch,
@@ -859,14 +858,6 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
   }
   memfit::CheckpointedSequential checkpointed(chain, ck_options);
   torch::nn::Sequential model = pipelined ? chain : torch::nn::Sequential(checkpointed);
-  // Recovery from out of memory (--on-out-of-memory): more micro-batches keep the math of a model
-  // without batch statistics; with them only where --batch-statistics per-micro-batch allows it.
-  const bool statistics_may_change = a.batch_statistics == "per-micro-batch";
-  const auto statistics_layer = memfit::batch_statistics_layer(*model);
-  memfit::tools::usage_check(a.on_out_of_memory != "replan" || statistics_may_change || !statistics_layer,
-                             "--on-out-of-memory replan re-plans with more micro-batches, which changes the math of "
-                             "a model with batch statistics (BatchNorm '", statistics_layer.value_or(""),
-                             "'): add --batch-statistics per-micro-batch, or use --on-out-of-memory throw");
   memfit::TrainerOptions options;
   options.batch_size(a.batch)
       .prefetch_factor(a.prefetch_factor)
@@ -927,10 +918,11 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
   }
   const std::string schedule_text =
       pipelined ? "none (pipeline stages)" : checkpointed->schedule().to_string();
-  if (a.on_out_of_memory == "replan" ||
-      (a.on_out_of_memory == "auto" && !group && (statistics_may_change || !statistics_layer))) {
+  // Recovery from out of memory (--on-out-of-memory): every model here is a chain, so a model with
+  // batch statistics recomputes it rather than micro-batching, unless --batch-statistics allows it.
+  if (a.on_out_of_memory == "replan" || (a.on_out_of_memory == "auto" && !group)) {
     options.on_out_of_memory(memfit::OnOutOfMemory::kReplan)
-        .replan(memfit::more_micro_batches(*model, statistics_may_change));
+        .replan(memfit::more_micro_batches(*model, a.batch_statistics == "per-micro-batch"));
   }
   memfit::Trainer trainer(model, options);
   // The run's peak from here: with streamed parameters the model built in

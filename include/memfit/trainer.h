@@ -152,10 +152,12 @@ struct Replan {
 using OutOfMemoryPolicy = std::function<std::optional<Replan>(const OutOfMemoryEvent&)>;
 
 /// The Trainer's default re-planning: twice the micro-batches (half the
-/// micro-batch, down to 1 example), which gives the same gradients; a module
-/// with batch statistics (BatchNorm) is given up on unless
-/// `batch_statistics_may_change`, since its micro-batches normalise with
-/// their own statistics.
+/// micro-batch, down to 1 example), which gives the same gradients; then the
+/// module's chains (CheckpointedSequential) that recompute nothing recompute
+/// sqrt(n) segments. A module with batch statistics (BatchNorm) keeps its
+/// micro-batch unless `batch_statistics_may_change`, since micro-batches
+/// normalise with their own statistics: its chains recompute first. Gives
+/// up when neither is left.
 ///
 /// Example:
 /// \code
@@ -278,7 +280,8 @@ struct TrainerOptions {
   /// Re-plans one step may make before it gives up (with kReplan).
   TORCH_ARG(int64_t, max_replans) = 4;
   /// How a step is re-planned (with kReplan); empty: more_micro_batches over
-  /// the module, which gives up on a module with batch statistics.
+  /// the module, without changing batch statistics (a module with BatchNorm
+  /// and no chain to recompute is refused).
   TORCH_ARG(OutOfMemoryPolicy, replan) = nullptr;
   /// After this many steps in a row without running out of memory, a
   /// re-planned run tries its first micro-batch size again (a limit that
@@ -710,10 +713,13 @@ class Trainer {
   std::vector<std::shared_ptr<StepComponent>> components_;
   class Timeline;
   std::shared_ptr<Timeline> timeline_;  // also in components_
-  // Recovery: the events so far, the first micro-batch size, steps since the last re-plan,
-  // and whether the running step's optimizer has begun changing the parameters.
+  // Recovery: the events so far, the first settings, steps since the last re-plan, and
+  // whether the running step's optimizer has begun changing the parameters.
   std::vector<Recovery> recoveries_;
   int64_t first_micro_batch_ = 0;
+  std::function<void()> restore_first_schedules_;  // the chains' schedules when the Trainer was built
+  bool replanned_ = false;                          // the settings are a recovery's, not the first
+  std::string replanned_settings_;                  // a recovery's settings in words
   int64_t clean_steps_ = 0;
   bool committing_ = false;
 };
