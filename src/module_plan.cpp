@@ -327,7 +327,8 @@ std::vector<Event> ModuleStepModel::Impl::measure_at(const StepSettings& s, int6
   auto rec = std::make_shared<Recorder>(base.device(), chains.size());
   compat::WarningCapture quiet;  // micro-batches of a model with batch statistics: the plan says so
   auto trainer = probe.make_trainer(
-      trainer_options(StepSettings(s).micro_batch(m), base).batch_size(2 * m).save_dir(""));
+      trainer_options(StepSettings(s).micro_batch(m), base).batch_size(2 * m).save_dir("").on_out_of_memory(
+          OnOutOfMemory::kThrow));  // planning measures the step as it is
   ChainTaps taps(chains, rec);  // after the Trainer: around its stream's runner, and gone before it
   trainer.add_component(std::make_shared<RecordStep>(rec));
   ParameterMarks parameter_marks(probe.module->parameters(), rec);
@@ -945,7 +946,8 @@ detail::StepTiming run_plan(const ModuleStepModel& model, const ModuleStepModel:
   compat::WarningCapture quiet;  // the Trainer's warnings repeat what the plan says
   ChainSchedules scheduled(im.chains, schedules);
   SelectiveRecomputeGuard selective(*im.probe.module, settings.selective_recompute());
-  auto trainer = im.probe.make_trainer(trainer_options(settings, im.base).batch_size(examples).save_dir(""));
+  auto trainer = im.probe.make_trainer(  // an out-of-memory error is the answer here, not something to recover
+      trainer_options(settings, im.base).batch_size(examples).save_dir("").on_out_of_memory(OnOutOfMemory::kThrow));
   const int64_t outer = memory_budget(im.base.device());  // a caller's lower budget stays
   BudgetGuard scope(im.base.device(), outer > 0 ? std::min(outer, budget) : budget);
   detail::StepTiming out;
@@ -1433,7 +1435,8 @@ ModuleProfile profile(const ModuleStepModel& model) {
   // Three real steps: the first makes the optimizer's state.
   detail::ModuleStateGuard restore(*im.probe.module);
   SelectiveRecomputeGuard selective(*im.probe.module, plain.selective_recompute());
-  auto trainer = im.probe.make_trainer(trainer_options(plain, im.base).batch_size(out.batch).save_dir(""));
+  auto trainer = im.probe.make_trainer(
+      trainer_options(plain, im.base).batch_size(out.batch).save_dir("").on_out_of_memory(OnOutOfMemory::kThrow));
   for (int k = 0; k < 3; ++k) {
     const auto rec = im.probe.step(trainer, out.batch);
     if (k > 0) out.step_seconds = k == 1 ? rec.seconds : std::min(out.step_seconds, rec.seconds);
