@@ -624,7 +624,9 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   if (options_.on_out_of_memory() != OnOutOfMemory::kReplan) return false;
   const auto replan_start = Clock::now();
   const std::string what = first_line(e.what_without_backtrace());
-  const bool committing = std::exchange(committing_, false);
+  const bool committing = std::exchange(committing_, false), committed = std::exchange(committed_, false);
+  TORCH_CHECK_WITH(OutOfMemoryError, !committed, "step ", step_ + 1, " ran out of memory after its optimizer step "
+                   "had changed the parameters (", what, "): a step is not run twice; raise the budget");
   TORCH_CHECK_WITH(OutOfMemoryError, !committing || optim::is_transactional(*optimizer_), "step ", step_ + 1,
                    " ran out of memory inside the optimizer's step, which may have changed some parameters "
                    "already (", what, "): recovery needs an optimizer whose step completes or changes nothing "
@@ -688,6 +690,7 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
 // One attempt at the step: it completes, or it throws having called every
 // component's abort_step, which leaves the state as the step found it.
 StepRecord Trainer::step_once(const detail::StepInput& in) {
+  committing_ = committed_ = false;
   const auto& cs = components_;
   const auto start_time = Clock::now();
   PeakMeter meter(options_.device());
@@ -751,10 +754,12 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
       s.stepped = true;
     }
     committing_ = false;
+    committed_ = true;  // from here a failure is not undone: the parameters have their update
     call_all(cs, [&](StepComponent& c) { c.after_optimizer_step(s); });
   }
   abort.done();
   call_all(cs, [&](StepComponent& c) { c.end_step(s); });
+  committed_ = false;
   StepRecord rec;
   rec.step = s.step;
   rec.epoch = s.epoch;

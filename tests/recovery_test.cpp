@@ -371,6 +371,27 @@ TEST(Recovery, AModuleWithBatchStatisticsRecomputesItsChainInsteadOfMicroBatchin
   expect_bitwise(params, plain_params, "parameters");
 }
 
+// An out-of-memory error after the optimizer step (on a GPU: the copy of
+// fp32 masters into bf16 parameters, the fp16 scaler's update) is not undone,
+// so the step is never run twice.
+TEST(Recovery, AFailureAfterTheOptimizerStepIsNotRunAgain) {
+  struct FailsAfterTheStep : StepComponent {
+    int calls = 0;
+    void after_optimizer_step(StepState&) override {
+      ++calls;
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory after the step");
+    }
+  };
+  torch::manual_seed(7);
+  Net net;
+  Trainer trainer(net, nll, TrainerOptions().on_out_of_memory(OnOutOfMemory::kReplan));
+  auto fails = std::make_shared<FailsAfterTheStep>();
+  trainer.add_component(fails);
+  expect_error([&] { trainer.train_step(batch_of(16, 0)); }, "after its optimizer step had changed the parameters");
+  EXPECT_EQ(fails->calls, 1);
+  EXPECT_TRUE(trainer.recoveries().empty());
+}
+
 TEST(Recovery, BadInputIsRefusedWhenTheTrainerIsBuilt) {
   Net bn(true);
   expect_error([&] { Trainer t(bn, nll, TrainerOptions().on_out_of_memory(OnOutOfMemory::kReplan)); },

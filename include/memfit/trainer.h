@@ -722,6 +722,7 @@ class Trainer {
   std::string replanned_settings_;                  // a recovery's settings in words
   int64_t clean_steps_ = 0;
   bool committing_ = false;
+  bool committed_ = false;  // the running step's optimizer has stepped
 };
 
 /// Reads only the model's tensors from a checkpoint that Trainer::save wrote
