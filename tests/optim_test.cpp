@@ -43,10 +43,7 @@ void set_grads(std::vector<torch::Tensor>& params, int64_t i) {
 using testing::copies;
 using testing::expect_bitwise;
 using testing::expect_error;
-
-std::vector<torch::Tensor> state_of(torch::optim::Optimizer& o, const std::vector<torch::Tensor>& params) {
-  return testing::optimizer_state_of(o, params);
-}
+using testing::optimizer_state_of;
 
 struct Case {
   std::string name;
@@ -96,7 +93,7 @@ TEST(Optim, EveryOptionStepsBitwiseAsLibTorchsOptimizerOver100Steps) {
       theirs->step();
     }
     expect_bitwise(copies(a), copies(b), "parameters");
-    expect_bitwise(state_of(*ours, a), state_of(*theirs, b), "state");
+    expect_bitwise(optimizer_state_of(*ours, a), optimizer_state_of(*theirs, b), "state");
   }
 }
 
@@ -150,17 +147,17 @@ TEST(Optim, AStepThatFailsAnyAllocationChangesNothingAndThenStepsAsUninterrupted
       if (c.name.rfind("Adam", 0) == 0) EXPECT_GT(allocations, 0);
       for (int64_t k = 1; k <= allocations; ++k) {
         const auto params_before = copies(p);
-        const auto state_before = state_of(*o, p);
+        const auto state_before = optimizer_state_of(*o, p);
         {
           AllocationFault fail(k);
           EXPECT_THROW(o->step(), c10::OutOfMemoryError) << "allocation " << k << " of " << allocations;
         }
         expect_bitwise(copies(p), params_before, "parameters after failing allocation " + std::to_string(k));
-        expect_bitwise(state_of(*o, p), state_before, "state after failing allocation " + std::to_string(k));
+        expect_bitwise(optimizer_state_of(*o, p), state_before, "state after failing allocation " + std::to_string(k));
       }
       o->step();
       expect_bitwise(copies(p), copies(ref), "parameters after the retried step");
-      expect_bitwise(state_of(*o, p), state_of(*reference, ref), "state after the retried step");
+      expect_bitwise(optimizer_state_of(*o, p), optimizer_state_of(*reference, ref), "state after the retried step");
     }
   }
 }
