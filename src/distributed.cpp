@@ -511,6 +511,10 @@ class BucketedAllReduce : public GradientReducer {
         }
         offset += n;
       }
+      // Freed now: the process group's worker thread may hold the finished
+      // all-reduce (and so this tensor) a little longer, past the optimizer
+      // step's allocations on some steps and not on others.
+      flat.storage().unsafeGetStorageImpl()->reset();
     }
     reset();
   }
@@ -522,22 +526,7 @@ class BucketedAllReduce : public GradientReducer {
  private:
   void launch_ready() {
     while (launched_ < buckets_.size() && missing_[launched_] == 0) {
-      const auto& bucket = buckets_[launched_];
-      std::optional<UntrackedGuard> host;  // offloaded gradients: the bucket (and zeros) on the host too
-      if (on_host_) host.emplace();
-      std::vector<torch::Tensor> pieces;
-      pieces.reserve(bucket.size());
-      for (size_t i : bucket) {
-        const auto& p = params_[i];
-        const auto& g = p.grad();
-        pieces.push_back(g.defined() ? g.detach().reshape({-1})
-                                     : torch::zeros({p.numel()}, p.options().requires_grad(false)));
-      }
-      torch::Tensor flat = torch::cat(pieces);
-      if (flat.device() != group_->device()) {
-        UntrackedGuard staging;  // a staging copy (on the host for Gloo), not the model's memory
-        flat = flat.to(group_->device());
-      }
+      torch::Tensor flat = flats_[launched_].defined() ? flats_[launched_] : build(launched_);
       bytes_reduced_ += flat.numel() * flat.element_size();
       pending_[launched_] = group_->all_reduce_async_(flat);
       flats_[launched_] = std::move(flat);
@@ -545,6 +534,46 @@ class BucketedAllReduce : public GradientReducer {
     }
   }
 
+  // One bucket: its gradients (zeros for those without one) in one flat
+  // tensor on the group's device.
+  torch::Tensor build(size_t b) {
+    const auto& bucket = buckets_[b];
+    std::optional<UntrackedGuard> host;  // offloaded gradients: the bucket (and zeros) on the host too
+    if (on_host_) host.emplace();
+    std::vector<torch::Tensor> pieces;
+    pieces.reserve(bucket.size());
+    for (size_t i : bucket) {
+      const auto& p = params_[i];
+      const auto& g = p.grad();
+      pieces.push_back(g.defined() ? g.detach().reshape({-1})
+                                   : torch::zeros({p.numel()}, p.options().requires_grad(false)));
+    }
+    torch::Tensor flat = torch::cat(pieces);
+    if (flat.device() != group_->device()) {
+      UntrackedGuard staging;  // a staging copy (on the host for Gloo), not the model's memory
+      flat = flat.to(group_->device());
+    }
+    return flat;
+  }
+
+ public:
+  void prepare() {
+    for (size_t b = launched_; b < buckets_.size(); ++b) {
+      if (!flats_[b].defined()) flats_[b] = build(b);
+    }
+  }
+
+  void discard() noexcept {
+    for (size_t b = 0; b < launched_; ++b) {
+      try {
+        pending_[b].wait();  // an all-reduce in flight finishes before its bucket goes
+      } catch (...) {
+      }
+    }
+    reset();
+  }
+
+ private:
   void reset() {
     ready_.assign(params_.size(), false);
     missing_.clear();
@@ -645,6 +674,10 @@ DistributedDataParallel::DistributedDataParallel(DistributedDataParallel&&) noex
 DistributedDataParallel& DistributedDataParallel::operator=(DistributedDataParallel&&) noexcept = default;
 
 void DistributedDataParallel::finalize() { impl_->reducer->finalize(); }
+
+void DistributedDataParallel::prepare() { impl_->reducer->prepare(); }
+
+void DistributedDataParallel::discard() { impl_->reducer->discard(); }
 
 void DistributedDataParallel::sync_buffers() {
   if (!impl_->options.broadcast_buffers() || impl_->group->size() == 1) return;

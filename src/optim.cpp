@@ -66,6 +66,7 @@ template <class State, class Key, class Prepare>
 void prepare_or_undo(State& state, std::vector<Key>& added, Prepare prepare) {
   try {
     prepare();
+    before_commit();  // everything is made: the last point where the step can still change nothing
   } catch (...) {
     for (const auto& k : added) state.erase(k);
     throw;
@@ -259,6 +260,20 @@ torch::Tensor Adam::step(LossClosure closure) {
 
 torch::Tensor AdamW::step(LossClosure closure) {
   return adam_step<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState, true>(*this, closure);
+}
+
+namespace {
+thread_local BeforeCommit* innermost_gate = nullptr;
+} // namespace
+
+BeforeCommit::BeforeCommit(std::function<void()> fn) : fn_(std::move(fn)), previous_(innermost_gate) {
+  innermost_gate = this;
+}
+
+BeforeCommit::~BeforeCommit() { innermost_gate = previous_; }
+
+void before_commit() {
+  if (innermost_gate != nullptr && innermost_gate->fn_) innermost_gate->fn_();
 }
 
 bool is_transactional(const torch::optim::Optimizer& optimizer) {

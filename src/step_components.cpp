@@ -21,24 +21,107 @@ torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& ta
   return sum ? F::cross_entropy(l, t, F::CrossEntropyFuncOptions().reduction(torch::kSum)) : F::cross_entropy(l, t);
 }
 
+std::vector<double> RankVote::sum(double extra, double mine) {
+  UntrackedGuard host;  // nothing after the all-reduce may fail on one rank only
+  auto t = torch::zeros({group_.size() + 1}, torch::kDouble);
+  t[0] = extra;
+  t[group_.rank() + 1] = mine;
+  group_.all_reduce_(t);
+  const double* p = t.data_ptr<double>();
+  return std::vector<double>(p, p + t.numel());
+}
+
+namespace {
+// "ranks 1 and 3" for the slots of `flags` (after the first) that are set.
+std::string ranks_set(const std::vector<double>& flags) {
+  std::vector<std::string> ranks;
+  for (size_t r = 1; r < flags.size(); ++r) {
+    if (flags[r] != 0) ranks.push_back(std::to_string(r - 1));
+  }
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    text += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") + ranks[i];
+  }
+  return text;
+}
+
+// Whether any rank's slot is set.
+bool any_rank(const std::vector<double>& flags) {
+  for (size_t r = 1; r < flags.size(); ++r) {
+    if (flags[r] != 0) return true;
+  }
+  return false;
+}
+} // namespace
+
+double RankVote::reached(double loss, int64_t step) {
+  const auto t = sum(loss, 0);
+  if (!any_rank(t)) return t[0];
+  announced_ = true;
+  peer_failed_ = true;  // this rank voted "reached": another failed
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "step ", step, ": ", ranks_set(t), " of ", group_.size(),
+                   " ran out of memory; every rank re-plans the step together");
+}
+
+void RankVote::failed() {
+  if (std::exchange(announced_, true)) return;
+  peer_failed_ = false;
+  sum(0, 1);
+}
+
+std::string RankVote::agree(bool go_on, int64_t micro_batch_size) {
+  announced_ = false;  // the next attempt starts with nothing announced
+  const auto stop = sum(double(micro_batch_size), go_on ? 0 : 1);
+  if (any_rank(stop)) return ranks_set(stop) + " of " + std::to_string(group_.size()) + " could not re-plan";
+  if (stop[0] != double(micro_batch_size * group_.size())) {
+    return "the ranks re-planned to different micro-batch sizes (options that differ between ranks?)";
+  }
+  return "";
+}
+
 void DataParallelStep::begin_step(StepState&) { ddp_.sync_buffers(); }
 
 void DataParallelStep::before_backward(StepState& s) {
-  if (!s.last_micro()) no_sync_.emplace(ddp_);  // all-reduce during the last backward only
+  // All-reduce during the last backward only; with a vote, after it.
+  if (vote_ != nullptr || !s.last_micro()) no_sync_.emplace(ddp_);
 }
 
 void DataParallelStep::after_backward(StepState&) { no_sync_.reset(); }
 
 void DataParallelStep::finish_backward(StepState& s) {
   no_sync_.reset();
-  ddp_.finalize();
-  torch::Tensor sum;
-  {
+  double sum = 0;
+  if (vote_ != nullptr) {
+    ddp_.prepare();  // every bucket built: from here the all-reduce allocates nothing on the device
+    sum = vote_->reached(s.loss_value, s.step);
+    ddp_.finalize();
+  } else {
+    ddp_.finalize();
+    torch::Tensor t;
     UntrackedGuard host;
-    sum = torch::tensor(s.loss_value, torch::kDouble);
-    group_.all_reduce_(sum);
+    t = torch::tensor(s.loss_value, torch::kDouble);
+    group_.all_reduce_(t);
+    sum = t.item<double>();
   }
-  s.loss_value = sum.item<double>() / double(group_.size());
+  s.loss_value = sum / double(group_.size());
+}
+
+void DataParallelStep::abort_step(StepState&) {
+  no_sync_.reset();
+  if (vote_ != nullptr) ddp_.discard();
+}
+
+void VoteBeforeCommit::before_optimizer_step(StepState& s) {
+  voted_ = false;
+  gate_.emplace([this, step = s.step] {
+    voted_ = true;
+    vote_.reached(0, step);
+  });
+}
+
+void VoteBeforeCommit::after_optimizer_step(StepState& s) {
+  gate_.reset();
+  if (!voted_) vote_.reached(0, s.step);  // the step did not run (fp16's skipped step): the ranks still meet
 }
 
 bool PipelineStep::forward_backward(StepState& s) {

@@ -4,6 +4,7 @@
 
 #include "memfit/distributed.h"
 #include "memfit/memory.h"
+#include "memfit/optim.h"
 #include "memfit/pipeline.h"
 #include "memfit/precision.h"
 #include "memfit/step.h"
@@ -42,22 +43,74 @@ class StreamStep final : public StepComponent {
   ParameterStream::Hold held_;
 };
 
+// The ranks' vote that each of them reached a point of the step without an
+// out-of-memory error, where otherwise one rank's failure would leave the
+// others waiting in a collective: one all-reduce of [loss, a flag per rank].
+// A rank that fails votes once, from the Trainer's recovery, and meets the
+// others at their next point; from there every rank recovers together.
+class RankVote {
+ public:
+  explicit RankVote(ProcessGroup& group) : group_(group) {}
+  // This rank reached a point of step `step` with `loss`: returns the loss
+  // summed over the ranks, or throws c10::OutOfMemoryError naming the ranks
+  // that failed (after which every rank knows).
+  double reached(double loss, int64_t step);
+  // Whether this rank recovers from another rank's failure (a vote told it),
+  // rather than from its own.
+  bool peer_failed() const { return peer_failed_; }
+  // This rank failed: votes so, unless a vote has already told every rank.
+  void failed();
+  // After a failure, every rank's decision: `go_on` (a new plan with
+  // `micro_batch_size`). Returns "" when every rank goes on with the same
+  // micro-batch size, else why they all stop. Ends the attempt.
+  std::string agree(bool go_on, int64_t micro_batch_size);
+
+ private:
+  // Sums [extra, a slot per rank holding `mine` on this rank] over the ranks.
+  std::vector<double> sum(double extra, double mine);
+  ProcessGroup& group_;
+  bool announced_ = false;
+  bool peer_failed_ = false;
+};
+
 // Data parallelism: buffers from rank 0 before the step, gradients
 // all-reduced during the last micro-batch's backward only, the loss
-// averaged over the ranks. Sync points: DDP's.
+// averaged over the ranks. With a vote (recovery), the gradients are
+// all-reduced after the whole backward instead, once the buckets are built
+// and the ranks have voted that each got there. Sync points: DDP's; the
+// vote replaces the loss's all-reduce.
 class DataParallelStep final : public StepComponent {
  public:
-  DataParallelStep(DistributedDataParallel& ddp, ProcessGroup& group) : ddp_(ddp), group_(group) {}
+  DataParallelStep(DistributedDataParallel& ddp, ProcessGroup& group, RankVote* vote)
+      : ddp_(ddp), group_(group), vote_(vote) {}
   void begin_step(StepState&) override;
   void before_backward(StepState& s) override;
   void after_backward(StepState&) override;
   void finish_backward(StepState& s) override;
-  void abort_step(StepState&) override { no_sync_.reset(); }
+  void abort_step(StepState&) override;
 
  private:
   DistributedDataParallel& ddp_;
   ProcessGroup& group_;
+  RankVote* vote_;
   std::optional<DistributedDataParallel::NoSync> no_sync_;
+};
+
+// With a vote: the ranks vote once more inside the optimizer's step, after
+// it has allocated everything and before it changes anything (or after a
+// step that did not run), so that either every rank steps or none does.
+// Sync points: the vote.
+class VoteBeforeCommit final : public StepComponent {
+ public:
+  explicit VoteBeforeCommit(RankVote& vote) : vote_(vote) {}
+  void before_optimizer_step(StepState& s) override;
+  void after_optimizer_step(StepState& s) override;
+  void abort_step(StepState&) override { gate_.reset(); }
+
+ private:
+  RankVote& vote_;
+  std::optional<optim::BeforeCommit> gate_;
+  bool voted_ = false;
 };
 
 // A pipeline's stage: the whole batch in chunks through the stages, under
@@ -188,7 +241,7 @@ class OwnGradients final : public StepComponent {
   // A gradient this component zeroed, as it left it.
   struct Zeroed {
     const void* impl = nullptr;
-    uint32_t version = 0;
+    int64_t version = 0;
   };
   void release(size_t i);
   std::vector<torch::Tensor> params_;

@@ -310,9 +310,10 @@ void Trainer::check_options() const {
   TORCH_CHECK(options_.restore_after() >= 0, "restore_after must be >= 0 (0: keep the re-planned settings), got ",
               options_.restore_after());
   if (options_.on_out_of_memory() == OnOutOfMemory::kReplan) {
-    TORCH_CHECK(options_.process_group() == nullptr, "on_out_of_memory kReplan re-plans one process's steps; "
-                "with a process group the ranks would have to agree on every re-plan, which is not supported "
-                "yet: use OnOutOfMemory::kThrow with process_group");
+    TORCH_CHECK(options_.parallel() != ParallelMode::kPipeline && options_.zero_stage() == 0,
+                "on_out_of_memory kReplan re-plans data-parallel ranks together, but not a pipeline's stages or "
+                "a sharded optimizer's step (which broadcasts as it steps): use parallel data with zero_stage 0, "
+                "or OnOutOfMemory::kThrow");
     TORCH_CHECK(options_.replan() || !batch_statistics_layer(*module_).has_value() || !find_chains(*module_).empty(),
                 "on_out_of_memory kReplan re-plans with more micro-batches, which changes the math of a module "
                 "with batch statistics (BatchNorm '", batch_statistics_layer(*module_).value_or(""), "'), and the "
@@ -445,7 +446,11 @@ void Trainer::build_components() {
   using namespace detail;
   components_.push_back(std::make_shared<StateRollback>(module_->buffers(), options_.device()));
   if (stream_) components_.push_back(std::make_shared<StreamStep>(*stream_));
-  if (ddp_) components_.push_back(std::make_shared<DataParallelStep>(*ddp_, *options_.process_group()));
+  if (ddp_ && options_.on_out_of_memory() == OnOutOfMemory::kReplan) {
+    vote_ = std::make_shared<RankVote>(*options_.process_group());  // the ranks recover together
+  }
+  if (ddp_) components_.push_back(std::make_shared<DataParallelStep>(*ddp_, *options_.process_group(), vote_.get()));
+  if (vote_) components_.push_back(std::make_shared<VoteBeforeCommit>(*vote_));
   if (pipeline_) {
     components_.push_back(std::make_shared<PipelineStep>(*pipeline_, options_.device(), options_.precision()));
   }
@@ -631,6 +636,7 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
                    " ran out of memory inside the optimizer's step, which may have changed some parameters "
                    "already (", what, "): recovery needs an optimizer whose step completes or changes nothing "
                    "(OptimizerKind, memfit::optim)");
+  if (vote_) vote_->failed();  // the other ranks learn it at their next vote, and recover too
   empty_cache(options_.device());
   // The bytes no re-plan can move: what the Trainer holds between steps (the
   // parameters, their masters and the optimizer's state on the device) and
@@ -641,7 +647,9 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   if (options_.offload_gradients() != Offload::kHost) {
     for (const auto& p : module_->parameters()) fixed += p.requires_grad() ? int64_t(p.nbytes()) : 0;
   }
-  TORCH_CHECK_WITH(OutOfMemoryError, budget <= 0 || fixed <= budget, "step ", step_ + 1, " ran out of memory: ",
+  const bool fits = budget <= 0 || fixed <= budget;
+  if (vote_ && !fits) vote_->agree(false, 0);  // every rank stops
+  TORCH_CHECK_WITH(OutOfMemoryError, fits, "step ", step_ + 1, " ran out of memory: ",
                    "the budget ", format_bytes(budget), " is smaller than the bytes no re-plan can move (",
                    format_bytes(fixed), ": parameters, their gradients and the optimizer's state): raise the budget, "
                    "or move the optimizer state and gradients to the host (TrainerOptions::offload_optimizer and "
@@ -662,6 +670,10 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   r.before = settings_text();
   std::optional<Replan> next;
   if (attempt <= options_.max_replans()) next = options_.replan()(event);
+  // The ranks go on together, under the same plan, or stop together.
+  const std::string ranks_stop = vote_ ? vote_->agree(next.has_value(), next ? next->micro_batch_size : 0) : "";
+  TORCH_CHECK_WITH(OutOfMemoryError, ranks_stop.empty(), "step ", step_ + 1, " ran out of memory and ", ranks_stop,
+                   ": every rank stops (", what, ")");
   if (next) {
     options_.micro_batch_size(next->micro_batch_size);
     if (next->apply) next->apply();
@@ -681,9 +693,14 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
                    format_bytes(r.limit_bytes), " and could not be re-planned after ", attempt, " attempt",
                    attempt == 1 ? "" : "s", " (", tried, "); the last reached ", format_bytes(peak),
                    " before an allocation failed: raise the budget, or lower the batch size");
-  TORCH_WARN("step ", r.step, " ran out of memory at ", format_bytes(peak), " under ", format_bytes(r.limit_bytes),
-             " with ", r.before, "; re-planned to ", r.after, " and run again (", fmt::format("{:.3f}", r.seconds),
-             " s lost)");
+  if (vote_ && vote_->peer_failed()) {
+    TORCH_WARN(what, ": re-planned from ", r.before, " to ", r.after, " and run again (",
+               fmt::format("{:.3f}", r.seconds), " s lost)");
+  } else {
+    TORCH_WARN("step ", r.step, " ran out of memory at ", format_bytes(peak), " under ",
+               format_bytes(r.limit_bytes), " with ", r.before, "; re-planned to ", r.after, " and run again (",
+               fmt::format("{:.3f}", r.seconds), " s lost)");
+  }
   return true;
 }
 

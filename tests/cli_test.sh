@@ -480,6 +480,12 @@ check launch-equals-one-process-with-the-double-batch test -n "$one" -a "$one" =
 expect launch-budget-trains-rank-0s-plan 0 "rank 0's plan, broadcast to all 2 ranks" out -- launch --nproc 2 \
   --master-port "$((port + 10))" -- "$bin" train --model mlp --width 32 --depth 1 --steps 2 --batch 16 --no-eval \
   --threads 1 --budget 2MiB
+# Both ranks run out of memory under the budget and re-plan together (recovery is on under launch too).
+expect launch-recovered 0 'recovered from out of memory [0-9]+ times? .*micro-batches of' out -- launch --nproc 2 \
+  --master-port "$((port + 11))" -- "$bin" train --model mlp --width 64 --batch 256 --budget 1.3MiB --steps 2 \
+  --no-eval -q --plan none --threads 1
+expect launch-replan-pipeline 2 "re-plans data-parallel ranks together, not a pipeline's stages" err -- \
+  train --model mlp --steps 1 --parallel pipeline --on-out-of-memory replan
 expect launch-zero-stage-1 0 'ZeRO stage 1' out -- launch --nproc 2 --master-port "$((port + 2))" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 16 --no-eval -q --threads 1 --zero-stage 1
 zero=$(grep -o 'final loss [0-9.]*' "$tmp/out")

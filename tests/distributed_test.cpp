@@ -321,6 +321,89 @@ TEST(DistributedWorker, Run) {
     torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
     return;
   }
+  if (m == "recover") {
+    // 12 steps of Adam with recovery on, three times: rank 1's budget drops
+    // to 40% of its plain step's peak
+    // after step 4; nothing drops; and recovery off (gradients all-reduced
+    // inside backward).
+    auto data = synthetic_images();
+    std::vector<torch::Tensor> result;
+    std::vector<double> numbers;
+    for (const std::string run : {"dropped", "recovery", "throw"}) {
+      torch::manual_seed(1 + world.rank);
+      auto options = zero_options().steps(12).batch_size(48).process_group(group);
+      if (run != "throw") options.on_out_of_memory(OnOutOfMemory::kReplan);
+      // A small CNN, whose activations dominate its step's peak.
+      Trainer t(torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 3)), torch::nn::ReLU(),
+                                      torch::nn::AdaptiveAvgPool2d(4), torch::nn::Flatten(), torch::nn::Linear(256, 10)),
+                options);
+      int64_t base = 0, plain = 0;
+      const auto report = t.fit(data, [&](const StepRecord& rec) {
+        if (rec.step <= 3) {  // step 2 ends the epoch with a short batch: the largest of the first three
+          base = rec.current_bytes;
+          plain = std::max(plain, rec.peak_bytes - base);
+        }
+        if (run == "dropped" && rec.step == 4 && world.rank == 1) {
+          set_memory_budget(torch::kCPU, base + static_cast<int64_t>(0.4 * double(plain)));
+        }
+      });
+      set_memory_budget(torch::kCPU, 0);
+      for (const auto& p : t.model()->parameters()) result.push_back(p.detach().clone());
+      int64_t replans = 0;
+      for (const auto& r : report.steps) replans += r.replans;
+      numbers.push_back(double(report.steps.size()));
+      numbers.push_back(double(replans));
+      numbers.push_back(double(t.options().micro_batch_size()));
+      for (const auto& r : report.steps) numbers.push_back(r.loss);
+    }
+    result.push_back(torch::tensor(numbers, torch::kDouble));
+    torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
+    return;
+  }
+  if (m == "recover_fault") {
+    // Rank 1 fails the k-th allocation of step k+2, for every k a step
+    // makes (the vote's, the buckets', the optimizer's...); rank 0 fails none. The retry keeps the settings, so both ranks
+    // end bitwise where a run without failures ends.
+    auto run = [&](bool faults) {
+      torch::manual_seed(1 + world.rank);
+      auto options = zero_options().process_group(group).on_out_of_memory(OnOutOfMemory::kReplan).max_grad_norm(1.0);
+      options.replan([](const OutOfMemoryEvent& e) { return Replan{e.micro_batch_size, nullptr, "the same"}; });
+      Trainer t(torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3)), torch::nn::ReLU(),
+                                      torch::nn::AdaptiveAvgPool2d(2), torch::nn::Flatten(), torch::nn::Linear(16, 10)),
+                options);
+      const auto data = synthetic_images();
+      auto batch = [&](int64_t step) {
+        const auto rows = torch::arange(step * 8 + world.rank, step * 8 + 8, 2) % 100;
+        return torch::data::Example<>(data.images.index_select(0, rows), data.labels.index_select(0, rows));
+      };
+      torch::Tensor count = torch::zeros({1}, torch::kDouble);
+      t.train_step(batch(0));  // Adam's state exists: every later step allocates alike
+      {
+        const auto b = batch(1);
+        AllocationFault counter(0);
+        t.train_step(b);
+        if (world.rank == 1) count[0] = double(counter.allocations());
+      }
+      group->all_reduce_(count);  // rank 1's allocations per step, on every rank
+      int64_t failed = 0;
+      for (int64_t k = 1; k <= int64_t(count.item<double>()); ++k) {
+        const auto b = batch(k + 1);
+        std::optional<AllocationFault> fault;
+        if (faults && world.rank == 1) fault.emplace(k);
+        t.train_step(b);
+        failed += fault && fault->failed();
+      }
+      std::vector<torch::Tensor> result;
+      for (const auto& p : t.model()->parameters()) result.push_back(p.detach().clone());
+      result.push_back(torch::tensor({double(failed), double(t.recoveries().size()), count.item<double>()},
+                                     torch::kDouble));
+      return result;
+    };
+    auto result = run(true);
+    for (auto& p : run(false)) result.push_back(p);
+    torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
+    return;
+  }
   if (m == "resume") {
     // 6 steps straight, against 3 steps, a save, and 3 more after resuming,
     // with the optimizer state whole and sharded; rank 1 draws dropout masks.
@@ -509,6 +592,61 @@ TEST_F(Distributed, TrainersWithGradientOffloadReduceOnTheHostLikeOneTrainer) {
   // Micro-batches accumulate on the host masters; the last one's hooks move
   // each gradient there before DDP's hook reduces it.
   expect_three_ranks_like_one_trainer("trainer_offload");
+}
+
+TEST_F(Distributed, WhenOneRankRunsOutOfMemoryEveryRankReplansTheStepAndTheyStayEqual) {
+  const std::string out = ::testing::TempDir() + "memfit_ddp_recover_" + std::to_string(::getpid());
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "recover", out);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
+  const auto rank0 = testing::load_rank(out, 0), rank1 = testing::load_rank(out, 1);
+  ASSERT_EQ(rank0.size(), rank1.size());
+  const size_t n = (rank0.size() - 1) / 3;  // parameters per run
+  for (size_t i = 0; i < rank0.size() - 1; ++i) {
+    EXPECT_TRUE(rank0[i].equal(rank1[i])) << "run " << i / n << " parameter " << i % n << ": the ranks differ";
+  }
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_LT(testing::relative_difference(rank0[i], rank0[n + i]), 1e-5) << "parameter " << i
+        << ": the recovered run differs from the uninterrupted one";
+    EXPECT_TRUE(rank0[n + i].equal(rank0[2 * n + i])) << "parameter " << i
+        << ": all-reducing after backward (recovery on) changed the gradients";
+  }
+  // Per run: steps, re-plans, final micro-batch, then the 12 losses.
+  const auto numbers0 = rank0.back(), numbers1 = rank1.back();
+  const int64_t per_run = 3 + 12;
+  for (const auto& numbers : {numbers0, numbers1}) {
+    EXPECT_EQ(numbers[0].item<double>(), 12) << "the dropped run finished every step";
+    EXPECT_GE(numbers[1].item<double>(), 1) << "each rank re-planned, not only the one that failed";
+    EXPECT_GT(numbers[2].item<double>(), 0) << "re-planned to micro-batches";
+    EXPECT_EQ(numbers[per_run + 1].item<double>(), 0) << "nothing failed without the drop";
+    for (int64_t s = 0; s < 12; ++s) {
+      EXPECT_NEAR(numbers[3 + s].item<double>(), numbers[per_run + 3 + s].item<double>(), 1e-5) << "step " << s + 1;
+      EXPECT_EQ(numbers[per_run + 3 + s].item<double>(), numbers[2 * per_run + 3 + s].item<double>()) << "step " << s + 1;
+    }
+  }
+  EXPECT_EQ(numbers0[2].item<double>(), numbers1[2].item<double>()) << "the ranks re-planned to the same micro-batch";
+  for (int r = 0; r < 2; ++r) ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
+}
+
+TEST_F(Distributed, FailingAnyAllocationOfOneRanksStepMakesEveryRankRedoItBitwise) {
+  const std::string out = ::testing::TempDir() + "memfit_ddp_recover_fault_" + std::to_string(::getpid());
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "recover_fault", out);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
+  const auto rank0 = testing::load_rank(out, 0), rank1 = testing::load_rank(out, 1);
+  ASSERT_EQ(rank0.size(), rank1.size());
+  const size_t n = rank0.size() / 2 - 1;  // parameters per run
+  for (const auto& mine : {rank0, rank1}) {
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_TRUE(mine[i].equal(rank0[n + 1 + i])) << "parameter " << i << " differs from the run without failures";
+    }
+  }
+  const auto counts0 = rank0[n], counts1 = rank1[n];
+  const double allocations = counts1[2].item<double>();
+  EXPECT_GT(allocations, 10) << "a step makes many allocations";
+  EXPECT_EQ(counts1[0].item<double>(), allocations) << "rank 1 failed each allocation of a step once";
+  EXPECT_EQ(counts0[0].item<double>(), 0) << "rank 0 failed none";
+  EXPECT_EQ(counts0[1].item<double>(), allocations) << "rank 0 redid every step that rank 1 failed";
+  EXPECT_EQ(counts1[1].item<double>(), allocations);
+  for (int r = 0; r < 2; ++r) ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
 }
 
 TEST_F(Distributed, ZeroStageOneShardsAdamStateAndTrainsLikeTheWholeState) {

@@ -933,5 +933,19 @@ TEST_F(DocExamples, FindTheLargestBatchOfAnyModule) {
   EXPECT_EQ(trainer.options().batch_size(), found.plain.batch);
 }
 
+TEST_F(DocExamples, BeforeCommit) {
+  auto lin = torch::nn::Linear(4, 2);
+  memfit::optim::SGD sgd(lin->parameters(), torch::optim::SGDOptions(0.1));
+  lin(torch::ones({3, 4})).sum().backward();
+  int calls = 0;
+  {
+    memfit::optim::BeforeCommit gate([&] { ++calls; });
+    sgd.step();
+  }
+  EXPECT_EQ(calls, 1);
+  memfit::optim::before_commit();  // no guard: nothing happens
+  EXPECT_EQ(calls, 1);
+}
+
 } // namespace
 } // namespace memfit

@@ -233,5 +233,34 @@ TEST(Optim, SparseGradientsAreRefusedBeforeAnythingChanges) {
   EXPECT_TRUE(adam.state().empty());
 }
 
+TEST(Optim, BeforeCommitRunsAfterEveryAllocationAndWhenItThrowsTheStepChangesNothing) {
+  for (const auto& c : cases()) {
+    auto p = make_params();
+    auto opt = c.memfit(p);
+    set_grads(p, 0);
+    const auto before = copies(p);
+    // Thrown from between the phases (as another rank's failure is): nothing changes.
+    {
+      optim::BeforeCommit gate([] { TORCH_CHECK_WITH(OutOfMemoryError, false, "another rank failed"); });
+      expect_error([&] { opt->step(); }, "another rank failed");
+    }
+    expect_bitwise(copies(p), before, c.name + " parameters");
+    EXPECT_TRUE(opt->state().empty()) << c.name;
+    // Called once, with everything the step allocates already made.
+    int calls = 0;
+    int64_t at_gate = 0;
+    {
+      optim::BeforeCommit gate([&] {
+        ++calls;
+        at_gate = memory_allocated(torch::kCPU);
+        reset_peak_memory_stats(torch::kCPU);
+      });
+      opt->step();
+    }
+    EXPECT_EQ(calls, 1) << c.name;
+    EXPECT_EQ(max_memory_allocated(torch::kCPU), at_gate) << c.name << ": the update after the gate allocated";
+  }
+}
+
 } // namespace
 } // namespace memfit

@@ -344,7 +344,8 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
   train->add_option("--on-out-of-memory", a.on_out_of_memory,
                     "A step that runs out of memory: replan (undo it, re-plan with more micro-batches, or "
                     "recomputation where micro-batches would change batch statistics, and run it again: the "
-                    "same gradients), throw (end the run, exit 1), or auto (replan in one process)")
+                    "same gradients; data-parallel ranks re-plan together), throw (end the run, exit 1), or auto "
+                    "(replan, except for a pipeline or --zero-stage 1)")
       ->check(CLI::IsMember({"auto", "replan", "throw"}))
       ->capture_default_str();
   train->add_option("--micro-batch", a.micro_batch,
@@ -799,9 +800,10 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
   const torch::Device device = parse_device(a.device);
   // Data parallel when started by `memfit launch`, torchrun, srun or mpirun.
   const auto world = memfit::world_from_env();
-  memfit::tools::usage_check(a.on_out_of_memory != "replan" || !world.distributed(),
-                             "--on-out-of-memory replan re-plans one process's steps, and this run has ",
-                             world.world_size, " ranks: use --on-out-of-memory throw (or auto) with memfit launch");
+  memfit::tools::usage_check(a.on_out_of_memory != "replan" || (a.parallel != "pipeline" && a.zero_stage == 0),
+                             "--on-out-of-memory replan re-plans data-parallel ranks together, not ",
+                             a.parallel == "pipeline" ? "a pipeline's stages" : "a sharded optimizer (--zero-stage 1)",
+                             ": use --on-out-of-memory throw (or auto)");
   std::shared_ptr<memfit::ProcessGroup> group;
   std::optional<c10::DeviceGuard> device_guard;
   if (world.distributed()) {
@@ -920,7 +922,7 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
       pipelined ? "none (pipeline stages)" : checkpointed->schedule().to_string();
   // Recovery from out of memory (--on-out-of-memory): every model here is a chain, so a model with
   // batch statistics recomputes it rather than micro-batching, unless --batch-statistics allows it.
-  if (a.on_out_of_memory == "replan" || (a.on_out_of_memory == "auto" && !group)) {
+  if (a.on_out_of_memory == "replan" || (a.on_out_of_memory == "auto" && !pipelined && a.zero_stage == 0)) {
     options.on_out_of_memory(memfit::OnOutOfMemory::kReplan)
         .replan(memfit::more_micro_batches(*model, a.batch_statistics == "per-micro-batch"));
   }

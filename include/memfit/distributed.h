@@ -296,6 +296,16 @@ class DistributedDataParallel {
 
   /// Waits for every bucket, averages, and writes the gradients back.
   void finalize();
+  /// Builds every bucket that backward has not launched from the gradients
+  /// as they are now, so that finalize() then allocates no device memory:
+  /// the point after which a step's all-reduce cannot fail half-way on one
+  /// rank for want of memory. Extra memory: the buckets, which finalize()
+  /// would allocate anyway.
+  void prepare();
+  /// Drops what prepare() built and any bucket launched, for a step that
+  /// ends without finalize() (one that failed); an all-reduce in flight is
+  /// waited for first.
+  void discard();
   /// Broadcasts rank 0's buffers (a no-op without buffers or with
   /// broadcast_buffers false).
   void sync_buffers();

@@ -24,6 +24,8 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <functional>
+
 namespace memfit {
 namespace optim {
 
@@ -103,6 +105,49 @@ bool is_transactional(const torch::optim::Optimizer& optimizer);
 ///   assert(memfit::optim::state_type_name(adam) == "torch::optim::Adam");
 /// \endcode
 std::string state_type_name(const torch::optim::Optimizer& optimizer);
+
+/// While alive, the steps of memfit's optimizers on this thread call `fn`
+/// between their two phases: after everything the step allocates is made,
+/// before any parameter or state changes.
+///
+/// If `fn` throws, the step changes nothing (the state it made is dropped)
+/// and the exception propagates. The Trainer uses it to have the ranks of a
+/// process group agree that each of them can step, before any of them does.
+/// Guards nest; the innermost is called. Sync points: `fn`'s.
+///
+/// Example:
+/// \code
+///   auto lin = torch::nn::Linear(4, 2);
+///   memfit::optim::SGD sgd(lin->parameters(), torch::optim::SGDOptions(0.1));
+///   lin(torch::ones({3, 4})).sum().backward();
+///   int calls = 0;
+///   {
+///     memfit::optim::BeforeCommit gate([&] { ++calls; });
+///     sgd.step();
+///   }
+///   assert(calls == 1);
+/// \endcode
+class BeforeCommit {
+ public:
+  explicit BeforeCommit(std::function<void()> fn);
+  ~BeforeCommit();
+  BeforeCommit(const BeforeCommit&) = delete;
+  BeforeCommit& operator=(const BeforeCommit&) = delete;
+
+ private:
+  std::function<void()> fn_;
+  BeforeCommit* previous_;
+  friend void before_commit();
+};
+
+/// Calls the innermost BeforeCommit's function on this thread, if any (what
+/// memfit's optimizers call between their phases).
+///
+/// Example:
+/// \code
+///   memfit::optim::before_commit();  // no guard: nothing happens
+/// \endcode
+void before_commit();
 
 /// Bytes of the state that `optimizer`'s next step will create: for SGD
 /// (with momentum), Adam and AdamW, LibTorch's or memfit's, the state of each

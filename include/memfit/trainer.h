@@ -355,6 +355,8 @@ struct TrainReport {
 };
 
 namespace detail {
+class RankVote;  // step_components.h
+
 // The batch type a loss function takes: its second parameter, decayed.
 template <class F>
 struct LossTraits : LossTraits<decltype(&F::operator())> {};
@@ -723,6 +725,7 @@ class Trainer {
   int64_t clean_steps_ = 0;
   bool committing_ = false;
   bool committed_ = false;  // the running step's optimizer has stepped
+  std::shared_ptr<detail::RankVote> vote_;  // with a process group: the ranks agree on each step and re-plan
 };
 
 /// Reads only the model's tensors from a checkpoint that Trainer::save wrote
