@@ -933,6 +933,22 @@ TEST_F(DocExamples, FindTheLargestBatchOfAnyModule) {
   EXPECT_EQ(trainer.options().batch_size(), found.plain.batch);
 }
 
+struct Lines : torch::data::datasets::Dataset<Lines> {  // lengths 3, 5, 4, 2
+  torch::data::Example<> get(size_t i) override {
+    const int64_t n = std::vector<int64_t>{3, 5, 4, 2}[i];
+    return {torch::zeros({n}), torch::zeros({n})};
+  }
+  torch::optional<size_t> size() const override { return 4; }
+};
+
+TEST_F(DocExamples, TheLargestExampleOfADataSet) {
+  auto data = Lines();
+  auto longest = memfit::largest_example(data, [](const std::vector<torch::data::Example<>>& b) {
+    return b.front().data.size(0);
+  });
+  EXPECT_EQ(longest, 1u);
+}
+
 TEST_F(DocExamples, BeforeCommit) {
   auto lin = torch::nn::Linear(4, 2);
   memfit::optim::SGD sgd(lin->parameters(), torch::optim::SGDOptions(0.1));

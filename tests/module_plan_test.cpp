@@ -1257,4 +1257,50 @@ TEST_F(ModulePlanTest, SelectiveRecomputationFixedOnNeedsAModuleThatHasIt) {
   for (const auto& s : fixed.measured_settings()) EXPECT_TRUE(s.selective_recompute());
 }
 
+// Token sequences of 4 tokens, but the last of 64 (index 399); get_batch pads a
+// batch to its longest, as a language model's collate does.
+struct PaddedTokens : torch::data::datasets::BatchDataset<PaddedTokens, torch::data::Example<>> {
+  static int64_t length(size_t i) { return i == 399 ? 64 : 4; }
+  torch::data::Example<> get_batch(c10::ArrayRef<size_t> indices) override {
+    int64_t longest = 0;
+    for (size_t i : indices) longest = std::max(longest, length(i));
+    const auto n = static_cast<int64_t>(indices.size());
+    return {torch::ones({n, longest}, torch::kLong), torch::zeros({n, longest}, torch::kLong)};
+  }
+  torch::optional<size_t> size() const override { return 400; }
+};
+
+torch::Tensor token_loss(torch::nn::SequentialImpl& m, const torch::data::Example<>& b) {
+  auto logits = m.forward(b.data);
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), b.target.reshape({-1}));
+}
+
+TEST_F(ModulePlanTest, FindBatchGivenTheLargestExampleAnswersABatchThatFitsTheWorstCase) {
+  torch::nn::Sequential net(torch::nn::Embedding(8, 64), torch::nn::Linear(64, 64), torch::nn::ReLU(),
+                            torch::nn::Linear(64, 8));
+  PaddedTokens data;
+  const auto longest = memfit::largest_example(data, [](const torch::data::Example<>& b) { return b.data.size(1); });
+  EXPECT_EQ(longest, 399u);
+  const int64_t budget = 2 << 20;
+  const auto first = memfit::find_batch(net.ptr(), token_loss, data, budget, memfit::FindBatchOptions().verify(false));
+  const auto worst = memfit::find_batch(net.ptr(), token_loss, data, budget,
+                                        memfit::FindBatchOptions().largest_example(static_cast<int64_t>(longest)));
+  ASSERT_TRUE(worst.plain.verified) << worst.explain();
+  EXPECT_LT(worst.plain.batch * 4, first.plain.batch) << "the first examples are 16 times shorter";
+  // A batch of the worst answer's size that holds the longest example fits; one of the first answer's does not.
+  auto step = [&](int64_t n) {
+    std::vector<size_t> indices(static_cast<size_t>(n), 0);
+    indices[0] = longest;
+    const auto batch = data.get_batch(indices);
+    memfit::Trainer t(net, token_loss, memfit::TrainerOptions());
+    memfit::BudgetGuard limit(torch::kCPU, budget);
+    t.train_step(batch);
+    t.train_step(batch);  // with Adam's state
+  };
+  step(worst.plain.batch);
+  EXPECT_THROW(step(first.plain.batch), c10::OutOfMemoryError);
+  expect_error([&] { memfit::find_batch(net.ptr(), token_loss, data, budget, memfit::FindBatchOptions().largest_example(400)); },
+               "FindBatchOptions::largest_example 400 is not an index of the data set's 400 examples");
+}
+
 } // namespace

@@ -39,6 +39,8 @@ grep -q "gan trained with memfit's pieces" "$work/custom-loop-gan-run.log"
 grep -q "the run recovered from out of memory" "$work/own-model-recovery-run.log"
 "$work/find/own_transformer" | tee "$work/own-transformer-run.log"
 grep -q "own transformer planned under 1/2, 1/4 and 1/8 of its peak" "$work/own-transformer-run.log"
+"$work/find/own_varlen" | tee "$work/own-varlen-run.log"
+grep -q "varying lengths trained under 1/4 of the longest batch's plain peak" "$work/own-varlen-run.log"
 echo "ok   find_package(memfit CONFIG REQUIRED)"
 
 # The same LibTorch as the build under test (MEMFIT_LIBTORCH=debian or pip).

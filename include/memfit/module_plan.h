@@ -108,7 +108,8 @@ StepProbe make_probe(std::shared_ptr<M> module, Loss loss,
 /// data set (into host memory, as Trainer::fit reads them), so that steps of
 /// up to `examples` examples can run; it keeps a pointer to `dataset`.
 template <class M, class Loss, class Dataset>
-StepProbe make_dataset_probe(std::shared_ptr<M> module, Loss loss, Dataset& dataset, int64_t examples) {
+StepProbe make_dataset_probe(std::shared_ptr<M> module, Loss loss, Dataset& dataset, int64_t examples,
+                             int64_t largest = -1) {
   using Batch = typename LossTraits<Loss>::Batch;
   static_assert(std::is_same<Batch, typename Dataset::BatchType>::value,
                 "find_batch: the loss must take the data set's BatchType");
@@ -118,9 +119,9 @@ StepProbe make_dataset_probe(std::shared_ptr<M> module, Loss loss, Dataset& data
   probe.make_trainer = [module, loss](const TrainerOptions& options) {
     return Trainer(module, loss, options);
   };
-  probe.step = [data = &dataset](Trainer& trainer, int64_t n) {
+  probe.step = [data = &dataset, largest](Trainer& trainer, int64_t n) {
     std::vector<size_t> indices(static_cast<size_t>(n));
-    for (size_t i = 0; i < indices.size(); ++i) indices[i] = i;
+    for (size_t i = 0; i < indices.size(); ++i) indices[i] = largest >= 0 ? static_cast<size_t>(largest) : i;
     const Batch batch = [&] {
       UntrackedGuard host;  // like the data set, the batch is host memory until staged
       return data->get_batch(indices);
@@ -522,10 +523,55 @@ ModuleBatchSearch find_batch(std::shared_ptr<M> module, Loss loss, Dataset& data
               size.has_value() ? std::to_string(*size) + " examples" : std::string("one without a size"));
   TORCH_CHECK(options.max_batch() > 0, "FindBatchOptions::max_batch must be positive, got ", options.max_batch());
   const auto examples = std::min<int64_t>(static_cast<int64_t>(*size), std::max<int64_t>(options.max_batch(), 4));
-  options.max_batch(std::min<int64_t>(options.max_batch(), static_cast<int64_t>(*size)));  // verified or not
-  ModuleStepModel model(detail::make_dataset_probe(std::move(module), std::move(loss), dataset, examples),
+  TORCH_CHECK(options.largest_example() < static_cast<int64_t>(*size), "FindBatchOptions::largest_example ",
+              options.largest_example(), " is not an index of the data set's ", *size, " examples");
+  if (options.largest_example() < 0) {
+    options.max_batch(std::min<int64_t>(options.max_batch(), static_cast<int64_t>(*size)));  // verified or not
+  }
+  ModuleStepModel model(detail::make_dataset_probe(std::move(module), std::move(loss), dataset, examples,
+                                                   options.largest_example()),
                         detail::measuring_within(std::move(plan_options), budget), std::move(base));
   return find_batch(model, budget, options);
+}
+
+/// The index of the largest example of `dataset` (a map-style torch::data
+/// data set) by `size_of`, which takes a batch of that one example (the
+/// data set's BatchType) and returns its size (a sequence's length, an
+/// image's pixels); the first of equal ones. Reads every example once.
+/// Plan for it: plan() with a sample batch of it repeated, or find_batch
+/// with FindBatchOptions::largest_example.
+///
+/// Example:
+/// \code
+///   struct Lines : torch::data::datasets::Dataset<Lines> {  // lengths 3, 5, 4, 2
+///     torch::data::Example<> get(size_t i) override {
+///       const int64_t n = std::vector<int64_t>{3, 5, 4, 2}[i];
+///       return {torch::zeros({n}), torch::zeros({n})};
+///     }
+///     torch::optional<size_t> size() const override { return 4; }
+///   };
+///   auto data = Lines();
+///   auto longest = memfit::largest_example(data, [](const std::vector<torch::data::Example<>>& b) {
+///     return b.front().data.size(0);
+///   });
+///   assert(longest == 1);
+/// \endcode
+template <class Dataset, class SizeOf>
+size_t largest_example(Dataset& dataset, SizeOf size_of) {
+  const auto size = dataset.size();
+  TORCH_CHECK(size.has_value() && *size > 0, "largest_example reads a map-style data set with a size and "
+              "examples, got ", size.has_value() ? "an empty one" : "one without a size");
+  UntrackedGuard host;  // the examples are host memory, read one at a time
+  size_t best = 0;
+  int64_t best_size = -1;
+  for (size_t i = 0; i < *size; ++i) {
+    const int64_t n = static_cast<int64_t>(size_of(dataset.get_batch(std::vector<size_t>{i})));
+    if (n > best_size) {
+      best = i;
+      best_size = n;
+    }
+  }
+  return best;
 }
 
 } // namespace memfit

@@ -246,6 +246,13 @@ struct FindBatchOptions {
   TORCH_ARG(bool, verify) = true;
   /// Verification attempts: after an out-of-memory error the batch shrinks by 10%.
   TORCH_ARG(int64_t, attempts) = 6;
+  /// For a data set whose examples differ in size (token windows padded per
+  /// batch, images of several sizes): the index of its largest example
+  /// (memfit::largest_example finds it). Every batch measured and verified
+  /// is then that example repeated, the worst batch of its size, so the
+  /// answer holds for any batch the data set pads to at most that size.
+  /// -1: the data set's first examples.
+  TORCH_ARG(int64_t, largest_example) = -1;
 };
 
 /// A batch size found, how it runs, and how it was checked.
