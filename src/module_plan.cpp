@@ -1286,20 +1286,39 @@ void save_plan(const ModulePlan& plan, const std::string& path) {
   write_file_atomically(path, wire.dump(2) + "\n");
 }
 
+namespace {
+// A JSON library's exception as a reader's words: "[json.exception.type_error.302] type must be number,
+// but is string" becomes "type must be number, but is string".
+std::string json_error_text(const nlohmann::json::exception& e) {
+  std::string text = e.what();
+  const auto close = text.find("] ");
+  return text.rfind("[json.exception.", 0) == 0 && close != std::string::npos ? text.substr(close + 2) : text;
+}
+} // namespace
+
 ModulePlan load_plan(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in.good() && !std::filesystem::is_directory(path), "load_plan: cannot read ", path,
               ": give the file that save_plan wrote");
   ModulePlan plan;
+  nlohmann::json wire;
   try {
-    const auto wire = nlohmann::json::parse(in);
-    TORCH_CHECK(wire.is_object() && wire.value("format", std::string()) == kPlanFormat, path,
-                " is not a memfit plan (", kPlanFormat, "): write one with save_plan");
+    wire = detail::parse_json(in);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, path, " is not JSON (", json_error_text(e), "): write it again with save_plan");
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, path, " is damaged: ", e.what_without_backtrace(), "; write it again with save_plan");
+  }
+  TORCH_CHECK(wire.is_object() && wire.value("format", std::string()) == kPlanFormat, path,
+              " is not a memfit plan (", kPlanFormat, "): write one with save_plan");
+  try {
     detail::plan_from_wire(wire, plan);
     plan.chains = wire.at("chains").get<std::vector<std::string>>();
     plan.schedules = detail::schedules_from_wire(wire.at("schedules"));
   } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, path, " is damaged (", e.what(), "): write it again with save_plan");
+    TORCH_CHECK(false, path, " is damaged (", json_error_text(e), "): write it again with save_plan");
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, path, " is damaged: ", e.what_without_backtrace(), "; write it again with save_plan");
   }
   TORCH_CHECK(plan.chains.size() == plan.schedules.size(), path, " is damaged: ", plan.chains.size(),
               " chain(s) but ", plan.schedules.size(), " schedule(s); write it again with save_plan");

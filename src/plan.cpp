@@ -10,6 +10,9 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include <istream>
+#include <limits>
+
 #include <algorithm>
 #include <cstring>
 #include <functional>
@@ -109,11 +112,61 @@ nlohmann::json segments_wire(const std::vector<Segment>& segments) {
   return j;
 }
 
-std::vector<Segment> segments_from_wire(const nlohmann::json& j) {
+// Field `name` of object `j` as a T, naming the field when it is missing or
+// of another type.
+template <class T>
+T field(const nlohmann::json& j, const char* name) {
+  TORCH_CHECK(j.is_object() && j.contains(name), "\"", name, "\" is missing");
+  try {
+    return j.at(name).get<T>();
+  } catch (const nlohmann::json::exception&) {
+    TORCH_CHECK(false, "\"", name, "\" is ", j.at(name).type_name(), ", not a ",
+                std::is_same<T, bool>::value ? "boolean" : std::is_same<T, std::string>::value ? "string" :
+                std::is_arithmetic<T>::value ? "number" : "list of strings");
+  }
+}
+
+// Deeper schedules than this are refused (a chain's recomputation nests a
+// level or two): a hand-edited file cannot make the reader recurse without end.
+constexpr int kMaxScheduleDepth = 16;
+
+// Segments in order, each [begin, end) non-empty and within [lo, hi), each
+// starting where the previous ended; checked as they are read.
+std::vector<Segment> segments_from_wire(const nlohmann::json& j, int depth = 0, int64_t lo = 0,
+                                        int64_t hi = std::numeric_limits<int64_t>::max()) {
+  TORCH_CHECK(depth < kMaxScheduleDepth, "\"schedule\" nests deeper than ", kMaxScheduleDepth, " levels");
+  TORCH_CHECK(j.is_array(), "\"schedule\" must be an array of [begin, end, checkpointed, inner] segments");
   std::vector<Segment> out;
-  for (const auto& s : j) out.push_back({s.at(0).get<int64_t>(), s.at(1).get<int64_t>(), s.at(2).get<bool>(),
-                                         segments_from_wire(s.at(3))});
+  int64_t next = lo;
+  for (const auto& s : j) {
+    TORCH_CHECK(s.is_array() && s.size() == 4, "a \"schedule\" segment must be [begin, end, checkpointed, inner], got ",
+                s.dump().substr(0, 60));
+    Segment seg{s.at(0).get<int64_t>(), s.at(1).get<int64_t>(), s.at(2).get<bool>(), {}};
+    TORCH_CHECK(seg.begin == next && seg.end > seg.begin && seg.end <= hi, "a \"schedule\" segment [", seg.begin,
+                ", ", seg.end, ") does not follow on from layer ", next, " within [", lo, ", ",
+                hi == std::numeric_limits<int64_t>::max() ? std::string("...") : std::to_string(hi), ")");
+    seg.inner = segments_from_wire(s.at(3), depth + 1, seg.begin, seg.end);
+    TORCH_CHECK(seg.inner.empty() || seg.checkpointed, "a \"schedule\" segment [", seg.begin, ", ", seg.end,
+                ") that is not checkpointed has inner segments");
+    next = seg.end;
+    out.push_back(std::move(seg));
+  }
   return out;
+}
+
+// An enum stored as its number: one of `count` values.
+template <class E>
+E enum_from_wire(const nlohmann::json& j, const char* name, int count, const char* names) {
+  const int v = field<int>(j, name);
+  TORCH_CHECK(v >= 0 && v < count, "\"", name, "\" is ", v, ", not one of 0 to ", count - 1, " (", names, ")");
+  return static_cast<E>(v);
+}
+
+// A count or a size: a number >= 0.
+int64_t non_negative(const nlohmann::json& j, const char* name) {
+  const auto v = field<int64_t>(j, name);
+  TORCH_CHECK(v >= 0, "\"", name, "\" is ", v, "; it must be >= 0");
+  return v;
 }
 
 nlohmann::json settings_wire(const StepSettings& s) {
@@ -128,15 +181,16 @@ nlohmann::json settings_wire(const StepSettings& s) {
 }
 
 StepSettings settings_from_wire(const nlohmann::json& j) {
+  TORCH_CHECK(j.is_object(), "\"settings\" must be an object");
   return StepSettings()
-      .micro_batch(j.at("micro_batch").get<int64_t>())
-      .precision(static_cast<Precision>(j.at("precision").get<int>()))
+      .micro_batch(non_negative(j, "micro_batch"))
+      .precision(enum_from_wire<Precision>(j, "precision", 3, "0 fp32, 1 bf16, 2 fp16"))
       .schedule(Schedule{segments_from_wire(j.at("schedule"))})
-      .offload_optimizer(static_cast<Offload>(j.at("offload_optimizer").get<int>()))
-      .offload_gradients(static_cast<Offload>(j.at("offload_gradients").get<int>()))
-      .offload_parameters(static_cast<Offload>(j.at("offload_parameters").get<int>()))
-      .tile_bytes(j.at("tile_bytes").get<int64_t>())
-      .selective_recompute(j.at("selective_recompute").get<bool>());
+      .offload_optimizer(enum_from_wire<Offload>(j, "offload_optimizer", 2, "0 none, 1 host"))
+      .offload_gradients(enum_from_wire<Offload>(j, "offload_gradients", 2, "0 none, 1 host"))
+      .offload_parameters(enum_from_wire<Offload>(j, "offload_parameters", 2, "0 none, 1 host"))
+      .tile_bytes(non_negative(j, "tile_bytes"))
+      .selective_recompute(field<bool>(j, "selective_recompute"));
 }
 
 nlohmann::json prediction_wire(const StepPrediction& p) {
@@ -153,21 +207,30 @@ nlohmann::json prediction_wire(const StepPrediction& p) {
 
 StepPrediction prediction_from_wire(const nlohmann::json& j) {
   StepPrediction p;
-  p.peak_bytes = j.at("peak_bytes").get<int64_t>();
+  p.peak_bytes = field<int64_t>(j, "peak_bytes");
   const auto& m = j.at("memory");
   p.memory = {m.at(0).get<int64_t>(), m.at(1).get<int64_t>(), m.at(2).get<int64_t>(), m.at(3).get<int64_t>(),
               m.at(4).get<int64_t>()};
-  p.seconds = j.at("seconds").get<double>();
-  p.accumulation_steps = j.at("accumulation_steps").get<int64_t>();
-  p.phase = j.at("phase").get<std::string>();
-  p.forward_backward_bytes = j.at("forward_backward_bytes").get<int64_t>();
-  p.activation_bytes = j.at("activation_bytes").get<int64_t>();
-  p.optimizer_step_bytes = j.at("optimizer_step_bytes").get<int64_t>();
+  p.seconds = field<double>(j, "seconds");
+  p.accumulation_steps = field<int64_t>(j, "accumulation_steps");
+  p.phase = field<std::string>(j, "phase");
+  p.forward_backward_bytes = field<int64_t>(j, "forward_backward_bytes");
+  p.activation_bytes = field<int64_t>(j, "activation_bytes");
+  p.optimizer_step_bytes = field<int64_t>(j, "optimizer_step_bytes");
   return p;
 }
 } // namespace
 
 namespace detail {
+
+nlohmann::json parse_json(std::istream& in, int max_depth) {
+  // The parser keeps its own stack; the callback stops a file nested deeper
+  // than any memfit writes before the readers (which recurse) see it.
+  return nlohmann::json::parse(in, [max_depth](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+    TORCH_CHECK(depth <= max_depth, "it nests deeper than ", max_depth, " levels");
+    return true;
+  });
+}
 
 nlohmann::json schedules_wire(const std::vector<Schedule>& schedules) {
   auto j = nlohmann::json::array();
@@ -176,6 +239,7 @@ nlohmann::json schedules_wire(const std::vector<Schedule>& schedules) {
 }
 
 std::vector<Schedule> schedules_from_wire(const nlohmann::json& wire) {
+  TORCH_CHECK(wire.is_array(), "\"schedules\" must be an array of schedules");
   std::vector<Schedule> out;
   for (const auto& s : wire) out.push_back(Schedule{segments_from_wire(s)});
   return out;
@@ -208,28 +272,28 @@ nlohmann::json plan_wire(const Plan& plan) {
 }
 
 void plan_from_wire(const nlohmann::json& j, Plan& plan) {
-  plan.fits = j.at("fits").get<bool>();
-  plan.budget = j.at("budget").get<int64_t>();
-  plan.batch = j.at("batch").get<int64_t>();
+  plan.fits = field<bool>(j, "fits");
+  plan.budget = non_negative(j, "budget");
+  plan.batch = non_negative(j, "batch");
   plan.settings = settings_from_wire(j.at("settings"));
   plan.predicted = prediction_from_wire(j.at("predicted"));
-  plan.plain_seconds = j.at("plain_seconds").get<double>();
-  plan.plain_peak_bytes = j.at("plain_peak_bytes").get<int64_t>();
-  plan.candidates = j.at("candidates").get<int64_t>();
+  plan.plain_seconds = field<double>(j, "plain_seconds");
+  plan.plain_peak_bytes = field<int64_t>(j, "plain_peak_bytes");
+  plan.candidates = non_negative(j, "candidates");
   plan.timed.clear();
   for (const auto& t : j.at("timed")) {
     TimedCandidate c;
     c.settings = settings_from_wire(t.at("settings"));
     c.schedules = schedules_from_wire(t.at("schedules"));
-    c.predicted_seconds = t.at("predicted_seconds").get<double>();
-    c.measured_seconds = t.at("measured_seconds").get<double>();
-    c.measured_peak_bytes = t.at("measured_peak_bytes").get<int64_t>();
+    c.predicted_seconds = field<double>(t, "predicted_seconds");
+    c.measured_seconds = field<double>(t, "measured_seconds");
+    c.measured_peak_bytes = field<int64_t>(t, "measured_peak_bytes");
     plan.timed.push_back(std::move(c));
   }
-  plan.measured_seconds = j.at("measured_seconds").get<double>();
-  plan.measured_peak_bytes = j.at("measured_peak_bytes").get<int64_t>();
-  plan.measured_tie = j.at("measured_tie").get<double>();
-  plan.why = j.at("why").get<std::vector<std::string>>();
+  plan.measured_seconds = field<double>(j, "measured_seconds");
+  plan.measured_peak_bytes = field<int64_t>(j, "measured_peak_bytes");
+  plan.measured_tie = field<double>(j, "measured_tie");
+  plan.why = field<std::vector<std::string>>(j, "why");
 }
 
 void broadcast_plan_wire(Plan& plan, ProcessGroup& group, int64_t root,

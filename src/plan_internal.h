@@ -217,6 +217,8 @@ constexpr double kMathTie = 0.05;
 // adds to broadcast_plan's wire), and back.
 nlohmann::json schedules_wire(const std::vector<Schedule>& schedules);
 std::vector<Schedule> schedules_from_wire(const nlohmann::json& wire);
+// Parses JSON from `in`, refusing (c10::Error) nesting deeper than `max_depth`.
+nlohmann::json parse_json(std::istream& in, int max_depth = 32);
 // A plan as JSON that gives every field back exactly (not Plan::to_json,
 // which reports; broadcast_plan and save_plan), and back.
 nlohmann::json plan_wire(const Plan& plan);

@@ -284,7 +284,7 @@ expect resumed-under-another-budget 0 "saved run's plan .* does not suit this ru
   train --model mlp --width 32 --depth 1 --batch 64 --budget 2MiB --no-eval -q --steps 4 --resume "$tmp/pl"
 sum_before=$(md5sum <"$tmp/pl/checkpoint.pt")
 echo '{"format": "memfit.module_plan.v1"}' >"$tmp/pl/plan.json"
-expect resume-damaged-plan 2 "plan.json is damaged \(" err -- "${planned[@]}" --steps 5 --resume "$tmp/pl" --save "$tmp/pl"
+expect resume-damaged-plan 2 'plan.json is damaged: "fits" is missing' err -- "${planned[@]}" --steps 5 --resume "$tmp/pl" --save "$tmp/pl"
 check resume-damaged-plan-changes-nothing test "$sum_before" = "$(md5sum <"$tmp/pl/checkpoint.pt")"
 mkdir -p "$tmp/plan-dir/plan.json"
 expect save-plan-not-a-file 2 "plan.json" err -- "${planned[@]}" --steps 1 --save "$tmp/plan-dir"
@@ -358,6 +358,56 @@ expect resume-other-batch 2 'saved with --batch 64, but this run.s is 32' err --
   train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint" --batch 32
 expect resume-other-precision 2 'saved with --precision fp32, but this run.s is bf16' err -- \
   train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint" --precision bf16
+
+# SIGHUP (the terminal closed) saves like SIGINT and SIGTERM.
+"$bin" train --model mlp --width 32 --depth 1 --steps 1000000 --no-eval -q --save "$tmp/sighup" \
+  >"$tmp/sighup.out" 2>"$tmp/sighup.err" &
+pid=$!
+for _ in $(seq 1 600); do grep -q 'memfit train: model' "$tmp/sighup.out" && break; sleep 0.05; done
+sleep 1
+kill -HUP "$pid"
+wait "$pid"
+check sighup-exits-129 test $? -eq 129
+check sighup-says-it-saved grep -q 'stopped by signal 1 after step [1-9][0-9]*; checkpoint saved' "$tmp/sighup.out"
+
+# Files memfit reads are checked before any work; no output replaces an input or another output.
+"$bin" plan --model mlp --width 16 --depth 2 --batch 64 --budget 2MiB --save "$tmp/p.json" >/dev/null 2>&1
+python3 - "$tmp" <<'PY'
+import json, sys
+d = sys.argv[1]
+j = json.load(open(d + "/p.json"))
+j["settings"]["precision"] = 7
+json.dump(j, open(d + "/p-precision.json", "w"))
+j["settings"]["precision"] = "fp16"
+json.dump(j, open(d + "/p-type.json", "w"))
+text = open(d + "/p.json").read()
+open(d + "/p-deep.json", "w").write(text.replace('"schedules": [', '"schedules": [' + "[0,6,true," * 100000 + "[]" + "]" * 100000 + ",", 1))
+PY
+plan_args="train --model mlp --width 16 --depth 2 --batch 64 --budget 2MiB --steps 1 --no-eval -q"
+expect plan-file-precision 2 'p-precision.json is damaged: "precision" is 7, not one of 0 to 2' err -- $plan_args --plan "$tmp/p-precision.json"
+expect plan-file-type 2 'p-type.json is damaged: "precision" is string, not a number' err -- $plan_args --plan "$tmp/p-type.json"
+expect plan-file-deep 2 'p-deep.json is damaged: it nests deeper than' err -- $plan_args --plan "$tmp/p-deep.json"
+check plan-file-messages-name-no-cpp lacks 'save_plan' "$tmp/err"
+cp "$tmp/p.json" "$tmp/p-kept.json"
+expect report-over-plan 2 'report .*p.json is also an input of this command' err -- $plan_args --plan "$tmp/p.json" --report "$tmp/p.json"
+check report-over-plan-keeps-it cmp -s "$tmp/p.json" "$tmp/p-kept.json"
+mkdir -p "$tmp/data-copy" && cp /usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz "$tmp/data-copy/"
+expect report-over-data 2 'is also an input of this command' err -- \
+  train --model mlp --steps 1 --no-eval -q --data "$tmp/data-copy" --report "$tmp/data-copy/t10k-labels-idx1-ubyte.gz"
+mkdir -p "$tmp/clash"
+expect report-over-checkpoint 2 'is also where --save writes' err -- \
+  train --model mlp --steps 1 --no-eval -q --save "$tmp/clash" --report "$tmp/clash/checkpoint.pt"
+for flag in --report --save --resume; do
+  expect "empty$flag" 2 "$flag must name a (file|folder), got an empty string" err -- train --model mlp --steps 1 "$flag" ""
+done
+expect empty-plan-save 2 'save must name a file, got an empty string' err -- plan --model mlp --budget 2MiB --save ""
+"$bin" train --model mlp --width 16 --depth 1 --batch 64 --steps 3 --no-eval -q --lr 1e30 --skip-nonfinite \
+  --report "$tmp/nan.json" >/dev/null 2>&1
+expect report-of-a-nan-run 0 'report written' out -- report "$tmp/nan.json" --output "$tmp/nan.html"
+check report-of-a-nan-run-says-so grep -q 'NaN or infinite' "$tmp/nan.html"
+echo '{"steps": [], "summary": {"final_loss": "x"}}' >"$tmp/not-report.json"
+expect report-not-a-report 2 'not-report.json: not a memfit run report .summary "final_loss" is string' err -- \
+  report "$tmp/not-report.json" --output "$tmp/not-report.html"
 
 # The launcher stopped by SIGTERM passes it to every worker's process group
 # and leaves no process behind, workers started through a shell included.

@@ -40,7 +40,7 @@
 namespace {
 
 constexpr int kExitFailure = 1;
-// The signal (SIGINT or SIGTERM) that asked `memfit train` to stop, 0 if none.
+// The signal (SIGINT, SIGTERM or SIGHUP) that asked `memfit train` to stop, 0 if none.
 volatile std::sig_atomic_t g_signal = 0;
 constexpr int kExitUsage = 2;
 // The largest batch and step count a flag accepts: far beyond any run here,
@@ -260,7 +260,8 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                     "a step over it fails with an out-of-memory error (exit 1)")
       ->check(memfit::tools::memory_size());
   train->add_option("--report", a.report,
-                    "Write per-step loss, seconds and peak bytes and a summary as JSON to FILE");
+                    "Write per-step loss, seconds and peak bytes and a summary as JSON to FILE")
+      ->check(memfit::tools::path("file"));
   train->add_option("--eval-batch", a.eval_batch, "Examples per evaluation forward (positive)")
       ->check(memfit::tools::integer(1, kMaxBatch))
       ->capture_default_str();
@@ -376,12 +377,14 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->check(memfit::tools::memory_size());
   auto* save = train->add_option("--save", a.save,
                                  "Save a checkpoint (model, optimizer, scaler, RNG, data position) "
-                                 "to DIR/checkpoint.pt at the end, atomically");
+                                 "to DIR/checkpoint.pt at the end, atomically")
+                   ->check(memfit::tools::path("folder"));
   train->add_option("--save-every", a.save_every, "Also save every N steps (needs --save)")
       ->check(memfit::tools::integer(1, kMaxSteps))
       ->needs(save);
   train->add_option("--resume", a.resume,
-                    "Continue the run saved in DIR (same model and options) up to --steps");
+                    "Continue the run saved in DIR (same model and options) up to --steps")
+      ->check(memfit::tools::path("folder"));
   train->add_option("--plan", a.plan,
                     "With --budget: auto picks micro-batch, checkpoint schedule and optimizer "
                     "offload to fit (unless set by hand); none runs as configured; FILE trains with the "
@@ -426,7 +429,8 @@ void add_plan_commands(CLI::App& app, PlanArgs& a) {
               "fit a memory budget, with the predicted peak and why");
   add_model_options(plan, a);
   add_budget_option(plan, a);
-  plan->add_option("--save", a.save, "Also write the plan to FILE, atomically, for `memfit train --plan FILE`");
+  plan->add_option("--save", a.save, "Also write the plan to FILE, atomically, for `memfit train --plan FILE`")
+      ->check(memfit::tools::path("file"));
   auto* profile = app.add_subcommand(
       "profile", "Measure each layer's activation bytes and time, and predict the step's peak");
   add_model_options(profile, a);
@@ -640,16 +644,44 @@ std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
       usage_check(false, "--resume ", a.resume, ": ", e.msg(), "; or delete it, and the resumed run plans again");
     }
   }
+  // No output replaces an input or another output (compared by resolved path).
+  std::vector<std::string> inputs = {a.torchscript, a.text, plan_file(a) ? a.plan : ""};
+  std::error_code ec;
+  if (fs::is_directory(a.data, ec)) {
+    for (const auto& e : fs::directory_iterator(a.data, ec)) {
+      if (e.is_regular_file(ec)) inputs.push_back(e.path().string());
+    }
+  }
+  const std::vector<std::string> saved_files =
+      a.save.empty() ? std::vector<std::string>{}
+                     : std::vector<std::string>{(fs::path(a.save) / "checkpoint.pt").string(),
+                                                (fs::path(a.save) / "model.json").string(), saved_plan_path(a.save)};
   if (!a.report.empty()) {
-    memfit::tools::check_output("--report", a.report, {a.torchscript, a.text, resumed});
+    auto report_inputs = inputs;
+    if (!a.resume.empty()) {
+      for (const auto& f : {resumed, (fs::path(a.resume) / "model.json").string(), saved_plan_path(a.resume)}) {
+        report_inputs.push_back(f);
+      }
+    }
+    memfit::tools::check_output("--report", a.report, report_inputs);
+    memfit::tools::check_outputs_apart("--report", a.report, "--save", saved_files);
   }
   if (!a.save.empty()) {
     memfit::tools::as_usage([&] { memfit::check_output_folder(a.save); });
-    if (fs::is_directory(a.save)) {
-      memfit::tools::check_output("--save", (fs::path(a.save) / "checkpoint.pt").string(), {});
-      memfit::tools::check_output("--save", (fs::path(a.save) / "model.json").string(), {});
-      // It may be --plan's own file: that plan is written back unchanged.
-      if (planned(a)) memfit::tools::check_output("--save", saved_plan_path(a.save), {});
+    // A resumed run may save where it resumed from; --plan's own file is written back unchanged.
+    auto plan_inputs = inputs;
+    plan_inputs[2].clear();
+    for (size_t i = 0; i < saved_files.size(); ++i) {
+      const auto& from = i == 2 ? plan_inputs : inputs;
+      if (i == 2 && !planned(a)) continue;
+      if (fs::is_directory(a.save)) {
+        memfit::tools::check_output("--save", saved_files[i], from);  // writable, and no input
+      } else {
+        for (const auto& input : from) {  // the folder is made at the end: compared by path only
+          memfit::tools::usage_check(!memfit::tools::same_file(saved_files[i], input), "--save ", a.save, " would write ",
+                                     saved_files[i], ", which is also an input of this command: save elsewhere");
+        }
+      }
     }
   }
   check_model_fits(a);
@@ -982,9 +1014,9 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
   memfit::tools::ProgressBar bar(trainer.total_steps(train_data), a.batch, stderr,
                                  ::isatty(fileno(stderr)) != 0);
   const auto start = std::chrono::steady_clock::now();
-  // SIGINT and SIGTERM end the run after the step in progress, saving first
-  // with --save; a second one stops at once.
-  for (int sig : {SIGINT, SIGTERM}) {
+  // SIGINT, SIGTERM and SIGHUP (a closed terminal) end the run after the
+  // step in progress, saving first with --save; a second one stops at once.
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
     std::signal(sig, [](int received) {
       g_signal = received;
       std::signal(received, SIG_DFL);
@@ -1143,7 +1175,15 @@ int main(int argc, char** argv) {
       std::stringstream text;
       text << is.rdbuf();
       const std::string title = "memfit run " + std::filesystem::path(report_in).filename().string();
-      memfit::write_file_atomically(report_out, memfit::tools::report_html(text.str(), title));
+      // A file that is not a report memfit wrote is the caller's mistake: a usage error, before any output.
+      const std::string html = memfit::tools::as_usage([&] {
+        try {
+          return memfit::tools::report_html(text.str(), title);
+        } catch (const c10::Error& e) {
+          TORCH_CHECK(false, report_in, ": ", e.msg());
+        }
+      });
+      memfit::write_file_atomically(report_out, html);
       fmt::print("report written to {}\n", report_out);
       return 0;
     }

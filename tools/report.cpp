@@ -1,6 +1,7 @@
 #include "report.h"
 
 #include <fmt/format.h>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include <c10/util/Exception.h>
@@ -95,11 +96,14 @@ constexpr const char* kScript = R"JS(
   function series(id, values, label, lines) {
     const W = 760, H = 220, L = 60, B = 30, T = 14;
     const s = svg(id, W, H);
-    const hi = Math.max(...values, ...lines.map(l => l.v)) * 1.05 || 1;
+    // A NaN or infinite loss is written as null: no point for it.
+    const finite = values.filter(v => typeof v === 'number' && isFinite(v));
+    const hi = Math.max(...finite, ...lines.map(l => l.v)) * 1.05 || 1;
     const x = i => L + (W - L - 20) * (values.length > 1 ? i / (values.length - 1) : 0.5);
     const y = v => T + (H - T - B) * (1 - v / hi);
-    el('polyline', {points: values.map((v, i) => x(i) + ',' + y(v)).join(' '), fill: 'none',
-                    stroke: '#4c78a8', 'stroke-width': 1.5}, s);
+    const points = [];
+    values.forEach((v, i) => { if (typeof v === 'number' && isFinite(v)) points.push(x(i) + ',' + y(v)); });
+    el('polyline', {points: points.join(' '), fill: 'none', stroke: '#4c78a8', 'stroke-width': 1.5}, s);
     for (const l of lines) if (l.v > 0) hline(s, y(l.v), L, W - 10, l.color, l.label);
     text(s, L - 6, y(hi / 1.05) + 4, label(hi / 1.05), 'end');
     text(s, L - 6, y(0) + 4, label(0), 'end');
@@ -117,7 +121,23 @@ constexpr const char* kScript = R"JS(
 
 } // namespace
 
+namespace {
+std::string render(const std::string& json_text, const std::string& title);
+} // namespace
+
 std::string report_html(const std::string& json_text, const std::string& title) {
+  try {
+    return render(json_text, title);
+  } catch (const nlohmann::json::exception& e) {
+    std::string what = e.what();
+    const auto close = what.find("] ");
+    TORCH_CHECK(false, "not a memfit run report (", close == std::string::npos ? what : what.substr(close + 2),
+                "); write one with memfit train --report FILE.json");
+  }
+}
+
+namespace {
+std::string render(const std::string& json_text, const std::string& title) {
   nlohmann::json run;
   try {
     run = nlohmann::json::parse(json_text);
@@ -128,25 +148,35 @@ std::string report_html(const std::string& json_text, const std::string& title) 
   TORCH_CHECK(run.is_object() && run.contains("steps") && run.contains("summary"),
               "not a memfit run report (no \"steps\" and \"summary\"); write one with memfit "
               "train --report FILE.json");
+  TORCH_CHECK(run["steps"].is_array() && run["summary"].is_object(), "not a memfit run report (\"steps\" must be "
+              "a list and \"summary\" an object); write one with memfit train --report FILE.json");
   const auto& sum = run["summary"];
   auto mib = [](int64_t b) { return fmt::format("{:.2f} MiB", double(b) / (1 << 20)); };
+  // A summary number, as text: null is a NaN or infinite value (JSON has none).
+  auto number = [&sum](const char* key, const std::function<std::string(double)>& show) -> std::string {
+    const auto& v = sum[key];
+    if (v.is_null()) return "NaN or infinite";
+    TORCH_CHECK(v.is_number(), "not a memfit run report (summary \"", key, "\" is ", v.type_name(),
+                ", not a number); write one with memfit train --report FILE.json");
+    return show(v.get<double>());
+  };
   std::string facts;
   auto fact = [&](const std::string& k, const std::string& v) {
     facts += fmt::format("<tr><th>{}</th><td>{}</td></tr>\n", escape(k), escape(v));
   };
   fact("steps", std::to_string(run["steps"].size()));
-  if (sum.contains("final_loss")) fact("final loss", fmt::format("{:.4f}", sum["final_loss"].get<double>()));
+  if (sum.contains("final_loss")) fact("final loss", number("final_loss", [](double v) { return fmt::format("{:.4f}", v); }));
   if (sum.contains("test_accuracy")) {
-    fact("test accuracy", fmt::format("{:.2f}%", 100 * sum["test_accuracy"].get<double>()));
+    fact("test accuracy", number("test_accuracy", [](double v) { return fmt::format("{:.2f}%", 100 * v); }));
   }
-  if (sum.contains("peak_bytes")) fact("measured peak", mib(sum["peak_bytes"].get<int64_t>()));
+  if (sum.contains("peak_bytes")) fact("measured peak", number("peak_bytes", [&](double v) { return mib(int64_t(v)); }));
   if (sum.contains("predicted_peak_bytes")) {
-    fact("predicted peak (plan)", mib(sum["predicted_peak_bytes"].get<int64_t>()));
+    fact("predicted peak (plan)", number("predicted_peak_bytes", [&](double v) { return mib(int64_t(v)); }));
   }
   if (sum.contains("samples_per_second")) {
-    fact("speed", fmt::format("{:.0f} samples/s", sum["samples_per_second"].get<double>()));
+    fact("speed", number("samples_per_second", [](double v) { return fmt::format("{:.0f} samples/s", v); }));
   }
-  if (sum.contains("precision")) fact("precision", sum["precision"].get<std::string>());
+  if (sum.contains("precision") && sum["precision"].is_string()) fact("precision", sum["precision"].get<std::string>());
   if (run.contains("recoveries") && run["recoveries"].is_array()) {
     for (const auto& r : run["recoveries"]) {  // steps that ran out of memory and were re-planned
       if (!r.is_object()) continue;
@@ -176,14 +206,14 @@ std::string report_html(const std::string& json_text, const std::string& title) 
         escape(p.value("precision", std::string())), escape(p.value("checkpoint", std::string())),
         escape(p.value("offload", std::string())));
     for (const auto& w : p.value("why", nlohmann::json::array())) {
-      plan += "<li>" + escape(w.get<std::string>()) + "</li>\n";
+      if (w.is_string()) plan += "<li>" + escape(w.get<std::string>()) + "</li>\n";
     }
     plan += "</ul>\n";
   }
   std::string data = run.dump();
-  // "</" would end the script element early.
-  for (size_t at = data.find("</"); at != std::string::npos; at = data.find("</", at + 3)) {
-    data.replace(at, 2, "<\\/");
+  // No "<" in the script element: "</script>" or "<!--" in a string would end or change it.
+  for (size_t at = data.find('<'); at != std::string::npos; at = data.find('<', at + 6)) {
+    data.replace(at, 1, "\\u003c");
   }
   return fmt::format(R"HTML(<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
@@ -212,6 +242,7 @@ svg {{ background: #fafafa; border: 1px solid #ddd; }}
                      fmt::arg("title", escape(title)), fmt::arg("facts", facts),
                      fmt::arg("plan", plan), fmt::arg("data", data), fmt::arg("script", kScript));
 }
+} // namespace
 
 } // namespace tools
 } // namespace memfit

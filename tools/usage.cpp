@@ -47,6 +47,14 @@ CLI::Validator real(double lo, double hi, bool open_lo) {
       "NUMBER");
 }
 
+CLI::Validator path(const std::string& what) {
+  return CLI::Validator(
+      [what](std::string& text) -> std::string {
+        return text.empty() ? "must name a " + what + ", got an empty string" : std::string();
+      },
+      what == "folder" ? "DIR" : "FILE");
+}
+
 CLI::Validator memory_size() {
   return CLI::Validator(
       [](std::string& text) -> std::string {
@@ -81,6 +89,10 @@ std::string with_flag_names(std::string message) {
       {"PlanOptions::selective_recompute", "--selective-recompute"},
       {"PlanOptions::batch_statistics(kPerMicroBatch)", "--batch-statistics per-micro-batch"},
       {"PlanOptions::batch_statistics", "--batch-statistics"},
+      {"NonfiniteLoss::kSkip", "--skip-nonfinite"},
+      {"load_plan: ", ""},
+      {"with save_plan", "with `memfit plan --save`"},
+      {"that save_plan wrote", "that `memfit plan --save` wrote"},
   };
   for (const auto& [cpp, flag] : names) {
     for (auto at = message.find(cpp); at != std::string::npos; at = message.find(cpp, at)) {
@@ -90,12 +102,29 @@ std::string with_flag_names(std::string message) {
   return message;
 }
 
+bool same_file(const std::string& a, const std::string& b) {
+  if (a.empty() || b.empty()) return false;
+  std::error_code ec;
+  if (std::filesystem::equivalent(a, b, ec)) return true;  // both exist: links and all
+  const auto ca = std::filesystem::weakly_canonical(a, ec);
+  if (ec) return false;
+  const auto cb = std::filesystem::weakly_canonical(b, ec);
+  return !ec && ca == cb;  // one to be written: the same resolved path
+}
+
 void check_output(const std::string& flag, const std::string& output, const std::vector<std::string>& inputs) {
   as_usage([&] { memfit::check_output_file(output); });
   for (const auto& input : inputs) {
-    std::error_code ec;
-    usage_check(input.empty() || !std::filesystem::equivalent(output, input, ec), flag, " ", output,
-                " is also an input of this command (", input, "): write to another file");
+    usage_check(!same_file(output, input), flag, " ", output, " is also an input of this command (", input,
+                "): write to another file");
+  }
+}
+
+void check_outputs_apart(const std::string& flag, const std::string& output, const std::string& other_flag,
+                         const std::vector<std::string>& others) {
+  for (const auto& other : others) {
+    usage_check(!same_file(output, other), flag, " ", output, " is also where ", other_flag, " writes (", other,
+                "): give them different paths");
   }
 }
 

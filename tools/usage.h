@@ -45,6 +45,9 @@ CLI::Validator integer(int64_t lo, int64_t hi);
 /// A validator for a finite real flag in [lo, hi], or (lo, hi] when `open_lo`.
 CLI::Validator real(double lo, double hi, bool open_lo = false);
 
+/// A validator for a path flag (`what`: "file" or "folder") that refuses an empty string.
+CLI::Validator path(const std::string& what);
+
 /// A validator for a memory size (512MiB, 2GiB, bytes) that is positive.
 CLI::Validator memory_size();
 
@@ -57,6 +60,11 @@ std::string with_flag_names(std::string message);
 
 /// Checks that `output` can be written and is none of `inputs`.
 void check_output(const std::string& flag, const std::string& output, const std::vector<std::string>& inputs);
+/// Whether `a` and `b` name one file: the same file where both exist, else the same resolved path.
+bool same_file(const std::string& a, const std::string& b);
+/// Usage error when `output` (of `flag`) is one of `others`, the outputs of `other_flag`.
+void check_outputs_apart(const std::string& flag, const std::string& output, const std::string& other_flag,
+                         const std::vector<std::string>& others);
 
 /// This machine's physical memory, in bytes.
 int64_t physical_memory();
