@@ -16,7 +16,11 @@
 // rank the optimizer-state bytes and the peak of a step (memfit's byte-exact
 // allocator).
 //
-//   build/bench/memfit_distributed_bench [--steps 40] [--model mlp|resnet|pipeline|all]
+//   build/bench/memfit_distributed_bench [--steps 40] [--model mlp|resnet|pipeline|all] [--pairs 5]
+//
+// Then recovery's cost when nothing fails: 2 ranks with OnOutOfMemory::kThrow
+// and kReplan run alternately --pairs times, and the median ratio of their
+// step times.
 //
 // Pipeline parallel (--model pipeline, and in `all`): an MLP of width 1024 and
 // depth 4 (15.1 MiB of parameters), Adam, batch 64: one process against two
@@ -256,18 +260,20 @@ std::string mib(double bytes) { return fmt::format("{:.2f} MiB", bytes / (1 << 2
 int main(int argc, char** argv) {
   memfit::keep_freed_host_memory();  // as the memfit CLI does at start (environment.h)
   if (std::getenv("MEMFIT_BENCH_WORKER") != nullptr) return worker();
-  int64_t steps = 40;
+  int64_t steps = 40, pairs = 5;
   std::vector<std::string> models = {"mlp", "resnet"};
   bool pipeline = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--steps") {
       steps = std::max<int64_t>(10, std::atoll(value.c_str()));
+    } else if (flag == "--pairs") {
+      pairs = std::max<int64_t>(0, std::atoll(value.c_str()));
     } else if (flag == "--model" && (value == "mlp" || value == "resnet" || value == "pipeline")) {
       models = value == "pipeline" ? std::vector<std::string>{} : std::vector<std::string>{value};
       pipeline = value == "pipeline";
     } else if (!(flag == "--model" && value == "all")) {
-      fmt::print(stderr, "usage: {} [--steps N (>= 10)] [--model mlp|resnet|pipeline|all]\n", argv[0]);
+      fmt::print(stderr, "usage: {} [--steps N (>= 10)] [--model mlp|resnet|pipeline|all] [--pairs N]\n", argv[0]);
       return 2;
     }
   }
@@ -299,6 +305,36 @@ int main(int argc, char** argv) {
       fmt::print("| {} | {:.1f} ms | {:.0f} | {:.2f}× | {} | {} | {} | {:.4f} |\n", c.name, step * 1e3,
                  double(kGlobalBatch) / step, baseline / step, c.ranks > 1 ? mib(payload) : std::string("—"),
                  state, peak, results.front()["final_loss"].get<double>());
+      std::fflush(stdout);
+    }
+    fmt::print("\n");
+  }
+  // Recovery's cost when nothing fails, side by side: 2 ranks with recovery
+  // off and on, alternately, `pairs` times; the ratio of each pair's median
+  // step times.
+  if (pairs > 0 && !models.empty()) {
+    fmt::print("### recovery on ÷ off, 2 ranks × 1 thread, {} alternating pairs\n\n", pairs);
+    fmt::print("| model | median ratio | range | step time off (median) |\n|---|---:|---:|---:|\n");
+    const Config& off = configs()[2];
+    const Config& on = configs()[4];
+    for (const auto& model : models) {
+      std::vector<double> ratios, offs;
+      for (int64_t i = 0; i < pairs; ++i) {
+        const bool on_first = i % 2 == 1;  // alternate which runs first
+        double t_on = 0, t_off = 0;
+        for (int k = 0; k < 2; ++k) {
+          const bool is_on = (k == 0) == on_first;
+          double step = 0;
+          for (const auto& r : run(is_on ? on : off, model, steps)) step = std::max(step, r["median_step_s"].get<double>());
+          (is_on ? t_on : t_off) = step;
+        }
+        ratios.push_back(t_on / t_off);
+        offs.push_back(t_off);
+      }
+      std::sort(ratios.begin(), ratios.end());
+      std::sort(offs.begin(), offs.end());
+      fmt::print("| {} | {:.3f} | {:.3f}–{:.3f} | {:.1f} ms |\n", model, ratios[ratios.size() / 2], ratios.front(),
+                 ratios.back(), offs[offs.size() / 2] * 1e3);
       std::fflush(stdout);
     }
     fmt::print("\n");

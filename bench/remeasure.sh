@@ -54,7 +54,7 @@ measure() {
     cost) bench plan_cost memfit_plan_bench --benchmark_filter=cost ;;
     stability) run plan_stability bash bench/plan_stability.sh "$build" ;;
     stability_tight) run plan_stability_tight bash bench/plan_stability.sh "$build" 5 tight ;;
-    distributed) bench distributed memfit_distributed_bench --steps 40 ;;
+    distributed) bench distributed memfit_distributed_bench --steps 60 --pairs 5 ;;
     gpt_train) run gpt_train "$build/memfit" train --model gpt --width 64 --depth 2 --context 64 --batch 32 --steps 100 ;;
     gpt_budget) run gpt_budget python3 bench/gpt_budget.py --build "$build" ;;
     peers) run peers /usr/bin/python3 bench/peers.py --build "$build" --steps 8 --batch 128 --repeats 2 --pairs 3 ;;
