@@ -4,11 +4,13 @@
 // memfit-specific line: the blocks are held in a memfit::CheckpointedSequential,
 // which marks where a plan may recompute. Used by own_transformer.cpp and
 // memfit's bench/plan_bench.cpp.
+#include <memfit/memory.h>
 #include <memfit/schedule.h>
 
 #include <torch/torch.h>
 
 #include <cmath>
+#include <vector>
 
 struct BlockImpl : torch::nn::Module {  // pre-norm: attention, then an MLP, each with a residual
   BlockImpl(int64_t d, int64_t heads) : heads(heads) {
@@ -58,3 +60,22 @@ inline torch::Tensor next_token_loss(LanguageModel& lm, const torch::data::Examp
   auto logits = lm.forward(b.data);
   return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}), b.target.view({-1}));
 }
+
+// Host copies of a module's parameters, put back by restore() (gradients
+// dropped): every run of an example starts from the same weights.
+class WeightsSnapshot {
+ public:
+  explicit WeightsSnapshot(torch::nn::Module& module) : module_(module) {
+    memfit::UntrackedGuard host;  // host copies, outside any budget
+    for (const auto& p : module.parameters()) saved_.push_back(p.detach().clone());
+  }
+  void restore() {
+    torch::NoGradGuard no_grad;
+    auto params = module_.parameters();
+    for (size_t i = 0; i < saved_.size(); ++i) params[i].copy_(saved_[i]).mutable_grad() = torch::Tensor();
+  }
+
+ private:
+  torch::nn::Module& module_;
+  std::vector<torch::Tensor> saved_;
+};

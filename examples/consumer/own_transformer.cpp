@@ -49,15 +49,8 @@ int main() try {
     batch = {windows.images.narrow(0, 0, kBatch).clone(), windows.labels.narrow(0, 0, kBatch).clone()};
   }
   auto lm = std::make_shared<LanguageModel>(corpus.vocab_size(), kContext, 128, 6, 4);
-  std::vector<torch::Tensor> start;  // every run starts from these weights (host copies)
-  {
-    memfit::UntrackedGuard host;
-    for (const auto& p : lm->parameters()) start.push_back(p.detach().clone());
-  }
-  auto reset = [&] {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < start.size(); ++i) lm->parameters()[i].copy_(start[i]).mutable_grad() = torch::Tensor();
-  };
+  WeightsSnapshot start(*lm);  // every run starts from these weights
+  auto reset = [&] { start.restore(); };
   const Run plain = run(lm, memfit::TrainerOptions(), batch, 0);
   std::printf("plain step of %lld windows of %lld tokens: peak %s, loss %.6f, %.2f ms per window\n",
               static_cast<long long>(kBatch), static_cast<long long>(kContext),

@@ -67,15 +67,8 @@ int main() try {
     worst = lines.get_batch(std::vector<size_t>(kBatch, longest));
   }
   auto lm = std::make_shared<LanguageModel>(corpus.vocab_size(), kContext, 64, 4, 4);
-  std::vector<torch::Tensor> start;  // every run starts from these weights (host copies)
-  {
-    memfit::UntrackedGuard host;
-    for (const auto& p : lm->parameters()) start.push_back(p.detach().clone());
-  }
-  auto reset = [&] {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < start.size(); ++i) lm->parameters()[i].copy_(start[i]).mutable_grad() = torch::Tensor();
-  };
+  WeightsSnapshot start(*lm);  // every run starts from these weights
+  auto reset = [&] { start.restore(); };
   // The plain peak of the worst batch: its second step (Adam's state made).
   int64_t plain_peak = 0;
   {
