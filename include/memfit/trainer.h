@@ -13,7 +13,8 @@
 ///
 /// Thread safety: a Trainer is used from one thread at a time. Sync points:
 /// one per micro-batch (the loss value is read for the report and the
-/// non-finite check); recovery adds none unless a step fails. Extra memory:
+/// non-finite check); recovery adds none in one process unless a step fails,
+/// and with a process group two votes (docs/recovery.md). Extra memory:
 /// the micro-batch being trained on (copied to the device from host memory,
 /// memfit::to_device), and the optimizer's state (none on the device with
 /// offload_optimizer kHost); host copies of the buffers and RNG states.
@@ -274,8 +275,10 @@ struct TrainerOptions {
   TORCH_ARG(PipelineOptions, pipeline) = PipelineOptions();
   /// What a step that runs out of memory does: every step is undone when it
   /// throws; with OnOutOfMemory::kReplan it is re-planned (`replan`) and run
-  /// again on the same batch and RNG state, with the same math. One process
-  /// and memfit's optimizers (OptimizerKind, memfit::optim) only.
+  /// again on the same batch and RNG state, with the same math; with a
+  /// process group every rank re-plans and runs the step again together.
+  /// Needs memfit's optimizers (OptimizerKind, memfit::optim); not with a
+  /// pipeline or zero_stage 1.
   TORCH_ARG(OnOutOfMemory, on_out_of_memory) = OnOutOfMemory::kThrow;
   /// Re-plans one step may make before it gives up (with kReplan).
   TORCH_ARG(int64_t, max_replans) = 4;
