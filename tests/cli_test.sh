@@ -503,7 +503,9 @@ fi
 expect train-torchscript-missing 2 'torchscript' err -- train --torchscript "$tmp/none.pt" --steps 1
 
 # Data parallel: two ranks of batch 16 train like one process of batch 32.
-port=$((20000 + $$ % 20000))
+# A port the kernel calls free now (one per launch: a fixed range could meet
+# the ephemeral ports of Gloo's connections in tests running beside these).
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 expect launch-help 0 'nproc' out -- launch --help
 expect dist-backend-nccl-needs-cuda 2 'dist-backend nccl reduces CUDA tensors.*--device cuda' err -- \
   train --model mlp --steps 1 --dist-backend nccl
@@ -513,7 +515,7 @@ expect dist-backend-unknown 2 'dist-backend' err -- train --model mlp --steps 1 
 if ! "$bin" --version | grep -qE ', c10d Gloo[;a-z ]'; then
   echo "skip launch checks: this build has no c10d Gloo process group"
 else
-expect launch-two-ranks 0 'batch 16 per rank × 2 ranks' out -- launch --nproc 2 --master-port "$port" -- \
+expect launch-two-ranks 0 'batch 16 per rank × 2 ranks' out -- launch --nproc 2 --master-port "$(free_port)" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 16 --no-eval -q --threads 1
 two=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 >"$tmp/one" 2>&1
@@ -521,52 +523,52 @@ one=$(grep -o 'final loss [0-9.]*' "$tmp/one")
 check launch-equals-one-process-with-the-double-batch test -n "$one" -a "$one" = "$two"
 # Planned under launch: every rank trains with rank 0's plan (broadcast_plan).
 expect launch-budget-trains-rank-0s-plan 0 "rank 0's plan, broadcast to all 2 ranks" out -- launch --nproc 2 \
-  --master-port "$((port + 10))" -- "$bin" train --model mlp --width 32 --depth 1 --steps 2 --batch 16 --no-eval \
+  --master-port "$(free_port)" -- "$bin" train --model mlp --width 32 --depth 1 --steps 2 --batch 16 --no-eval \
   --threads 1 --budget 2MiB
 # Both ranks run out of memory under the budget and re-plan together (recovery is on under launch too).
 expect launch-recovered 0 'recovered from out of memory [0-9]+ times? .*micro-batches of' out -- launch --nproc 2 \
-  --master-port "$((port + 11))" -- "$bin" train --model mlp --width 64 --batch 256 --budget 1.3MiB --steps 2 \
+  --master-port "$(free_port)" -- "$bin" train --model mlp --width 64 --batch 256 --budget 1.3MiB --steps 2 \
   --no-eval -q --plan none --threads 1
 expect launch-replan-pipeline 2 "re-plans data-parallel ranks together, not a pipeline's stages" err -- \
   train --model mlp --steps 1 --parallel pipeline --on-out-of-memory replan
-expect launch-zero-stage-1 0 'ZeRO stage 1' out -- launch --nproc 2 --master-port "$((port + 2))" -- \
+expect launch-zero-stage-1 0 'ZeRO stage 1' out -- launch --nproc 2 --master-port "$(free_port)" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 16 --no-eval -q --threads 1 --zero-stage 1
 zero=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 check launch-zero-equals-unsharded test -n "$zero" -a "$zero" = "$two"
-expect launch-offload-gradients 0 'data parallel over Gloo' out -- launch --nproc 2 --master-port "$((port + 9))" -- \
+expect launch-offload-gradients 0 'data parallel over Gloo' out -- launch --nproc 2 --master-port "$(free_port)" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 16 --no-eval -q --threads 1 --offload optimizer,gradients
 ddp_off=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 check launch-offload-gradients-equals-one-process test -n "$ddp_off" -a "$ddp_off" = "$one"
-expect launch-pipeline 0 'through a pipeline of 2 stages' out -- launch --nproc 2 --master-port "$((port + 3))" -- \
+expect launch-pipeline 0 'through a pipeline of 2 stages' out -- launch --nproc 2 --master-port "$(free_port)" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --parallel pipeline --chunks 4 --schedule 1f1b
 piped=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 check launch-pipeline-equals-one-process test -n "$piped" -a "$piped" = "$one"
-expect launch-pipeline-clip 0 'through a pipeline of 2 stages' out -- launch --nproc 2 --master-port "$((port + 5))" -- \
+expect launch-pipeline-clip 0 'through a pipeline of 2 stages' out -- launch --nproc 2 --master-port "$(free_port)" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --parallel pipeline --chunks 4 --clip-grad-norm 0.05
 piped_clip=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --clip-grad-norm 0.05 >"$tmp/one" 2>&1
 one_clip=$(grep -o 'final loss [0-9.]*' "$tmp/one")
 check launch-pipeline-clip-equals-one-process test -n "$one_clip" -a "$piped_clip" = "$one_clip" -a "$one_clip" != "$one"
-expect launch-pipeline-checkpoint 0 'gpipe, checkpoint except_last' out -- launch --nproc 2 --master-port "$((port + 4))" -- \
+expect launch-pipeline-checkpoint 0 'gpipe, checkpoint except_last' out -- launch --nproc 2 --master-port "$(free_port)" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --parallel pipeline --chunks 4 --pipeline-checkpoint except_last
 piped_ck=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 check launch-pipeline-checkpoint-equals-one-process test -n "$piped_ck" -a "$piped_ck" = "$one"
-expect launch-pipeline-bf16 0 'through a pipeline of 2 stages' out -- launch --nproc 2 --master-port "$((port + 7))" -- \
+expect launch-pipeline-bf16 0 'through a pipeline of 2 stages' out -- launch --nproc 2 --master-port "$(free_port)" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --parallel pipeline --chunks 4 --precision bf16
 piped_bf16=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --micro-batch 8 --no-eval -q --threads 1 --precision bf16 >"$tmp/one" 2>&1
 one_bf16=$(grep -o 'final loss [0-9.]*' "$tmp/one")
 check launch-pipeline-bf16-equals-one-process test -n "$one_bf16" -a "$piped_bf16" = "$one_bf16" -a "$one_bf16" != "$one"
-expect launch-pipeline-offload 0 'through a pipeline of 2 stages' out -- launch --nproc 2 --master-port "$((port + 8))" -- \
+expect launch-pipeline-offload 0 'through a pipeline of 2 stages' out -- launch --nproc 2 --master-port "$(free_port)" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 --parallel pipeline --chunks 4 --offload optimizer,gradients
 piped_off=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 check launch-pipeline-offload-equals-one-process test -n "$piped_off" -a "$piped_off" = "$one"
 one_line=0 expect launch-pipeline-not-checkpoint 2 'use --pipeline-checkpoint except_last .* instead of --checkpoint sqrt' err -- \
-  launch --nproc 2 --master-port "$((port + 6))" -- "$bin" train --model mlp --steps 1 --no-eval -q --parallel pipeline --checkpoint sqrt
+  launch --nproc 2 --master-port "$(free_port)" -- "$bin" train --model mlp --steps 1 --no-eval -q --parallel pipeline --checkpoint sqrt
 expect pipeline-checkpoint-needs-pipeline 2 '--pipeline-checkpoint needs --parallel pipeline' err -- \
   train --model mlp --steps 1 --no-eval -q --pipeline-checkpoint always
 expect launch-failing-worker 3 'rank 1 exited with status 3; stopping the other 1 worker' err -- \
-  launch --nproc 2 --master-port "$((port + 1))" -- sh -c 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 60'
+  launch --nproc 2 --master-port "$(free_port)" -- sh -c 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 60'
 fi
 expect launch-node-rank 2 'node-rank 2 is not below --nnodes 1' err -- launch --nproc 1 --node-rank 2 -- true
 expect launch-needs-nproc 2 'nproc' err -- launch -- true

@@ -882,10 +882,25 @@ TEST_F(ModulePlanTest, ASavedPlanComesBackFieldForFieldAndWhatIsNotOneIsRefusedI
   expect_error([&] { memfit::load_plan(::testing::TempDir()); }, "load_plan: cannot read");
   const auto text = temp_path("text.json");
   write_text(text, "not json");
-  expect_error([&] { memfit::load_plan(text); }, text + " is damaged (");
+  expect_error([&] { memfit::load_plan(text); }, text + " is not JSON (");
+  write_text(text, std::string(100000, '[') + std::string(100000, ']'));  // read without recursion
+  expect_error([&] { memfit::load_plan(text); }, text + " is damaged: it nests deeper than 32 levels");
   write_text(text, "{\"fits\": true}");
   expect_error([&] { memfit::load_plan(text); }, text + " is not a memfit plan (memfit.module_plan.v1)");
   auto wire = nlohmann::json::parse(std::ifstream(path));
+  auto bad = wire;
+  bad["settings"]["precision"] = 7;
+  write_text(text, bad.dump());
+  expect_error([&] { memfit::load_plan(text); }, text + " is damaged: \"precision\" is 7, not one of 0 to 2");
+  bad = wire;
+  bad["settings"]["micro_batch"] = "4";
+  write_text(text, bad.dump());
+  expect_error([&] { memfit::load_plan(text); }, text + " is damaged: \"micro_batch\" is string, not a number");
+  bad = wire;
+  bad["schedules"] = nlohmann::json::array({nlohmann::json::array({nlohmann::json::array({0, 2, false, nlohmann::json::array()}),
+                                                                   nlohmann::json::array({3, 4, false, nlohmann::json::array()})})});
+  write_text(text, bad.dump());
+  expect_error([&] { memfit::load_plan(text); }, text + " is damaged: a \"schedule\" segment [3, 4) does not follow on from layer 2");
   wire.erase("settings");
   write_text(text, wire.dump());
   expect_error([&] { memfit::load_plan(text); }, text + " is damaged (");
