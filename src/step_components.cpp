@@ -152,8 +152,8 @@ void NonfiniteCheck::check(StepState& s, double value, const char* where) const 
   if (std::isfinite(value)) return;
   TORCH_CHECK(mode_ == NonfiniteLoss::kSkip, "step ", s.step, " (epoch ", s.epoch, "): the loss", where, " is ",
               std::isnan(value) ? "NaN" : (value > 0 ? "inf" : "-inf"),
-              "; lower the learning rate, clip gradients (max_grad_norm, --clip-grad-norm), "
-              "or skip such steps (NonfiniteLoss::kSkip, --skip-nonfinite)");
+              "; lower the learning rate, clip gradients (TrainerOptions::max_grad_norm), "
+              "or skip such steps (NonfiniteLoss::kSkip)");
   s.skip = true;
 }
 

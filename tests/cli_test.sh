@@ -394,6 +394,8 @@ for flag in --report --save --resume; do
   expect "empty$flag" 2 "$flag must name a (file|folder), got an empty string" err -- train --model mlp --steps 1 "$flag" ""
 done
 expect empty-plan-save 2 'save must name a file, got an empty string' err -- plan --model mlp --budget 2MiB --save ""
+expect nan-loss-names-flags 1 'the loss is NaN; lower the learning rate, clip gradients \(--clip-grad-norm\), or skip such steps \(--skip-nonfinite\)' err -- \
+  train --model mlp --width 16 --depth 1 --batch 64 --steps 3 --no-eval -q --lr 1e30
 "$bin" train --model mlp --width 16 --depth 1 --batch 64 --steps 3 --no-eval -q --lr 1e30 --skip-nonfinite \
   --report "$tmp/nan.json" >/dev/null 2>&1
 expect report-of-a-nan-run 0 'report written' out -- report "$tmp/nan.json" --output "$tmp/nan.html"

@@ -90,6 +90,7 @@ std::string with_flag_names(std::string message) {
       {"PlanOptions::batch_statistics(kPerMicroBatch)", "--batch-statistics per-micro-batch"},
       {"PlanOptions::batch_statistics", "--batch-statistics"},
       {"NonfiniteLoss::kSkip", "--skip-nonfinite"},
+      {"TrainerOptions::max_grad_norm", "--clip-grad-norm"},
       {"load_plan: ", ""},
       {"with save_plan", "with `memfit plan --save`"},
       {"that save_plan wrote", "that `memfit plan --save` wrote"},
