@@ -81,6 +81,9 @@ void identify(BlasInfo& info, void* handle) {
   if (auto threads = reinterpret_cast<IntGetter>(symbol("mkl_get_max_threads"))) {
     info.vendor = BlasVendor::kMKL;
     info.threads = threads();
+    // Without Intel's OpenMP runtime loaded, MKL runs its GNU OpenMP layer
+    // (PyPI's torch links it so): LibTorch's own OpenMP threads, nothing more.
+    if (!dlsym(RTLD_DEFAULT, "__kmpc_fork_call")) info.threading = BlasThreading::kOpenMP;
     return;
   }
   if (auto version = reinterpret_cast<const char* (*)()>(symbol("bli_info_get_version_str"))) {
@@ -169,6 +172,11 @@ std::string BlasInfo::warning(int torch_threads) const {
         "slower than OpenBLAS: install libopenblas0-openmp (apt-get install libopenblas0-openmp), which "
         "Debian's LibTorch then uses{}",
         library, kSilence);
+  }
+  if (threading != BlasThreading::kOpenMP && threads > 1 && torch_threads > 1 && vendor == BlasVendor::kMKL) {
+    return fmt::format("{} ({}) runs {} threads of its own beside LibTorch's {} OpenMP threads, oversubscribing the "
+                       "cores: set MKL_THREADING_LAYER=GNU, or MKL_NUM_THREADS=1{}",
+                       name(), library, threads, torch_threads, kSilence);
   }
   if (threading != BlasThreading::kOpenMP && threads > 1 && torch_threads > 1) {
     return fmt::format(

@@ -509,6 +509,16 @@ expect train-torchscript-missing 2 'torchscript' err -- train --torchscript "$tm
 # the ephemeral ports of Gloo's connections in tests running beside these).
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 expect launch-help 0 'nproc' out -- launch --help
+# Each worker gets the cores shared out (torchrun's OMP_NUM_THREADS), unless the user set it.
+cores=$(getconf _NPROCESSORS_ONLN) omp_threads=${OMP_NUM_THREADS-}
+unset OMP_NUM_THREADS  # ctest sets it for every test
+expect launch-shares-the-cores 0 "^threads=$((cores / 2 > 1 ? cores / 2 : 1))\$" out -- \
+  launch --nproc 2 -- bash -c 'echo "threads=$OMP_NUM_THREADS"'
+OMP_NUM_THREADS=3 expect launch-keeps-omp-num-threads 0 '^threads=3$' out -- launch --nproc 2 -- \
+  bash -c 'echo "threads=$OMP_NUM_THREADS"'
+OMP_NUM_THREADS=1 "$bin" train --model mlp --width 8 --depth 1 --steps 1 --no-eval -q --report "$tmp/omp.json" >/dev/null 2>&1
+check train-runs-omp-num-threads python3 -c "import json,sys; sys.exit(json.load(open('$tmp/omp.json'))['environment']['threads'] != 1)"
+[ -n "$omp_threads" ] && export OMP_NUM_THREADS=$omp_threads
 expect dist-backend-nccl-needs-cuda 2 'dist-backend nccl reduces CUDA tensors.*--device cuda' err -- \
   train --model mlp --steps 1 --dist-backend nccl
 expect dist-backend-nccl-not-in-pipelines 2 'pipelines run over Gloo' err -- \

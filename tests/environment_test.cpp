@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <dlfcn.h>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -123,6 +124,21 @@ TEST(Environment, WarnsOfABlasThatOversubscribesTheCores) {
   blas.threads = 2;
   blas.threading = BlasThreading::kOpenMP;  // shares LibTorch's OpenMP threads
   EXPECT_EQ(blas.warning(2), "");
+}
+
+// PyPI's torch links MKL into libtorch_cpu.so with its GNU OpenMP layer: it
+// runs on LibTorch's own OpenMP threads and oversubscribes nothing.
+TEST(Environment, MklBuiltIntoLibTorchSharesItsOpenMPThreads) {
+  const auto blas = blas_info();
+  if (blas.vendor != BlasVendor::kMKL) GTEST_SKIP() << "LibTorch's BLAS here is " << blas.name() << ", not MKL";
+  if (dlsym(RTLD_DEFAULT, "__kmpc_fork_call")) GTEST_SKIP() << "Intel's OpenMP runtime is loaded: MKL may use it";
+  EXPECT_EQ(blas.threading, BlasThreading::kOpenMP) << blas.name();
+  EXPECT_EQ(blas.warning(2), "");
+  BlasInfo own = blas;  // MKL on Intel's OpenMP runtime: threads of its own
+  own.threading = BlasThreading::kUnknown;
+  own.threads = 2;
+  EXPECT_TRUE(contains(own.warning(2), "MKL_NUM_THREADS=1")) << own.warning(2);
+  EXPECT_FALSE(contains(own.warning(2), "openblas")) << "MKL built into LibTorch is not replaced by a libblas.so.3";
 }
 
 TEST(Environment, RecordsVersionThreadsAndBlas) {

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -23,8 +24,9 @@ void add_launch_command(CLI::App& app, LaunchArgs& a) {
       "launch",
       "Start --nproc worker processes of a data-parallel job with torchrun's variables (RANK, "
       "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), e.g. `memfit launch --nproc 2 -- memfit "
-      "train --model mlp`; when one worker fails the others are stopped and its exit status is "
-      "returned");
+      "train --model mlp`; each worker gets OMP_NUM_THREADS = this machine's hardware threads / "
+      "--nproc (at least 1) unless it is set; when one worker fails the others are stopped and its "
+      "exit status is returned");
   launch->add_option("--nproc", a.nproc, "Worker processes on this machine")
       ->required()
       ->check(integer(1, 1024));
@@ -75,6 +77,10 @@ int run_launch(const LaunchArgs& a) {
   sigemptyset(&action.sa_mask);
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &action, nullptr);
   const int64_t world = a.nproc * a.nnodes;
+  // The cores shared out, as torchrun does (it gives each worker 1): OpenMP
+  // threads spin, and workers of every core each slow one another down 5x.
+  const int64_t hw = std::max(1u, std::thread::hardware_concurrency());
+  const std::string omp_threads = std::to_string(std::max<int64_t>(1, hw / a.nproc));
   std::map<pid_t, int64_t> rank_of;
   std::fflush(stdout);
   std::fflush(stderr);
@@ -96,6 +102,7 @@ int run_launch(const LaunchArgs& a) {
       ::setenv("LOCAL_WORLD_SIZE", std::to_string(a.nproc).c_str(), 1);
       ::setenv("MASTER_ADDR", a.master_addr.c_str(), 1);
       ::setenv("MASTER_PORT", std::to_string(a.master_port).c_str(), 1);
+      ::setenv("OMP_NUM_THREADS", omp_threads.c_str(), 0);  // the user's own setting stays
       std::vector<char*> argv;
       std::vector<std::string> copy = a.command;
       for (auto& s : copy) argv.push_back(s.data());

@@ -392,7 +392,7 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                     "under its budget")
       ->capture_default_str();
   train->add_option("--threads", a.threads,
-                    "CPU threads for LibTorch's kernels (0: every hardware thread)")
+                    "CPU threads for LibTorch's kernels (0: OMP_NUM_THREADS if set, else every hardware thread)")
       ->check(memfit::tools::integer(0, 4096))
       ->capture_default_str();
 }
@@ -412,7 +412,7 @@ void add_model_options(CLI::App* cmd, PlanArgs& a) {
       ->capture_default_str();
   cmd->add_option("--device", a.device, "Device: cpu, cuda or cuda:N")->capture_default_str();
   cmd->add_flag("--json", a.json, "Print JSON instead of a table");
-  cmd->add_option("--threads", a.threads, "CPU threads (0: every hardware thread)")
+  cmd->add_option("--threads", a.threads, "CPU threads (0: OMP_NUM_THREADS if set, else every hardware thread)")
       ->check(memfit::tools::integer(0, 4096));
 }
 
@@ -484,9 +484,11 @@ std::string precision_warning(const std::vector<memfit::Precision>& precisions, 
          "hold more bytes for backward; --precision any times both, --precision fp32 keeps the math";
 }
 
-// Sets LibTorch's intra-op threads (every hardware thread unless --threads).
-// More threads than hardware threads are capped, with a warning: OpenMP
-// threads spin, and oversubscribed cores slow LibTorch down many times over.
+// Sets LibTorch's intra-op threads: --threads, else OMP_NUM_THREADS as
+// LibTorch read it (memfit launch sets it to the cores a worker has), else
+// every hardware thread. More threads than hardware threads are capped, with
+// a warning: OpenMP threads spin, and oversubscribed cores slow LibTorch down
+// many times over (two processes of two threads on two cores: 5x a step).
 // Returns the one-line warning of a BLAS that slows LibTorch down, if any
 // and `speak`, for the caller to print once its usage checks are done.
 std::string set_threads(int threads, bool speak = true) {
@@ -495,7 +497,10 @@ std::string set_threads(int threads, bool speak = true) {
     fmt::print(stderr, "memfit: warning: --threads {} is more than this machine's {} hardware threads; using {}\n",
                threads, hw, hw);
   }
-  at::set_num_threads(threads > 0 ? std::min(threads, hw) : hw);
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  at::set_num_threads(threads > 0            ? std::min(threads, hw)
+                      : omp && omp[0] != '\0' ? std::min(at::get_num_threads(), hw)
+                                             : hw);
   return speak ? memfit::check_blas() : std::string();
 }
 

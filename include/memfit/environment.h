@@ -68,7 +68,7 @@ struct BlasInfo {
 
   /// A short name: "OpenBLAS 0.3.21 (OpenMP)", "netlib reference BLAS".
   std::string name() const;
-  /// One line saying why this BLAS slows LibTorch down and what to install
+  /// One line saying why this BLAS slows LibTorch down and what to install or set
   /// instead, or empty when it does not: the reference BLAS, or a BLAS with
   /// threads of its own (more than one) beside `torch_threads` (more than
   /// one) OpenMP threads.
