@@ -10,11 +10,19 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
+#include <fstream>
+#include <optional>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -135,7 +143,128 @@ void remove_stale_temporaries(const fs::path& target) {
   ::closedir(d);
 }
 
+// A sealed archive ends with its zip end-of-central-directory record (22
+// bytes, the last 2 the comment's length) and this comment: the CRC-32 of
+// every byte before the comment's length, in hex.
+constexpr char kSealPrefix[] = "memfit-crc32:";
+constexpr size_t kSealSize = sizeof(kSealPrefix) - 1 + 8;
+constexpr size_t kEndRecord = 22;
+
+uint32_t crc32_of(uint32_t crc, const char* data, size_t n) {
+  while (n > 0) {  // zlib takes 32-bit lengths
+    const auto chunk = static_cast<uInt>(std::min<size_t>(n, size_t{1} << 30));
+    crc = static_cast<uint32_t>(::crc32(crc, reinterpret_cast<const Bytef*>(data), chunk));
+    data += chunk;
+    n -= chunk;
+  }
+  return crc;
+}
+
+// The seal's CRC when `tail` (the file's last kEndRecord + kSealSize bytes)
+// ends with one; nullopt otherwise. The end record itself is not read: the
+// CRC covers it, so damage there is found like damage anywhere else.
+std::optional<uint32_t> seal_in(const std::string& tail) {
+  if (tail.size() != kEndRecord + kSealSize) return std::nullopt;
+  const std::string comment = tail.substr(kEndRecord);
+  if (comment.compare(0, sizeof(kSealPrefix) - 1, kSealPrefix) != 0) return std::nullopt;
+  const std::string hex = comment.substr(sizeof(kSealPrefix) - 1);
+  if (hex.find_first_not_of("0123456789abcdef") != std::string::npos) return std::nullopt;
+  return static_cast<uint32_t>(std::stoul(hex, nullptr, 16));
+}
+
+void check_crc(uint32_t expected, uint32_t actual, const std::string& what) {
+  TORCH_CHECK(expected == actual, what, " is damaged: its bytes have CRC-32 ", fmt::format("{:08x}", actual),
+              ", but it was sealed with ", fmt::format("{:08x}", expected),
+              " when written; restore it from a copy, or start over without it");
+}
+
+// Checks an in-memory archive's seal; false when it has none.
+bool check_seal_of(const char* data, size_t size, const std::string& what) {
+  if (size < kEndRecord + kSealSize) return false;
+  const auto seal = seal_in(std::string(data + size - kEndRecord - kSealSize, kEndRecord + kSealSize));
+  if (!seal) return false;
+  check_crc(*seal, crc32_of(0, data, size - kSealSize - 2), what);
+  return true;
+}
+
+// A sealed archive says so inside too: one whose seal was cut off is damaged.
+void check_sealed(torch::serialize::InputArchive& archive, bool sealed, const std::string& what) {
+  c10::IValue says;
+  TORCH_CHECK(sealed || !archive.try_read("sealed", says), what,
+              " is damaged: it was sealed with a checksum when written, and the checksum is gone; "
+              "restore it from a copy, or start over without it");
+}
+
+std::string host_name() {
+  char name[256] = {};
+  return ::gethostname(name, sizeof(name) - 1) == 0 ? std::string(name) : std::string("this machine");
+}
+
 } // namespace
+
+FolderLock::FolderLock(const std::string& dir, const std::string& what) {
+  TORCH_CHECK(!dir.empty(), what, " is an empty folder name: give a folder");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  TORCH_CHECK(fs::is_directory(dir), "cannot create ", what, " ", dir, ": ", ec ? ec.message() : "not a folder");
+  const std::string path = (fs::path(dir) / ".memfit.lock").string();
+  // A holder removes the file while it holds the lock: a lock taken on a
+  // file that is no longer the folder's is taken again on the new one.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    TORCH_CHECK(fd >= 0, "cannot hold ", what, " ", dir, ": cannot open ", path, ": ", std::strerror(errno));
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      std::string holder;
+      char buf[512];
+      const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+      if (n > 0) holder.assign(buf, static_cast<size_t>(n));
+      while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+      ::close(fd);
+      TORCH_CHECK(err != EWOULDBLOCK, what, " ", dir, " is in use by another run (",
+                  holder.empty() ? std::string("starting") : holder,
+                  "), and one folder takes one run's files: wait for that run to end, or save to another folder");
+      TORCH_CHECK(false, "cannot hold ", what, " ", dir, ": flock on ", path, " failed: ", std::strerror(err));
+    }
+    struct stat held {}, named {};
+    if (::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 && held.st_ino == named.st_ino &&
+        held.st_dev == named.st_dev) {
+      const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+      std::tm utc{};
+      ::gmtime_r(&now, &utc);
+      char when[32];
+      std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S UTC", &utc);
+      const std::string text = fmt::format("memfit pid {} on {}, since {}\n", ::getpid(), host_name(), when);
+      if (::ftruncate(fd, 0) == 0) write_all(fd, text, path);
+      fd_ = fd;
+      path_ = path;
+      return;
+    }
+    ::close(fd);  // the holder we waited for removed it: take the new one
+  }
+  TORCH_CHECK(false, "cannot hold ", what, " ", dir, ": its lock file ", path, " kept changing");
+}
+
+FolderLock::FolderLock(FolderLock&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)), path_(std::move(other.path_)) {}
+
+FolderLock& FolderLock::operator=(FolderLock&& other) noexcept {
+  if (this != &other) {
+    release();
+    fd_ = std::exchange(other.fd_, -1);
+    path_ = std::move(other.path_);
+  }
+  return *this;
+}
+
+FolderLock::~FolderLock() { release(); }
+
+void FolderLock::release() noexcept {
+  if (fd_ < 0) return;
+  ::unlink(path_.c_str());  // while holding it: a waiter that opened it retries
+  ::close(fd_);
+  fd_ = -1;
+}
 
 void check_output_file(const std::string& path) { checked_target(path); }
 
@@ -239,6 +368,7 @@ void copy_into_module(torch::serialize::InputArchive& archive, torch::nn::Module
 torch::serialize::InputArchive read_archive(const std::string& path) {
   TORCH_CHECK(fs::is_regular_file(path), "no checkpoint file at ", path,
               ": give the folder or file that a save wrote");
+  const bool sealed = check_seal(path);  // before LibTorch reads a byte of it
   torch::serialize::InputArchive archive;
   UntrackedGuard host;  // the whole file lands in host memory, not on the device
   try {
@@ -246,16 +376,50 @@ torch::serialize::InputArchive read_archive(const std::string& path) {
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "cannot read checkpoint ", path, ": ", e.what_without_backtrace());
   }
+  check_sealed(archive, sealed, path);
   return archive;
 }
 
 std::string archive_bytes(torch::serialize::OutputArchive& archive) {
+  archive.write("sealed", c10::IValue(true));
   std::string bytes;
   archive.save_to([&bytes](const void* data, size_t n) {
     bytes.append(static_cast<const char*>(data), n);
     return n;
   });
+  // LibTorch's zip ends with an end record without a comment; the seal is one.
+  TORCH_INTERNAL_ASSERT(bytes.size() >= kEndRecord && bytes.compare(bytes.size() - kEndRecord, 4, "PK\x05\x06") == 0 &&
+                            bytes[bytes.size() - 2] == 0 && bytes[bytes.size() - 1] == 0,
+                        "LibTorch's archive does not end with a zip end record without a comment");
+  const uint32_t crc = crc32_of(0, bytes.data(), bytes.size() - 2);
+  bytes[bytes.size() - 2] = static_cast<char>(kSealSize);
+  bytes[bytes.size() - 1] = 0;
+  bytes += fmt::format("{}{:08x}", kSealPrefix, crc);
   return bytes;
+}
+
+bool check_seal(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "cannot read ", path, ": ", std::strerror(errno));
+  in.seekg(0, std::ios::end);
+  const auto size = static_cast<size_t>(in.tellg());
+  if (size < kEndRecord + kSealSize) return false;
+  std::string tail(kEndRecord + kSealSize, '\0');
+  in.seekg(static_cast<std::streamoff>(size - tail.size()));
+  in.read(tail.data(), static_cast<std::streamsize>(tail.size()));
+  const auto seal = seal_in(tail);
+  if (!seal) return false;
+  in.seekg(0);
+  std::vector<char> chunk(size_t{1} << 20);
+  uint32_t crc = 0;
+  for (size_t left = size - kSealSize - 2; left > 0;) {
+    const size_t n = std::min(left, chunk.size());
+    TORCH_CHECK(in.read(chunk.data(), static_cast<std::streamsize>(n)), "cannot read ", path, ": it ended early");
+    crc = crc32_of(crc, chunk.data(), n);
+    left -= n;
+  }
+  check_crc(*seal, crc, path);
+  return true;
 }
 
 torch::Tensor bytes_tensor(const std::string& bytes) {
@@ -267,12 +431,15 @@ torch::Tensor bytes_tensor(const std::string& bytes) {
 
 void load_archive(torch::serialize::InputArchive& archive, const torch::Tensor& bytes, const std::string& what) {
   UntrackedGuard host;
+  const auto* data = static_cast<const char*>(bytes.data_ptr());
+  const auto size = static_cast<size_t>(bytes.numel());
+  const bool sealed = check_seal_of(data, size, what);
   try {
-    archive.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()),
-                      torch::Device(torch::kCPU));
+    archive.load_from(data, size, torch::Device(torch::kCPU));
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, what, " cannot be read: ", e.what_without_backtrace());
   }
+  check_sealed(archive, sealed, what);
 }
 
 } // namespace detail

@@ -7,8 +7,12 @@
 #include <torch/torch.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/wait.h>
@@ -154,6 +158,107 @@ TEST_F(State, LoadingIntoAnotherModelNamesTheFirstMismatch) {
         << e.msg();
   }
   EXPECT_THROW(load_module(*a, path("missing.pt")), c10::Error);
+}
+
+std::vector<torch::Tensor> copies(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+void write_raw(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// Reference: a checkpoint overwritten in its middle resumed, then failed later
+// on a NaN loss (LibTorch's zip reader skips its CRCs).
+TEST_F(State, ADamagedFileIsRefusedByItsSealAndChangesNothing) {
+  auto a = make_mlp(ModelOptions().width(8).depth(1));
+  const auto p = path("sealed.pt");
+  save_module(*a, p);
+  const std::string whole = read(p);
+  ASSERT_GT(whole.size(), 64u);
+  EXPECT_EQ(whole.compare(whole.size() - 21, 13, "memfit-crc32:"), 0) << "sealed in the zip comment";
+  auto b = make_mlp(ModelOptions().width(8).depth(1));
+  const auto before = copies(*b);
+  for (const size_t at : {size_t{40}, whole.size() / 2, whole.size() - 40}) {
+    std::string damaged = whole;
+    damaged[at] = static_cast<char>(damaged[at] ^ 0x10);
+    write_raw(p, damaged);
+    try {
+      load_module(*b, p);
+      ADD_FAILURE() << "a flipped byte at " << at << " of " << whole.size() << " loaded";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.msg()).find(p + " is damaged"), std::string::npos) << at << ": " << e.msg();
+    }
+  }
+  // The seal cut off, the end record mended: a valid zip, which says it was sealed.
+  std::string cut = whole.substr(0, whole.size() - 21);
+  cut[cut.size() - 2] = cut[cut.size() - 1] = 0;
+  write_raw(p, cut);
+  try {
+    load_module(*b, p);
+    ADD_FAILURE() << "a file without its seal loaded";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.msg()).find("the checksum is gone"), std::string::npos) << e.msg();
+  }
+  write_raw(p, whole.substr(0, whole.size() / 2));  // truncated
+  EXPECT_THROW(load_module(*b, p), c10::Error);
+  const auto after = copies(*b);
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(after[i].equal(before[i])) << "parameter " << i;
+  write_raw(p, whole);
+  load_module(*b, p);
+  EXPECT_TRUE(b->parameters()[0].equal(a->parameters()[0]));
+}
+
+TEST_F(State, AnUnsealedArchiveOfAnEarlierVersionStillLoads) {
+  auto a = make_mlp(ModelOptions().width(8).depth(1));
+  const auto p = path("unsealed.pt");
+  torch::serialize::OutputArchive archive;
+  detail::write_module(archive, *a);
+  archive.save_to(p);  // LibTorch's own writer: no seal, no "sealed" record
+  auto b = make_mlp(ModelOptions().width(8).depth(1));
+  EXPECT_FALSE(detail::check_seal(p));
+  load_module(*b, p);
+  EXPECT_TRUE(b->parameters()[0].equal(a->parameters()[0]));
+}
+
+TEST_F(State, AFolderHasOneWriterAndAKilledHolderLeavesItFree) {
+  const std::string dir = ::testing::TempDir() + "memfit_lock_" + std::to_string(::getpid());
+  const std::string file = dir + "/.memfit.lock";
+  {
+    FolderLock held(dir, "TrainerOptions::save_dir");
+    EXPECT_TRUE(held.held());
+    EXPECT_NE(read(file).find("memfit pid " + std::to_string(::getpid()) + " on "), std::string::npos) << read(file);
+    try {
+      FolderLock second(dir, "TrainerOptions::save_dir");
+      ADD_FAILURE() << "two holders of one folder";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.msg()).find("TrainerOptions::save_dir " + dir + " is in use by another run (memfit pid " +
+                                          std::to_string(::getpid())),
+                std::string::npos)
+          << e.msg();
+    }
+    FolderLock moved = std::move(held);
+    EXPECT_TRUE(moved.held());
+    EXPECT_FALSE(held.held());  // NOLINT(bugprone-use-after-move): moved-from holds nothing
+    EXPECT_THROW(FolderLock{dir}, c10::Error);
+  }
+  EXPECT_NE(::access(file.c_str(), F_OK), 0) << "a release removes the lock file";
+  // A holder killed with its lock leaves the file, and no lock.
+  const pid_t child = ::fork();
+  if (child == 0) {  // system calls only, after a fork
+    const int fd = ::open(file.c_str(), O_RDWR | O_CREAT, 0644);
+    if (fd < 0 || ::flock(fd, LOCK_EX | LOCK_NB) != 0) ::_exit(3);
+    ::kill(::getpid(), SIGKILL);
+  }
+  ASSERT_GT(child, 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "the child could not take the lock";
+  EXPECT_EQ(::access(file.c_str(), F_OK), 0);
+  { FolderLock after_kill(dir); EXPECT_TRUE(after_kill.held()); }
+  ::rmdir(dir.c_str());  // empty: the last holder removed its lock file
 }
 
 } // namespace

@@ -67,6 +67,44 @@ void check_output_file(const std::string& path);
 /// \endcode
 void check_output_folder(const std::string& dir);
 
+/// Holds a folder of outputs for one writer: a run that saves there holds it
+/// for its lifetime, and a folder never mixes two runs' files.
+///
+/// Creates `dir` if needed and takes an exclusive flock(2) on
+/// `dir`/.memfit.lock, then writes the holder into it (pid, host, start
+/// time). A second FolderLock on the folder, in this process or another,
+/// throws c10::Error in one line naming `what`, the folder and the holder.
+/// The kernel drops the lock when the holder exits however it ends, so a
+/// killed run never leaves the folder held; a release removes the file. Not
+/// for network file systems whose flock is local to one machine. Sync points:
+/// none. Extra memory: none.
+///
+/// Example:
+/// \code
+///   memfit::FolderLock held("/tmp/memfit_example_lock");
+///   // memfit::FolderLock("/tmp/memfit_example_lock") throws while `held` lives
+/// \endcode
+class FolderLock {
+ public:
+  /// Holds nothing.
+  FolderLock() = default;
+  /// Holds `dir`; `what` names it in the error (e.g. "TrainerOptions::save_dir").
+  explicit FolderLock(const std::string& dir, const std::string& what = "the folder");
+  FolderLock(FolderLock&& other) noexcept;
+  FolderLock& operator=(FolderLock&& other) noexcept;
+  FolderLock(const FolderLock&) = delete;
+  FolderLock& operator=(const FolderLock&) = delete;
+  /// Removes the lock file and drops the lock.
+  ~FolderLock();
+  /// Whether a folder is held.
+  bool held() const { return fd_ >= 0; }
+
+ private:
+  void release() noexcept;
+  int fd_ = -1;
+  std::string path_;
+};
+
 /// Saves `module`'s parameters and buffers to `path`, atomically.
 ///
 /// Example:
@@ -99,10 +137,16 @@ void check_module(torch::serialize::InputArchive& archive, const torch::nn::Modu
 /// Copies the checked `archive`'s tensors into `module`'s, one at a time.
 void copy_into_module(torch::serialize::InputArchive& archive, torch::nn::Module& module,
                       const StandIn& stand_in = nullptr);
-/// Reads `path` into host memory; throws naming the path when it cannot.
+/// Reads `path` into host memory; throws naming the path when it cannot, or
+/// when the file is sealed (archive_bytes) and its checksum does not match.
 torch::serialize::InputArchive read_archive(const std::string& path);
-/// The bytes of `archive` as a file.
+/// The bytes of `archive` as a file, sealed: a CRC-32 of every byte before it
+/// in the zip file's comment, where every zip reader leaves it alone.
 std::string archive_bytes(torch::serialize::OutputArchive& archive);
+/// Checks the seal of the file at `path`, streaming it (no copy in memory):
+/// true when sealed and intact, false when unsealed (written before seals);
+/// throws c10::Error naming the file when the checksum does not match.
+bool check_seal(const std::string& path);
 /// `bytes` as a 1-D uint8 host tensor (for collectives and nested archives).
 torch::Tensor bytes_tensor(const std::string& bytes);
 /// Reads `archive` from what bytes_tensor gave; throws naming `what` when it cannot.
