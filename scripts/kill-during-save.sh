@@ -25,8 +25,9 @@ for round in $(seq 1 "$rounds"); do
   if ! "$bin" train --model resnet --batch 8 --steps 1 --no-eval -q --resume "$tmp/ck" >/dev/null 2>&1; then
     unreadable=$((unreadable + 1))
   fi
-  if compgen -G "$tmp/ck/checkpoint.pt.tmp.*" >/dev/null && ! "$bin" train --model resnet --batch 8 --steps 1 \
-       --no-eval -q --save "$tmp/ck" >/dev/null 2>&1; then :; fi
+  # The next save into the folder removes the temporaries (a new run: the old checkpoint goes first).
+  if compgen -G "$tmp/ck/checkpoint.pt.tmp.*" >/dev/null && rm -f "$tmp/ck/checkpoint.pt" &&
+     ! "$bin" train --model resnet --batch 8 --steps 1 --no-eval -q --save "$tmp/ck" >/dev/null 2>&1; then :; fi
 done
 left=$(compgen -G "$tmp/ck/checkpoint.pt.tmp.*" | wc -l)
 echo "rounds $rounds, killed mid-save $mid_save, unreadable checkpoints $unreadable, temporaries left after the last save $left"

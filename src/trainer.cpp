@@ -20,9 +20,11 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <optional>
+#include <sstream>
 
 namespace memfit {
 namespace {
@@ -331,6 +333,8 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
       options_(std::move(options)) {
   TORCH_CHECK(module_ != nullptr, "Trainer needs a model, got an empty module holder");
   check_options();
+  check_ranks_agree(*module_, options_);  // before any other collective
+  if (!options_.save_dir().empty() && rank() == 0) save_lock_ = FolderLock(options_.save_dir(), "TrainerOptions::save_dir");
   memory_allocated(options_.device());  // starts tracking (and checks the device)
   for (const auto& pattern : options_.freeze()) freeze(*module_, pattern);
   if (options_.parallel() == ParallelMode::kPipeline) {
@@ -836,8 +840,125 @@ std::vector<size_t> Trainer::share_of(const torch::Tensor& order, int64_t cursor
   return std::vector<size_t>(p, p + mine.numel());
 }
 
+namespace {
+
+// What every rank must share, as (setting, value) lines: the model's tensors
+// first, then the options.
+std::string rank_settings(const torch::nn::Module& model, const TrainerOptions& o) {
+  std::vector<std::pair<std::string, std::string>> s;
+  const auto describe = [](const torch::Tensor& t) {
+    std::ostringstream os;
+    os << t.sizes() << " " << t.scalar_type();
+    return os.str();
+  };
+  const auto params = model.named_parameters(/*recurse=*/true);
+  const auto buffers = model.named_buffers(/*recurse=*/true);
+  s.emplace_back("model's number of tensors", fmt::format("{} parameters and {} buffers", params.size(), buffers.size()));
+  int64_t i = 0;
+  for (const auto& p : params) {
+    s.emplace_back(fmt::format("model tensor {}", i++),
+                   fmt::format("'{}' {}{}", p.key(), describe(p.value()), p.value().requires_grad() ? "" : " frozen"));
+  }
+  for (const auto& b : buffers) s.emplace_back(fmt::format("model tensor {}", i++), fmt::format("'{}' {}", b.key(), describe(b.value())));
+  const auto name = [](auto value, std::initializer_list<const char*> names) {
+    const auto k = static_cast<size_t>(value);
+    return k < names.size() ? std::string(names.begin()[k]) : std::to_string(k);
+  };
+  const char* const offload_names[] = {"kNone", "kHost"};
+  const auto offload = [&](Offload v) { return static_cast<size_t>(v) < 2 ? offload_names[static_cast<size_t>(v)] : "?"; };
+  s.emplace_back("TrainerOptions::batch_size", std::to_string(o.batch_size()));
+  s.emplace_back("TrainerOptions::steps", std::to_string(o.steps()));
+  s.emplace_back("TrainerOptions::epochs", std::to_string(o.epochs()));
+  s.emplace_back("TrainerOptions::optimizer", o.optimizer_factory() ? "optimizer_factory" : name(o.optimizer(), {"kSGD", "kAdam", "kAdamW"}));
+  s.emplace_back("TrainerOptions::lr", fmt::format("{}", o.lr()));
+  s.emplace_back("TrainerOptions::momentum", fmt::format("{}", o.momentum()));
+  s.emplace_back("TrainerOptions::weight_decay", fmt::format("{}", o.weight_decay()));
+  s.emplace_back("TrainerOptions::seed", std::to_string(o.seed()));
+  s.emplace_back("TrainerOptions::device", o.device().is_cuda() ? "a CUDA device" : o.device().str());
+  s.emplace_back("TrainerOptions::precision", to_string(o.precision()));
+  s.emplace_back("TrainerOptions::master_weights", name(o.master_weights(), {"kNone", "kHost", "kDevice"}));
+  s.emplace_back("TrainerOptions::max_grad_norm", fmt::format("{}", o.max_grad_norm()));
+  s.emplace_back("TrainerOptions::nonfinite_loss", name(o.nonfinite_loss(), {"kError", "kSkip"}));
+  s.emplace_back("TrainerOptions::micro_batch_size", std::to_string(o.micro_batch_size()));
+  s.emplace_back("TrainerOptions::freeze", c10::Join(", ", o.freeze()));
+  s.emplace_back("TrainerOptions::offload_optimizer", offload(o.offload_optimizer()));
+  s.emplace_back("TrainerOptions::offload_gradients", offload(o.offload_gradients()));
+  s.emplace_back("TrainerOptions::offload_parameters", offload(o.offload_parameters()));
+  s.emplace_back("TrainerOptions::zero_stage", std::to_string(o.zero_stage()));
+  s.emplace_back("TrainerOptions::parallel", name(o.parallel(), {"kData", "kPipeline"}));
+  s.emplace_back("TrainerOptions::on_out_of_memory", name(o.on_out_of_memory(), {"kThrow", "kReplan"}));
+  s.emplace_back("TrainerOptions::max_replans", std::to_string(o.max_replans()));
+  s.emplace_back("TrainerOptions::bucket_cap_mb", fmt::format("{}", o.bucket_cap_mb()));
+  std::string text;
+  for (const auto& [key, value] : s) text += key + "\t" + value + "\n";
+  return text;
+}
+
+std::string broadcast_text(ProcessGroup& group, const std::string& text, int64_t root) {
+  UntrackedGuard host;  // a few KiB of host memory, outside the budget
+  auto size = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong);
+  group.broadcast_(size, root);
+  auto bytes = torch::zeros({size.item<int64_t>()}, torch::kUInt8);
+  if (group.rank() == root) std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
+  group.broadcast_(bytes, root);
+  return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel()));
+}
+
+std::vector<std::pair<std::string, std::string>> setting_lines(const std::string& text) {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::istringstream is(text);
+  for (std::string line; std::getline(is, line);) {
+    const auto tab = line.find('\t');
+    out.emplace_back(line.substr(0, tab), tab == std::string::npos ? "" : line.substr(tab + 1));
+  }
+  return out;
+}
+
+} // namespace
+
+void check_ranks_agree(const torch::nn::Module& model, const TrainerOptions& options) {
+  const auto& group = options.process_group();
+  if (group == nullptr || group->size() < 2) return;
+  const std::string mine = rank_settings(model, options);
+  const std::string first = broadcast_text(*group, mine, 0);
+  // The lowest rank that differs from rank 0 speaks for all.
+  int64_t lowest = 0;
+  {
+    UntrackedGuard host;
+    auto flag = torch::tensor({mine == first ? int64_t{0} : group->size() - group->rank()}, torch::kLong);
+    group->all_reduce_max_(flag);
+    lowest = flag.item<int64_t>() == 0 ? -1 : group->size() - flag.item<int64_t>();
+  }
+  if (lowest < 0) return;
+  const auto theirs = setting_lines(broadcast_text(*group, mine, lowest));
+  const auto ours = setting_lines(first);
+  for (size_t i = 0; i < std::max(ours.size(), theirs.size()); ++i) {
+    const auto& a = i < ours.size() ? ours[i] : std::pair<std::string, std::string>{"", "nothing"};
+    const auto& b = i < theirs.size() ? theirs[i] : std::pair<std::string, std::string>{"", "nothing"};
+    if (a == b) continue;
+    const std::string what = a.first == b.first ? a.first : a.first.empty() ? b.first : a.first;
+    TORCH_CHECK(false, "the ranks disagree before the first step: rank ", lowest, "'s ", what, " is ",
+                a.first == b.first ? b.second : b.first + " " + b.second, ", rank 0's is ",
+                a.first == b.first ? a.second : a.first + " " + a.second,
+                ": start every rank with the same model and options");
+  }
+  TORCH_INTERNAL_ASSERT(false, "ranks 0 and ", lowest, " differ, in no setting");
+}
+
+// A run's saves replace only its own checkpoint: the one it resumed from or wrote.
+void Trainer::check_save_dir_is_ours() const {
+  if (options_.save_dir().empty() || rank() != 0) return;
+  const auto file = std::filesystem::path(options_.save_dir()) / kCheckpointFile;
+  std::error_code ec;
+  if (!std::filesystem::exists(file, ec)) return;
+  TORCH_CHECK(!continues_.empty() && std::filesystem::equivalent(file, continues_, ec), "TrainerOptions::save_dir ",
+              options_.save_dir(), " holds another run's ", kCheckpointFile, ", which this run's saves would replace: "
+              "continue that run with Trainer::resume(\"", options_.save_dir(), "\"), or save to another folder");
+}
+
 TrainReport Trainer::run_fit(int64_t n, const BatchReader& read, const BatchView& view, const StepCallback& on_step) {
   TORCH_CHECK(n > 0, "Trainer::fit needs a non-empty data set");
+  check_save_dir_is_ours();
   const int64_t total = total_steps_of(n);
   if (step_ >= total) {  // a finished run: start a new one (the generator goes on)
     step_ = 0;
@@ -1088,8 +1209,9 @@ void Trainer::save(const std::string& dir) {
   a.write("epoch", c10::IValue(epoch_));
   a.write("cursor", c10::IValue(cursor_));
   if (order_.defined()) a.write("order", order_);
-  write_file_atomically((std::filesystem::path(dir) / kCheckpointFile).string(),
-                        detail::archive_bytes(a));
+  const auto file = (std::filesystem::path(dir) / kCheckpointFile).string();
+  write_file_atomically(file, detail::archive_bytes(a));
+  continues_ = file;
 }
 
 void Trainer::write_state(torch::serialize::OutputArchive& a, const std::vector<std::string>& shards) const {
@@ -1266,6 +1388,7 @@ void Trainer::resume(const std::string& path_or_dir) {
   epoch_ = epoch;
   cursor_ = cursor;
   order_ = order;
+  continues_ = path;
 }
 
 void load_trainer_model(torch::nn::Module& module, const std::string& path_or_dir) {

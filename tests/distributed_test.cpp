@@ -278,6 +278,21 @@ TEST(DistributedWorker, Run) {
     }
     std::_Exit(0);
   }
+  if (m.rfind("disagree_", 0) == 0) {  // rank 2 (of 3) differs from ranks 0 and 1 in one thing
+    const bool odd = world.rank == 2;
+    auto options = trainer_options().process_group(group);
+    int64_t width = 32;
+    if (m == "disagree_batch" && odd) options.batch_size(16);
+    if (m == "disagree_width" && odd) width = 24;
+    if (m == "disagree_lr" && odd) options.lr(0.5);
+    try {
+      Trainer trainer(make_mlp(ModelOptions().width(width).depth(1)), options);
+      std::_Exit(0);
+    } catch (const c10::Error& e) {
+      std::ofstream(out + ".rank" + std::to_string(world.rank) + ".txt") << e.what_without_backtrace();
+      std::_Exit(7);
+    }
+  }
   if (m == "trainer" || m == "trainer_offload") {
     auto data = synthetic_images();
     torch::manual_seed(1 + world.rank);  // broadcast must replace these weights by rank 0's
@@ -555,6 +570,29 @@ TEST_F(Distributed, ARankThatDiesStopsTheOthersWithAnErrorNamingThem) {
   const std::string message = testing::read_text(out + ".rank0.txt");
   EXPECT_NE(message.find("rank 0 of 2: all-reduce failed"), std::string::npos) << message;
   ::unlink((out + ".rank0.txt").c_str());
+}
+
+// Reference: ranks started with another --batch trained replicas that
+// differ, and another --width aborted inside Gloo (exit 134).
+TEST_F(Distributed, RanksStartedWithAnotherModelOrOptionsAreRefusedOnEveryRankInOneLine) {
+  const std::string weight = "'" + make_mlp(ModelOptions().width(32).depth(1))->named_parameters()[0].key() + "'";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"disagree_batch", "rank 2's TrainerOptions::batch_size is 16, rank 0's is 8"},
+      {"disagree_width", "rank 2's model tensor 0 is " + weight + " [24, 784] Float, rank 0's is " + weight + " [32, 784] Float"},
+      {"disagree_lr", "rank 2's TrainerOptions::lr is 0.5, rank 0's is 0.05"},
+  };
+  for (const auto& [mode, expected] : cases) {
+    const std::string out = ::testing::TempDir() + "memfit_ddp_" + mode + "_" + std::to_string(::getpid());
+    const auto statuses = testing::run_ranks("DistributedWorker.Run", 3, mode, out);
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(statuses[r], 7) << mode << ": rank " << r << " must refuse, not abort, hang or train";
+      const std::string message = testing::read_text(out + ".rank" + std::to_string(r) + ".txt");
+      EXPECT_NE(message.find("the ranks disagree before the first step: " + expected), std::string::npos)
+          << mode << ", rank " << r << ": " << message;
+      EXPECT_EQ(message.find('\n'), std::string::npos) << "one line";
+      ::unlink((out + ".rank" + std::to_string(r) + ".txt").c_str());
+    }
+  }
 }
 
 // Runs the worker `mode` (Trainers in micro-batches of 3) on 3 ranks and

@@ -576,6 +576,23 @@ TEST_F(DocExamples, StateHeader) {
   memfit::load_module(*net, "/tmp/memfit_example_mlp.pt");
   std::filesystem::remove("/tmp/memfit_example.json");
   std::filesystem::remove("/tmp/memfit_example_mlp.pt");
+  {
+    memfit::FolderLock held("/tmp/memfit_example_lock");
+    // memfit::FolderLock("/tmp/memfit_example_lock") throws while `held` lives
+    EXPECT_THROW(memfit::FolderLock("/tmp/memfit_example_lock"), c10::Error);
+  }
+  std::filesystem::remove("/tmp/memfit_example_lock");  // empty: the lock file went with `held`
+}
+
+TEST_F(DocExamples, ModelSignature) {
+  auto a = memfit::make_mlp(memfit::ModelOptions().width(16).depth(1));
+  auto b = memfit::make_mlp(memfit::ModelOptions().width(24).depth(1));
+  EXPECT_TRUE(memfit::model_signature(*a) != memfit::model_signature(*b));
+}
+
+TEST_F(DocExamples, CheckRanksAgree) {
+  auto model = memfit::make_mlp();
+  memfit::check_ranks_agree(*model, memfit::TrainerOptions());  // one process: nothing to compare
 }
 
 TEST_F(DocExamples, PlanHeader) {
@@ -613,8 +630,8 @@ TEST_F(DocExamples, DataAndTrainerHeaders) {
     memfit::check_output_file("/tmp/memfit_example.json");
     memfit::check_output_folder("/tmp/memfit_example_run");
   }
+  const std::string dir = "/tmp/memfit_example_run";
   {  // Trainer::resume
-    const std::string dir = "/tmp/memfit_example_run";
     memfit::Trainer first(memfit::make_mlp(), memfit::TrainerOptions().batch_size(32).steps(3).save_dir(dir));
     first.fit(data);  // saves dir/checkpoint.pt at the end
     memfit::Trainer second(memfit::make_mlp(), memfit::TrainerOptions().batch_size(32).steps(6));
@@ -624,11 +641,11 @@ TEST_F(DocExamples, DataAndTrainerHeaders) {
     auto net = memfit::make_mlp();  // load_trainer_model
     memfit::load_trainer_model(*net, dir);
     EXPECT_TRUE(net->parameters()[0].equal(first.model()->parameters()[0]));
-    // remove(), not remove_all(): with pip's LibTorch 2.x the latter binds
-    // to libtorch.so's own incompatible copy and crashes.
-    std::filesystem::remove(dir + "/checkpoint.pt");
-    std::filesystem::remove(dir);
-  }
+  }  // `first` lets go of the folder (its lock file goes with it)
+  // remove(), not remove_all(): with pip's LibTorch 2.x the latter binds
+  // to libtorch.so's own incompatible copy and crashes.
+  std::filesystem::remove(dir + "/checkpoint.pt");
+  std::filesystem::remove(dir);
 }
 
 struct StreamedNetImpl : torch::nn::Module {

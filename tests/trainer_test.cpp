@@ -9,6 +9,8 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <numeric>
 #include <tuple>
@@ -470,6 +472,40 @@ TEST_F(TrainerTest, ResumeContinuesBitIdentically) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].equal(b[i])) << "parameter " << i;
   const auto ba = straight.model()->buffers(), bb = second.model()->buffers();
   for (size_t i = 0; i < ba.size(); ++i) EXPECT_TRUE(ba[i].equal(bb[i])) << "buffer " << i;
+}
+
+TEST_F(TrainerTest, ASaveFolderHoldsOneRunAndANewRunDoesNotReplaceAnothersCheckpoint) {
+  const CheckpointDir checkpoint("one_writer");
+  const std::string& dir = checkpoint.path;
+  const auto options = [&](int64_t steps) { return TrainerOptions().batch_size(32).steps(steps).save_dir(dir); };
+  const auto make = [] { return make_mlp(ModelOptions().width(16).depth(1)); };
+  {
+    Trainer first(make(), options(2));
+    try {
+      Trainer second(make(), options(2));
+      ADD_FAILURE() << "two Trainers saving to one folder";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.msg()).find("TrainerOptions::save_dir " + dir + " is in use by another run"),
+                std::string::npos)
+          << e.msg();
+    }
+    first.fit(small_real_data());
+  }
+  std::ifstream saved_file(dir + "/checkpoint.pt", std::ios::binary);
+  const std::string saved((std::istreambuf_iterator<char>(saved_file)), std::istreambuf_iterator<char>());
+  Trainer fresh(make(), options(3));
+  try {
+    fresh.fit(small_real_data());
+    ADD_FAILURE() << "a new run replaced another run's checkpoint";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.msg()).find("holds another run's checkpoint.pt"), std::string::npos) << e.msg();
+  }
+  EXPECT_EQ(fresh.step(), 0) << "refused before any step";
+  std::ifstream kept_file(dir + "/checkpoint.pt", std::ios::binary);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(kept_file)), std::istreambuf_iterator<char>()), saved);
+  fresh.resume(dir);  // continuing it is what the folder is for
+  EXPECT_EQ(fresh.fit(small_real_data()).steps.size(), 1u);
+  EXPECT_EQ(fresh.fit(small_real_data()).steps.size(), 3u) << "its own checkpoint: a finished run starts again";
 }
 
 TEST_F(TrainerTest, ResumeOfAnFp16OrMasterWeightsRunRestoresScalerAndMasters) {

@@ -689,6 +689,15 @@ std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
       }
     }
   }
+  // One run per folder, and a new run does not replace another's checkpoint
+  // (the Trainer holds the folder from its start; only rank 0 writes).
+  if (!a.save.empty() && fs::is_directory(a.save) && memfit::world_from_env().rank == 0) {
+    memfit::tools::as_usage([&] { memfit::FolderLock held(a.save, "--save"); });
+    const auto checkpoint = (fs::path(a.save) / "checkpoint.pt").string();
+    memfit::tools::usage_check(!fs::exists(checkpoint) || (!resumed.empty() && memfit::tools::same_file(checkpoint, resumed)),
+                               "--save ", a.save, " holds another run's checkpoint.pt, which this run would replace: "
+                               "continue that run with --resume ", a.save, ", or save to another folder");
+  }
   check_model_fits(a);
   return given;
 }
@@ -963,6 +972,8 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
     options.on_out_of_memory(memfit::OnOutOfMemory::kReplan)
         .replan(memfit::more_micro_batches(*model, a.batch_statistics == "per-micro-batch"));
   }
+  // Ranks started with other flags are refused, each in the same line, before any step.
+  memfit::tools::as_usage([&] { memfit::check_ranks_agree(*model, options); });
   memfit::Trainer trainer(model, options);
   // The run's peak from here: with streamed parameters the model built in
   // (tracked) memory has just gone to its host masters, as on a GPU, where

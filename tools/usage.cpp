@@ -79,6 +79,16 @@ std::string plain_parse_error(const std::string& what) {
 std::string with_flag_names(std::string message) {
   static const std::pair<const char*, const char*> names[] = {
       {"TrainerOptions::batch_size", "--batch"},
+      {"TrainerOptions::save_dir", "--save"},
+      {"TrainerOptions::steps", "--steps"},
+      {"TrainerOptions::epochs", "--epochs"},
+      {"TrainerOptions::lr", "--lr"},
+      {"TrainerOptions::seed", "--seed"},
+      {"TrainerOptions::optimizer ", "--optimizer "},
+      {"TrainerOptions::zero_stage", "--zero-stage"},
+      {"TrainerOptions::freeze", "--freeze"},
+      {"TrainerOptions::parallel", "--parallel"},
+      {"TrainerOptions::on_out_of_memory", "--on-out-of-memory"},
       {"TrainerOptions::precision", "--precision"},
       {"TrainerOptions::micro_batch_size", "--micro-batch"},
       {"TrainerOptions::offload_parameters", "--offload parameters"},

@@ -25,6 +25,7 @@
 #include "memfit/memory.h"
 #include "memfit/pipeline.h"
 #include "memfit/precision.h"
+#include "memfit/state.h"
 #include "memfit/step.h"
 #include "memfit/stream.h"
 
@@ -729,7 +730,32 @@ class Trainer {
   bool committing_ = false;
   bool committed_ = false;  // the running step's optimizer has stepped
   std::shared_ptr<detail::RankVote> vote_;  // with a process group: the ranks agree on each step and re-plan
+  FolderLock save_lock_;    // rank 0 holds options.save_dir for the Trainer's lifetime
+  std::string continues_;   // the checkpoint this Trainer resumed from or wrote: fit may replace it
+  void check_save_dir_is_ours() const;
 };
+
+/// Checks that every rank of options.process_group trains the same model with
+/// the same options, before any step: a collective call of every rank.
+///
+/// Each rank's model tensors (names, shapes, dtypes, which are frozen) and
+/// the TrainerOptions that must match across ranks (batch size, steps and
+/// epochs, optimizer and its settings, seed, precision and master weights,
+/// micro-batch, offload, freezing, clipping, zero stage, parallel mode,
+/// recovery) are compared with rank 0's. On a mismatch every rank throws the
+/// same c10::Error in one line, naming the first setting that differs and
+/// both values; otherwise nothing changes. Without a process group it
+/// returns at once. The Trainer's constructor calls it before its first
+/// collective, so a mismatch never aborts inside Gloo or trains replicas
+/// that differ. Sync points: two broadcasts and one all-reduce of a few KiB
+/// of host memory (one broadcast more on a mismatch). Extra memory: those KiB.
+///
+/// Example:
+/// \code
+///   auto model = memfit::make_mlp();
+///   memfit::check_ranks_agree(*model, memfit::TrainerOptions());  // one process: nothing to compare
+/// \endcode
+void check_ranks_agree(const torch::nn::Module& model, const TrainerOptions& options);
 
 /// Reads only the model's tensors from a checkpoint that Trainer::save wrote
 /// (`dir` or the file), into `model` built as the saved one was: for
