@@ -8,6 +8,8 @@
 #include "plan_internal.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <zlib.h>
 #include <nlohmann/json.hpp>
 #include <torch/cuda.h>
 
@@ -1136,6 +1138,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget, int64_t batch) {
   ModulePlan out;
   out.budget = budget;
   out.batch = batch;
+  out.model = model_signature(*model.impl_->probe.module);
   for (const auto& f : chains) out.chains.push_back(f.name);
   const auto plain = model.predict(batch, model.impl_->plain_settings(), {});
   out.plain_peak_bytes = plain.peak_bytes;
@@ -1261,16 +1264,32 @@ std::string ModulePlan::to_json() const {
 
 std::string ModulePlan::explain() const { return Plan::explain(); }
 
+std::string model_signature(const torch::nn::Module& module) {
+  std::string shapes;
+  int64_t tensors = 0, values = 0;
+  const auto add = [&](const torch::Tensor& t) {
+    ++tensors;
+    values += t.numel();
+    shapes += fmt::format("{} {}\n", fmt::join(t.sizes(), "x"), c10::toString(t.scalar_type()));
+  };
+  for (const auto& p : module.parameters(/*recurse=*/true)) add(p);
+  for (const auto& b : module.buffers(/*recurse=*/true)) add(b);
+  const auto crc = ::crc32(0, reinterpret_cast<const Bytef*>(shapes.data()), static_cast<uInt>(shapes.size()));
+  return fmt::format("{} tensors of {} values, shapes' CRC-32 {:08x}", tensors, values, crc);
+}
+
 void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root) {
   detail::broadcast_plan_wire(
       plan, group, root,
       [&](nlohmann::json& wire) {
         wire["chains"] = plan.chains;
         wire["schedules"] = detail::schedules_wire(plan.schedules);
+        wire["model"] = plan.model;
       },
       [&](const nlohmann::json& wire) {
         plan.chains = wire.at("chains").get<std::vector<std::string>>();
         plan.schedules = detail::schedules_from_wire(wire.at("schedules"));
+        plan.model = wire.at("model").get<std::string>();
       });
 }
 
@@ -1283,6 +1302,7 @@ void save_plan(const ModulePlan& plan, const std::string& path) {
   wire["format"] = kPlanFormat;
   wire["chains"] = plan.chains;
   wire["schedules"] = detail::schedules_wire(plan.schedules);
+  if (!plan.model.empty()) wire["model"] = plan.model;
   write_file_atomically(path, wire.dump(2) + "\n");
 }
 
@@ -1309,12 +1329,18 @@ ModulePlan load_plan(const std::string& path) {
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, path, " is damaged: ", e.what_without_backtrace(), "; write it again with save_plan");
   }
-  TORCH_CHECK(wire.is_object() && wire.value("format", std::string()) == kPlanFormat, path,
+  TORCH_CHECK(wire.is_object() && wire.contains("format") && wire["format"].is_string() &&
+                  wire["format"].get<std::string>() == kPlanFormat,
+              path,
               " is not a memfit plan (", kPlanFormat, "): write one with save_plan");
   try {
     detail::plan_from_wire(wire, plan);
     plan.chains = wire.at("chains").get<std::vector<std::string>>();
     plan.schedules = detail::schedules_from_wire(wire.at("schedules"));
+    if (wire.contains("model")) {
+      TORCH_CHECK(wire["model"].is_string(), "\"model\" is ", wire["model"].type_name(), ", not a string");
+      plan.model = wire["model"].get<std::string>();
+    }
   } catch (const nlohmann::json::exception& e) {
     TORCH_CHECK(false, path, " is damaged (", json_error_text(e), "): write it again with save_plan");
   } catch (const c10::Error& e) {
@@ -1328,6 +1354,9 @@ ModulePlan load_plan(const std::string& path) {
 std::string plan_mismatch(const ModulePlan& plan, const torch::nn::Module& module, int64_t batch, int64_t budget,
                           const PlanOptions& options) {
   const auto& s = plan.settings;
+  if (!plan.model.empty() && plan.model != model_signature(module)) {
+    return fmt::format("it was made for another model ({}), not this one ({})", plan.model, model_signature(module));
+  }
   if (plan.budget != budget) {
     return fmt::format("it was made for a budget of {}, not {}", format_bytes(plan.budget), format_bytes(budget));
   }

@@ -305,6 +305,8 @@ usage plan-file-other-batch 'does not suit this run: it was made for a batch of 
   train --model mlp --width 32 --depth 1 --batch 32 --plan "$tmp/mlp-plan.json" --steps 2 --no-eval -q
 usage plan-file-other-budget 'it was made for a budget of 1.00 MiB, not 2.00 MiB' \
   train --model mlp --width 32 --depth 1 --batch 64 --budget 2MiB --plan "$tmp/mlp-plan.json" --steps 2 --no-eval -q
+usage plan-file-other-model 'does not suit this run: it was made for another model \([0-9]+ tensors of [0-9]+ values' \
+  train --model mlp --width 48 --depth 1 --batch 64 --plan "$tmp/mlp-plan.json" --steps 2 --no-eval -q
 usage plan-file-missing "--plan $tmp/none.json: neither auto, none nor a plan's file" \
   train --model mlp --plan "$tmp/none.json" --steps 2
 usage plan-file-and-knobs '--plan .* sets the micro-batch, checkpointing and offload itself' \
@@ -332,7 +334,7 @@ for attempt in 1 2 3 4 5 6 7 8 9 10; do
 done
 check killed-during-a-save test "$killed_mid_save" -eq 1
 expect killed-run-resumes 0 'resumed from .* at step [1-9]' out -- \
-  train --model resnet --batch 8 --steps 1 --no-eval -q --resume "$tmp/kill"
+  train --model resnet --batch 8 --steps 1 --no-eval -q --resume "$tmp/kill" --save "$tmp/kill"  # no stuck lock
 
 # SIGINT, and SIGHUP (a closed terminal), end a run after the step in
 # progress, saving first with --save, and exit 128 + the signal as a shell
@@ -344,6 +346,10 @@ for sig in INT:2 HUP:1; do
   pid=$!
   for _ in $(seq 1 600); do grep -q 'memfit train: model' "$tmp/sig$name.out" && break; sleep 0.05; done
   sleep 1
+  # One run per folder: a second one is refused while the first runs.
+  for _ in $(seq 1 200); do [ -e "$tmp/sig$name/.memfit.lock" ] && break; sleep 0.05; done
+  [ "$name" = int ] && expect second-run-on-a-held-folder 2 "--save $tmp/sigint is in use by another run \(memfit pid $pid on " err -- \
+      train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --save "$tmp/sigint"
   kill -"${sig%:*}" "$pid"
   wait "$pid"
   check "sig$name-exits-$((128 + ${sig#*:}))" test $? -eq $((128 + ${sig#*:}))
@@ -352,6 +358,16 @@ done
 check sigint-leaves-no-temporary test -z "$(ls "$tmp/sigint" | grep tmp)"
 expect sigint-run-resumes 0 'resumed from .* at step [1-9]' out -- \
   train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint"
+check released-folder-has-no-lock-file test ! -e "$tmp/sigint/.memfit.lock"
+sum_before=$(md5sum <"$tmp/sigint/checkpoint.pt")
+expect new-run-over-another-runs-checkpoint 2 "--save $tmp/sigint holds another run's checkpoint.pt.*--resume $tmp/sigint" err -- \
+  train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --save "$tmp/sigint"
+check refused-new-run-keeps-the-checkpoint test "$sum_before" = "$(md5sum <"$tmp/sigint/checkpoint.pt")"
+# A checkpoint damaged in its middle is refused by its seal, before anything changes.
+mkdir -p "$tmp/damaged" && cp "$tmp/sigint/checkpoint.pt" "$tmp/damaged/"
+python3 -c "import sys; p=sys.argv[1]; b=bytearray(open(p,'rb').read()); b[len(b)//2]^=0x10; open(p,'wb').write(b)" "$tmp/damaged/checkpoint.pt"
+expect resume-damaged-checkpoint 2 "checkpoint.pt is damaged: its bytes have CRC-32 [0-9a-f]{8}, but it was sealed with" err -- \
+  train --model mlp --width 32 --depth 1 --steps 1 --no-eval -q --resume "$tmp/damaged" --save "$tmp/damaged"
 card_before=$(md5sum <"$tmp/sigint/model.json")
 expect resume-other-width 2 "tensor '0.sequential.fc0.weight' is \[32, 784\] Float in the checkpoint but \[64, 784\]" err -- \
   train --model mlp --width 64 --depth 1 --steps 1 --no-eval -q --resume "$tmp/sigint" --save "$tmp/sigint"
@@ -474,8 +490,20 @@ expect generate-greedy-is-repeatable 0 '^hacker' out -- generate --resume "$tmp/
 first=$(cat "$tmp/out")
 "$bin" generate --resume "$tmp/gpt" --prompt hacker --tokens 20 --temperature 0 >"$tmp/again" 2>&1
 check generate-greedy-twice-the-same test "$first" = "$(cat "$tmp/again")"
-expect generate-unknown-byte 1 'byte 1 at position 2' err -- generate --resume "$tmp/gpt" --prompt "$(printf 'ok\001')"
-expect generate-needs-model-card 1 'no model.json' err -- generate --resume "$tmp" --prompt x
+# Usage errors of generate exit 2 in one line: bytes the corpus lacks, an empty prompt, no or a
+# damaged model.json, another model's folder, and a checkpoint that is not the card's model.
+expect generate-unknown-byte 2 'byte 1 at position 2' err -- generate --resume "$tmp/gpt" --prompt "$(printf 'ok\001')"
+expect generate-empty-prompt 2 'prompt is empty' err -- generate --resume "$tmp/gpt" --prompt ""
+expect generate-needs-model-card 2 'no model.json' err -- generate --resume "$tmp" --prompt x
+expect generate-another-model 2 "holds a 'mlp' model" err -- generate --resume "$tmp/sigint" --prompt x
+mkdir -p "$tmp/gpt-card" && cp "$tmp/gpt/checkpoint.pt" "$tmp/gpt-card/"
+sed 's/"width": 16/"width": "x"/' "$tmp/gpt/model.json" >"$tmp/gpt-card/model.json"
+expect generate-card-field 2 'model.json is damaged: "width" is missing or not an integer' err -- \
+  generate --resume "$tmp/gpt-card" --prompt hacker
+sed 's/"width": 16/"width": 32/' "$tmp/gpt/model.json" >"$tmp/gpt-card/model.json"
+expect generate-card-of-another-width 2 "does not match the model" err -- generate --resume "$tmp/gpt-card" --prompt hacker
+echo '{"model": "gpt", ' >"$tmp/gpt-card/model.json"
+expect generate-card-not-json 2 'model.json is damaged: not JSON at byte' err -- generate --resume "$tmp/gpt-card" --prompt hacker
 expect train-gpt-selective 0 'final loss' out -- train --model gpt --width 16 --depth 1 --heads 2 --context 16 \
   --batch 8 --steps 2 --no-eval -q --selective-recompute --dropout 0.1
 expect plan-gpt-chooses-selective-recompute 0 '"selective_recompute"' out -- plan --model gpt --width 16 --depth 1 \
@@ -533,6 +561,11 @@ two=$(grep -o 'final loss [0-9.]*' "$tmp/out")
 "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 32 --no-eval -q --threads 1 >"$tmp/one" 2>&1
 one=$(grep -o 'final loss [0-9.]*' "$tmp/one")
 check launch-equals-one-process-with-the-double-batch test -n "$one" -a "$one" = "$two"
+# Ranks started with other flags are refused before any step (exit 2, not an abort in Gloo; every
+# rank says it, as Distributed.RanksStartedWithAnotherModelOrOptions... checks: the launcher may stop one first).
+one_line=0 expect launch-ranks-disagree 2 "the ranks disagree before the first step: rank 1's --batch is 16, rank 0's is 8" err -- \
+  launch --nproc 2 --master-port "$(free_port)" -- bash -c \
+  "exec '$bin' train --model mlp --width 8 --depth 1 --steps 2 --batch \$((8 + 8 * RANK)) --no-eval -q --threads 1"
 # Planned under launch: every rank trains with rank 0's plan (broadcast_plan).
 expect launch-budget-trains-rank-0s-plan 0 "rank 0's plan, broadcast to all 2 ranks" out -- launch --nproc 2 \
   --master-port "$(free_port)" -- "$bin" train --model mlp --width 32 --depth 1 --steps 2 --batch 16 --no-eval \

@@ -868,6 +868,12 @@ TEST_F(ModulePlanTest, ASavedPlanComesBackFieldForFieldAndWhatIsNotOneIsRefusedI
   EXPECT_EQ(memfit::detail::plan_wire(loaded).dump(), memfit::detail::plan_wire(planned).dump());
   EXPECT_EQ(loaded.to_json(), planned.to_json());
   EXPECT_EQ(loaded.chains, planned.chains);
+  EXPECT_EQ(loaded.model, memfit::model_signature(*net)) << "a plan records the model it was made for";
+  EXPECT_EQ(memfit::plan_mismatch(loaded, *net, 256, 1 << 20, memfit::PlanOptions()), "");
+  ChainNet wider(96, 8);
+  EXPECT_EQ(memfit::plan_mismatch(loaded, *wider, 256, 1 << 20, memfit::PlanOptions()),
+            "it was made for another model (" + loaded.model + "), not this one (" +
+                memfit::model_signature(*wider) + ")");
   ASSERT_EQ(loaded.schedules.size(), planned.schedules.size());
   for (size_t i = 0; i < planned.schedules.size(); ++i) {
     EXPECT_EQ(loaded.schedules[i].to_string(), planned.schedules[i].to_string());

@@ -41,39 +41,70 @@ void write_model_card(const std::string& dir, const nlohmann::json& card) {
   write_file_atomically((std::filesystem::path(dir) / "model.json").string(), card.dump(2) + "\n");
 }
 
-int run_generate(const GenerateArgs& a) {
-  const auto card_path = std::filesystem::path(a.resume) / "model.json";
-  TORCH_CHECK(std::filesystem::exists(card_path), "no model.json in ", a.resume,
-              ": give the folder that `memfit train --model gpt --save DIR` wrote");
+// Reads and checks what `memfit train --save` wrote to model.json: anything
+// missing, of another type or out of range is a usage error naming the field.
+struct ModelCard {
+  ModelOptions options;
+  TextCorpus corpus;
+};
+
+ModelCard read_model_card(const std::string& dir) {
+  const auto path = (std::filesystem::path(dir) / "model.json").string();
+  usage_check(std::filesystem::is_regular_file(path), "--resume ", dir,
+              ": no model.json there; give the folder that `memfit train --model gpt --save DIR` wrote");
   nlohmann::json card;
   {
-    std::ifstream in(card_path);
+    std::ifstream in(path);
     std::stringstream text;
     text << in.rdbuf();
     try {
-      card = nlohmann::json::parse(text.str());
-    } catch (const nlohmann::json::exception& e) {
-      TORCH_CHECK(false, card_path.string(), " is not JSON: ", e.what());
+      card = nlohmann::json::parse(text.str(), nullptr, true, false);
+    } catch (const nlohmann::json::parse_error& e) {
+      usage_check(false, path, " is damaged: not JSON at byte ", e.byte,
+                  "; save the run again with `memfit train --save`");
     }
   }
-  TORCH_CHECK(card.value("model", "") == "gpt", "memfit generate samples text from a GPT; ", a.resume,
-              " holds a '", card.value("model", "?"), "' model");
-  TextCorpus corpus;
-  for (int byte : card.at("vocab")) corpus.vocab.push_back(static_cast<char>(byte));
-  const auto options = ModelOptions()
-                           .num_classes(corpus.vocab_size())
-                           .width(card.at("width").get<int64_t>())
-                           .depth(card.at("depth").get<int64_t>())
-                           .heads(card.at("heads").get<int64_t>())
-                           .context(card.at("context").get<int64_t>());
+  usage_check(card.is_object(), path, " is damaged: not a JSON object");
+  const auto text_of = [&](const char* key) {
+    return card.contains(key) && card[key].is_string() ? card[key].get<std::string>() : std::string("?");
+  };
+  usage_check(text_of("model") == "gpt", "memfit generate samples text from a GPT; ", dir, " holds a '",
+              text_of("model"), "' model: give the folder of a `memfit train --model gpt --save DIR` run");
+  const auto integer = [&](const char* key, int64_t lo, int64_t hi) {
+    usage_check(card.contains(key) && card[key].is_number_integer(), path, " is damaged: \"", key,
+                "\" is missing or not an integer");
+    const auto v = card[key].get<int64_t>();
+    usage_check(v >= lo && v <= hi, path, " is damaged: \"", key, "\" is ", v, ", not in [", lo, ", ", hi, "]");
+    return v;
+  };
+  ModelCard out;
+  usage_check(card.contains("vocab") && card["vocab"].is_array() && !card["vocab"].empty() &&
+                  card["vocab"].size() <= 256,
+              path, " is damaged: \"vocab\" is not a list of 1 to 256 bytes");
+  for (const auto& byte : card["vocab"]) {
+    usage_check(byte.is_number_integer() && byte.get<int64_t>() >= 0 && byte.get<int64_t>() <= 255, path,
+                " is damaged: \"vocab\" holds ", byte.dump(), ", not a byte (0 to 255)");
+    out.corpus.vocab.push_back(static_cast<char>(byte.get<int>()));
+  }
+  out.options = ModelOptions()
+                    .num_classes(out.corpus.vocab_size())
+                    .width(integer("width", 1, 65536))
+                    .depth(integer("depth", 1, 4096))
+                    .heads(integer("heads", 1, 4096))
+                    .context(integer("context", 1, 65536));
+  return out;
+}
+
+int run_generate(const GenerateArgs& a) {
+  auto [options, corpus] = read_model_card(a.resume);
+  usage_check(!a.prompt.empty(), "--prompt is empty: give some text to continue");
+  auto ids = as_usage([&] { return corpus.encode(a.prompt); });
   // As train built it: the chain inside a CheckpointedSequential.
   CheckpointedSequential checkpointed(make_gpt(options));
   torch::nn::Sequential model(checkpointed);
-  load_trainer_model(*model, a.resume);
+  as_usage([&] { load_trainer_model(*model, a.resume); });  // another model's checkpoint: a usage error
   model->eval();
   torch::NoGradGuard no_grad;
-  auto ids = corpus.encode(a.prompt);
-  TORCH_CHECK(ids.numel() > 0, "the prompt is empty: give some text to continue");
   auto generator = at::make_generator<at::CPUGeneratorImpl>(a.seed);
   std::string out = a.prompt;
   for (int64_t i = 0; i < a.tokens; ++i) {

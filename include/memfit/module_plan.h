@@ -201,6 +201,9 @@ class ModuleStepModel {
 struct ModulePlan : Plan {
   std::vector<std::string> chains;  ///< The chains' names, in the module's order.
   std::vector<Schedule> schedules;  ///< One per chain (empty: plain).
+  /// The module it was made for (model_signature); plan_mismatch refuses the
+  /// plan for another. Empty in plans saved before it was recorded.
+  std::string model;
 
   /// Sets every chain's schedule in `module` (found by name) and its
   /// selective recomputation (set_selective_recompute), and returns `base`
@@ -213,6 +216,18 @@ struct ModulePlan : Plan {
   /// The plan and its reasons as text.
   std::string explain() const;
 };
+
+/// A short text naming a module's shape: its tensors, their values and a
+/// CRC-32 of their shapes and dtypes in order (names left out, so that the
+/// module wrapped in another has the same signature).
+///
+/// Example:
+/// \code
+///   auto a = memfit::make_mlp(memfit::ModelOptions().width(16).depth(1));
+///   auto b = memfit::make_mlp(memfit::ModelOptions().width(24).depth(1));
+///   assert(memfit::model_signature(*a) != memfit::model_signature(*b));
+/// \endcode
+std::string model_signature(const torch::nn::Module& module);
 
 /// Makes `plan` rank `root`'s on every rank of `group`: Plan's fields, as
 /// broadcast_plan(Plan&, ...) gives them, and each chain's name and
