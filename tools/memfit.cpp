@@ -594,6 +594,17 @@ std::string saved_plan_path(const std::string& dir_or_checkpoint) {
 
 // Every usage error of `memfit train`, found before any work. Returns the
 // plan of --plan FILE, read once here, or nullopt.
+// A new run does not replace another run's checkpoint in its --save folder:
+// checked before any work, and again once its Trainer holds the folder (a run
+// that saved in between, while this one started, keeps its files).
+void check_save_is_ours(const TrainArgs& a) {
+  const auto checkpoint = (std::filesystem::path(a.save) / "checkpoint.pt").string();
+  const bool resumed_here = !a.resume.empty() && memfit::tools::same_file(checkpoint, resumed_checkpoint(a.resume));
+  memfit::tools::usage_check(!std::filesystem::exists(checkpoint) || resumed_here, "--save ", a.save,
+                             " holds another run's checkpoint.pt, which this run would replace: continue that run "
+                             "with --resume ", a.save, ", or save to another folder");
+}
+
 std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
   using memfit::tools::usage_check;
   namespace fs = std::filesystem;
@@ -693,10 +704,7 @@ std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
   // (the Trainer holds the folder from its start; only rank 0 writes).
   if (!a.save.empty() && fs::is_directory(a.save) && memfit::world_from_env().rank == 0) {
     memfit::tools::as_usage([&] { memfit::FolderLock held(a.save, "--save"); });
-    const auto checkpoint = (fs::path(a.save) / "checkpoint.pt").string();
-    memfit::tools::usage_check(!fs::exists(checkpoint) || (!resumed.empty() && memfit::tools::same_file(checkpoint, resumed)),
-                               "--save ", a.save, " holds another run's checkpoint.pt, which this run would replace: "
-                               "continue that run with --resume ", a.save, ", or save to another folder");
+    check_save_is_ours(a);
   }
   check_model_fits(a);
   return given;
@@ -987,6 +995,7 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
   }
   print_warning(blas_warning);
   if (world.rank == 0) print_warning(precision_warning(precisions, device));
+  if (!a.save.empty() && world.rank == 0) check_save_is_ours(a);  // the folder is this run's now
   if (!a.save.empty() && world.rank == 0) {  // what `memfit generate` needs to build the model again
     nlohmann::json card = {{"model", a.model},     {"width", a.width},     {"depth", a.depth},
                            {"heads", a.heads},     {"context", a.context}, {"dropout", a.dropout},
