@@ -70,6 +70,7 @@ flags=("${!domain[@]}")
 plan_flags=(--model --width --depth --batch --budget --precision --device --threads --optimizer)
 
 pick() { local a=($1); echo "${a[RANDOM % ${#a[@]}]}"; }
+source "$(dirname "$0")/fuzz_case.sh"
 
 passed=0 failed=0 start=$SECONDS
 declare -a codes
@@ -90,13 +91,8 @@ for n in $(seq 1 "$cases"); do
     args+=(--steps 1)
   [[ " ${args[*]} " == *" --model "* ]] || args+=(--model mlp)
   [[ " ${args[*]} " == *" --width "* ]] || args+=(--width 8)
-  timeout -s KILL 120 "$bin" "${args[@]}" >"$tmp/stdout" 2>"$tmp/stderr"
-  rc=$?
-  why=""
-  if [ "$rc" -eq 137 ]; then why="ran past 120 s (a hang?)"
-  elif [ "$rc" -gt 2 ]; then why="exit $rc (a crash?)"
-  elif [ "$rc" -eq 2 ] && [ "$(wc -l <"$tmp/stderr")" -ne 1 ]; then why="a usage error in $(wc -l <"$tmp/stderr") lines"
-  elif [ -n "$(find "$tmp" -name '*.tmp*' -print -quit)" ]; then why="left $(find "$tmp" -name '*.tmp*' | head -1)"
+  run_case "$tmp" "${args[@]}"
+  if [ -n "$why" ]; then :
   elif [ "$(sums)" != "$before" ]; then why="changed an input"
   elif [ ! -c "$device" ]; then why="replaced the device $device"
   fi

@@ -69,6 +69,7 @@ EOF
 }
 
 sums() { find "$tmp/case" -type f ! -name '*.html' -exec md5sum {} + | sort; }
+source "$(dirname "$0")/fuzz_case.sh"
 kinds=(truncate flip type nest swap)
 passed=0 failed=0 start=$SECONDS
 declare -a codes
@@ -85,15 +86,8 @@ for n in $(seq 1 "$cases"); do
   esac
   mutate "$kind" "$tmp/case/$file" "$tmp/orig/other/$(basename "$file")"
   before=$(sums)
-  timeout -s KILL 120 "$bin" "${args[@]}" >"$tmp/stdout" 2>"$tmp/stderr"
-  rc=$?
-  why=""
-  if [ "$rc" -eq 137 ]; then why="ran past 120 s (a hang?)"
-  elif [ "$rc" -gt 2 ]; then why="exit $rc (a crash?)"
-  elif [ "$rc" -eq 2 ] && [ "$(wc -l <"$tmp/stderr")" -ne 1 ]; then why="a usage error in $(wc -l <"$tmp/stderr") lines"
-  elif [ -n "$(find "$tmp/case" -name '*.tmp*' -print -quit)" ]; then why="left $(find "$tmp/case" -name '*.tmp*' | head -1)"
-  elif [ "$(sums)" != "$before" ]; then why="changed a file it reads"
-  fi
+  run_case "$tmp/case" "${args[@]}"
+  [ -z "$why" ] && [ "$(sums)" != "$before" ] && why="changed a file it reads"
   codes[$rc]=$(( ${codes[$rc]:-0} + 1 ))
   if [ -n "$why" ]; then
     echo "FAIL case $n ($kind $file): $why: memfit ${args[*]}"; sed 's/^/  | /' "$tmp/stderr" | tail -5
