@@ -124,9 +124,34 @@ void remove_flat_folder(const fs::path& folder) {
   ::rmdir(folder.c_str());
 }
 
-bool holds_intact_files(const fs::path& folder) {
+// Whether `file` holds what `gz` unzips to: the CRC-32 and length (mod 2^32)
+// that the gzip trailer, the file's last 8 bytes, records of it.
+bool unzips_to(const fs::path& gz, const fs::path& file) {
+  std::ifstream trailer(gz, std::ios::binary);
+  unsigned char t[8] = {};
+  if (!trailer.seekg(-8, std::ios::end) || !trailer.read(reinterpret_cast<char*>(t), 8)) return false;
+  const auto word = [&](int i) {
+    return uint32_t(t[4 * i]) | uint32_t(t[4 * i + 1]) << 8 | uint32_t(t[4 * i + 2]) << 16 | uint32_t(t[4 * i + 3]) << 24;
+  };
+  std::ifstream is(file, std::ios::binary);
+  std::vector<char> buf(1 << 20);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  uint32_t size = 0;
+  while (is.read(buf.data(), static_cast<std::streamsize>(buf.size())) || is.gcount() > 0) {
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(is.gcount()));
+    size += static_cast<uint32_t>(is.gcount());
+  }
+  return static_cast<uint32_t>(crc) == word(0) && size == word(1);
+}
+
+// The cache copy is checked against the .gz files in `root`, not only keyed
+// by them: a byte changed at the same size is unzipped again.
+bool holds_intact_files(const fs::path& folder, const fs::path& root) {
   try {
-    for (const auto& f : kIdx) check_idx(folder / f.name, f, folder / f.name);
+    for (const auto& f : kIdx) {
+      check_idx(folder / f.name, f, folder / f.name);
+      if (!unzips_to(root / (std::string(f.name) + ".gz"), folder / f.name)) return false;
+    }
     return true;
   } catch (const c10::Error&) {
     return false;
@@ -153,7 +178,7 @@ fs::path unzipped_folder(const FashionMnistOptions& options) {
                 "the four *-ubyte(.gz) files");
   }
   const fs::path cache = cache_root(options.cache_dir()) / "fashion-mnist" / content_key(root);
-  if (holds_intact_files(cache)) return cache;
+  if (holds_intact_files(cache, root)) return cache;
   std::error_code ec;
   fs::create_directories(cache.parent_path(), ec);
   TORCH_CHECK(!ec, "cannot create cache folder ", cache.parent_path().string(), ": ", ec.message(),
@@ -175,7 +200,7 @@ fs::path unzipped_folder(const FashionMnistOptions& options) {
   remove_flat_folder(cache);  // a damaged copy (edited by hand); intact ones returned above
   if (::rename(tmp.c_str(), cache.c_str()) != 0) {  // another process renamed its copy first
     remove_flat_folder(tmp);
-    TORCH_CHECK(holds_intact_files(cache), "cannot fill the cache folder ", cache.string(),
+    TORCH_CHECK(holds_intact_files(cache, root), "cannot fill the cache folder ", cache.string(),
                 "; set MEMFIT_CACHE_DIR to a writable folder");
   }
   return cache;

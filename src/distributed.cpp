@@ -219,9 +219,15 @@ ProcessGroup::ProcessGroup(const WorldInfo& world, ProcessGroupOptions options)
   try {
     impl_->store = c10::make_intrusive<c10d::TCPStore>(world.master_addr, store_options);
   } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    std::string what = error != nullptr ? error->what_without_backtrace() : e.what();
+    what = what.substr(0, what.find('\n'));  // no backtrace
+    TORCH_CHECK(what.find("Address already in use") == std::string::npos, "rank ", world.rank, " of ",
+                world.world_size, ": port ", world.master_port, " of ", world.master_addr,
+                " is in use by another process: choose a free port (WorldInfo::master_port, MASTER_PORT)");
     TORCH_CHECK(false, "rank ", world.rank, " of ", world.world_size, ": could not meet the others at ",
                 world.master_addr, ":", world.master_port, " within ", options.timeout().count(),
-                " ms (is rank 0 running, and MASTER_ADDR/MASTER_PORT the same everywhere?): ", e.what());
+                " ms (is rank 0 running, and MASTER_ADDR/MASTER_PORT the same everywhere?): ", what);
   }
   impl_->world.master_port = impl_->store->getPort();
   try {

@@ -419,6 +419,9 @@ check report-of-a-nan-run-says-so grep -q 'NaN or infinite' "$tmp/nan.html"
 echo '{"steps": [], "summary": {"final_loss": "x"}}' >"$tmp/not-report.json"
 expect report-not-a-report 2 'not-report.json: not a memfit run report .summary "final_loss" is string' err -- \
   report "$tmp/not-report.json" --output "$tmp/not-report.html"
+echo '{"steps": [' >"$tmp/not-json.json"
+expect report-not-json 2 'not-json.json: not a memfit run report \(not JSON at byte [0-9]+\)' err -- \
+  report "$tmp/not-json.json" --output "$tmp/not-json.html"
 
 # The launcher stopped by SIGTERM passes it to every worker's process group
 # and leaves no process behind, workers started through a shell included.
@@ -555,6 +558,15 @@ expect dist-backend-unknown 2 'dist-backend' err -- train --model mlp --steps 1 
 if ! "$bin" --version | grep -qE ', c10d Gloo[;a-z ]'; then
   echo "skip launch checks: this build has no c10d Gloo process group"
 else
+# A port in use is said at once, in a line of memfit's (c10d's own log lines may precede it).
+busy=$(free_port)
+python3 -c 'import socket, sys, time; s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(); time.sleep(60)' "$busy" &
+holder=$!
+sleep 0.5
+RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$busy expect port-in-use 1 \
+  "^memfit: error: rank 0 of 2: port $busy of 127.0.0.1 is in use by another process: choose a free port \(memfit launch --master-port, or MASTER_PORT\)\$" err -- \
+  train --model mlp --width 8 --depth 1 --steps 1 --no-eval -q --dist-timeout 30
+kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
 expect launch-two-ranks 0 'batch 16 per rank × 2 ranks' out -- launch --nproc 2 --master-port "$(free_port)" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 16 --no-eval -q --threads 1
 two=$(grep -o 'final loss [0-9.]*' "$tmp/out")

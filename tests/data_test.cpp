@@ -148,6 +148,28 @@ TEST_F(FashionMnist, ACacheCopyDamagedByHandIsUnzippedAgain) {
   EXPECT_TRUE(torch::equal(first.labels, again.labels));
 }
 
+// Reference: the cache was keyed by the .gz files, and a copy damaged at the
+// same size was read as it was.
+TEST_F(FashionMnist, ACacheCopyChangedAtTheSameSizeIsUnzippedAgain) {
+  const auto options = FashionMnistOptions().cache_dir(cache_.string()).normalize(false);
+  const auto first = load_fashion_mnist(Split::kTest, options);
+  ASSERT_EQ(cached_folders().size(), 1u);
+  const auto images = cached_folders().front() / "t10k-images-idx3-ubyte";
+  const auto size = fs::file_size(images);
+  {
+    const std::streamoff at = 16 + 28 * 14 + 14;  // the middle of the first image
+    std::fstream f(images, std::ios::in | std::ios::out | std::ios::binary);
+    char pixel = 0;
+    f.seekg(at);
+    f.get(pixel);
+    f.seekp(at);
+    f.put(static_cast<char>(pixel ^ 0x5a));
+  }
+  ASSERT_EQ(fs::file_size(images), size);
+  const auto again = load_fashion_mnist(Split::kTest, options);
+  EXPECT_TRUE(torch::equal(first.images, again.images)) << "the damaged copy was read";
+}
+
 TEST_F(FashionMnist, RawPixelsAreInTheUnitIntervalWithoutNormalisation) {
   const auto ds = load_fashion_mnist(
       Split::kTest, FashionMnistOptions().cache_dir(cache_.string()).normalize(false));

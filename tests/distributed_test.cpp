@@ -235,6 +235,14 @@ TrainerOptions pipeline_offload_options() {
   return pipeline_options().steps(6).offload_optimizer(Offload::kHost).offload_gradients(Offload::kHost);
 }
 
+// A small CNN, whose activations dominate its step's peak: `channels`
+// feature maps pooled to `pooled` × `pooled`.
+torch::nn::Sequential small_cnn(int64_t channels, int64_t pooled) {
+  return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(1, channels, 3)), torch::nn::ReLU(),
+                               torch::nn::AdaptiveAvgPool2d(pooled), torch::nn::Flatten(),
+                               torch::nn::Linear(channels * pooled * pooled, 10));
+}
+
 // An MLP with dropout: each rank draws its own masks.
 torch::nn::Sequential dropout_mlp() {
   return torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(784, 24), torch::nn::ReLU(),
@@ -348,10 +356,7 @@ TEST(DistributedWorker, Run) {
       torch::manual_seed(1 + world.rank);
       auto options = zero_options().steps(12).batch_size(48).process_group(group);
       if (run != "throw") options.on_out_of_memory(OnOutOfMemory::kReplan);
-      // A small CNN, whose activations dominate its step's peak.
-      Trainer t(torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 3)), torch::nn::ReLU(),
-                                      torch::nn::AdaptiveAvgPool2d(4), torch::nn::Flatten(), torch::nn::Linear(256, 10)),
-                options);
+      Trainer t(small_cnn(16, 4), options);
       int64_t base = 0, plain = 0;
       const auto report = t.fit(data, [&](const StepRecord& rec) {
         if (rec.step <= 3) {  // step 2 ends the epoch with a short batch: the largest of the first three
@@ -375,6 +380,25 @@ TEST(DistributedWorker, Run) {
     torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
     return;
   }
+  if (m == "recover_gives_up") {
+    // Rank 1's budget drops after step 4 below what it holds between steps
+    // and its gradients: no re-plan can fit, so every rank stops at step 5.
+    auto data = synthetic_images();
+    torch::manual_seed(1);
+    Trainer t(small_cnn(16, 4), zero_options().steps(12).batch_size(48).process_group(group).on_out_of_memory(
+                                    OnOutOfMemory::kReplan));
+    try {
+      t.fit(data, [&](const StepRecord& rec) {
+        if (rec.step == 4 && world.rank == 1) set_memory_budget(torch::kCPU, rec.current_bytes + 1024);
+      });
+    } catch (const c10::Error& e) {
+      set_memory_budget(torch::kCPU, 0);
+      std::ofstream(out + ".rank" + std::to_string(world.rank) + ".txt")
+          << t.step() << "\n" << e.what_without_backtrace();
+      std::_Exit(7);
+    }
+    std::_Exit(0);
+  }
   if (m == "recover_fault") {
     // Rank 1 fails the k-th allocation of step k+2, for every k a step
     // makes (the vote's, the buckets', the optimizer's...); rank 0 fails none. The retry keeps the settings, so both ranks
@@ -383,9 +407,7 @@ TEST(DistributedWorker, Run) {
       torch::manual_seed(1 + world.rank);
       auto options = zero_options().process_group(group).on_out_of_memory(OnOutOfMemory::kReplan).max_grad_norm(1.0);
       options.replan([](const OutOfMemoryEvent& e) { return Replan{e.micro_batch_size, nullptr, "the same"}; });
-      Trainer t(torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3)), torch::nn::ReLU(),
-                                      torch::nn::AdaptiveAvgPool2d(2), torch::nn::Flatten(), torch::nn::Linear(16, 10)),
-                options);
+      Trainer t(small_cnn(4, 2), options);
       const auto data = synthetic_images();
       auto batch = [&](int64_t step) {
         const auto rows = torch::arange(step * 8 + world.rank, step * 8 + 8, 2) % 100;
@@ -663,6 +685,23 @@ TEST_F(Distributed, WhenOneRankRunsOutOfMemoryEveryRankReplansTheStepAndTheyStay
   }
   EXPECT_EQ(numbers0[2].item<double>(), numbers1[2].item<double>()) << "the ranks re-planned to the same micro-batch";
   for (int r = 0; r < 2; ++r) ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
+}
+
+TEST_F(Distributed, WhenOneRankCannotReplanEveryRankStopsAtThatStepNamingIt) {
+  const std::string out = ::testing::TempDir() + "memfit_ddp_gives_up_" + std::to_string(::getpid());
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "recover_gives_up", out);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(statuses[r], 7) << "rank " << r << " must stop with an error, not hang or go on";
+    const std::string text = testing::read_text(out + ".rank" + std::to_string(r) + ".txt");
+    EXPECT_EQ(text.rfind("4\n", 0), 0u) << "rank " << r << " stopped after step 4, its last whole step: " << text;
+    ::unlink((out + ".rank" + std::to_string(r) + ".txt").c_str());
+    if (r == 0) {
+      EXPECT_NE(text.find("step 5 ran out of memory and rank 1 of 2 could not re-plan: every rank stops"),
+                std::string::npos) << text;
+    } else {
+      EXPECT_NE(text.find("step 5 ran out of memory: the budget"), std::string::npos) << text;
+    }
+  }
 }
 
 TEST_F(Distributed, FailingAnyAllocationOfOneRanksStepMakesEveryRankRedoItBitwise) {

@@ -141,8 +141,8 @@ std::string render(const std::string& json_text, const std::string& title) {
   nlohmann::json run;
   try {
     run = nlohmann::json::parse(json_text);
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "not a memfit run report (JSON: ", e.what(),
+  } catch (const nlohmann::json::parse_error& e) {
+    TORCH_CHECK(false, "not a memfit run report (not JSON at byte ", e.byte,
                 "); write one with memfit train --report FILE.json");
   }
   TORCH_CHECK(run.is_object() && run.contains("steps") && run.contains("summary"),

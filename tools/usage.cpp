@@ -94,6 +94,7 @@ std::string with_flag_names(std::string message) {
       {"TrainerOptions::offload_parameters", "--offload parameters"},
       {"TrainerOptions::offload_optimizer and offload_gradients", "--offload optimizer,gradients"},
       {"TrainerOptions::process_group", "memfit launch"},
+      {"WorldInfo::master_port, MASTER_PORT", "memfit launch --master-port, or MASTER_PORT"},
       {"PlanOptions::precisions({kFP32, kBF16})", "--precision any"},
       {"PlanOptions::precisions", "--precision"},
       {"PlanOptions::selective_recompute", "--selective-recompute"},
