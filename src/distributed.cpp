@@ -823,4 +823,16 @@ std::vector<std::string> ZeroRedundancyOptimizer::consolidate_state_dict(int64_t
   return out;
 }
 
+namespace detail {
+std::string broadcast_text(ProcessGroup& group, const std::string& text, int64_t root) {
+  UntrackedGuard host;  // a few KiB of host memory, outside the budget
+  auto size = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong);
+  group.broadcast_(size, root);
+  auto bytes = torch::zeros({size.item<int64_t>()}, torch::kUInt8);
+  if (group.rank() == root) std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
+  group.broadcast_(bytes, root);
+  return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel()));
+}
+} // namespace detail
+
 } // namespace memfit

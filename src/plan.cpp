@@ -308,15 +308,7 @@ void broadcast_plan_wire(Plan& plan, ProcessGroup& group, int64_t root,
     add(wire);
     text = wire.dump();
   }
-  {
-    UntrackedGuard host;  // a few KiB of host memory, outside the budget
-    auto size = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong);
-    group.broadcast_(size, root);
-    auto bytes = torch::zeros({size.item<int64_t>()}, torch::kUInt8);
-    if (mine) std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
-    group.broadcast_(bytes, root);
-    text.assign(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel()));
-  }
+  text = broadcast_text(group, text, root);
   if (!mine) {
     const auto wire = nlohmann::json::parse(text);
     plan_from_wire(wire, plan);

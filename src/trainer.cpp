@@ -20,7 +20,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <optional>
@@ -894,16 +893,6 @@ std::string rank_settings(const torch::nn::Module& model, const TrainerOptions& 
   return text;
 }
 
-std::string broadcast_text(ProcessGroup& group, const std::string& text, int64_t root) {
-  UntrackedGuard host;  // a few KiB of host memory, outside the budget
-  auto size = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong);
-  group.broadcast_(size, root);
-  auto bytes = torch::zeros({size.item<int64_t>()}, torch::kUInt8);
-  if (group.rank() == root) std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
-  group.broadcast_(bytes, root);
-  return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel()));
-}
-
 std::vector<std::pair<std::string, std::string>> setting_lines(const std::string& text) {
   std::vector<std::pair<std::string, std::string>> out;
   std::istringstream is(text);
@@ -920,7 +909,7 @@ void check_ranks_agree(const torch::nn::Module& model, const TrainerOptions& opt
   const auto& group = options.process_group();
   if (group == nullptr || group->size() < 2) return;
   const std::string mine = rank_settings(model, options);
-  const std::string first = broadcast_text(*group, mine, 0);
+  const std::string first = detail::broadcast_text(*group, mine, 0);
   // The lowest rank that differs from rank 0 speaks for all.
   int64_t lowest = 0;
   {
@@ -930,7 +919,7 @@ void check_ranks_agree(const torch::nn::Module& model, const TrainerOptions& opt
     lowest = flag.item<int64_t>() == 0 ? -1 : group->size() - flag.item<int64_t>();
   }
   if (lowest < 0) return;
-  const auto theirs = setting_lines(broadcast_text(*group, mine, lowest));
+  const auto theirs = setting_lines(detail::broadcast_text(*group, mine, lowest));
   const auto ours = setting_lines(first);
   for (size_t i = 0; i < std::max(ours.size(), theirs.size()); ++i) {
     const auto& a = i < ours.size() ? ours[i] : std::pair<std::string, std::string>{"", "nothing"};

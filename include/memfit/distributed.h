@@ -194,6 +194,12 @@ class ProcessGroup::Pending {
   std::unique_ptr<Work> work_;
 };
 
+namespace detail {
+/// Rank `root`'s `text` on every rank of `group`: its length, then its bytes,
+/// in two broadcasts of host tensors outside the budget.
+std::string broadcast_text(ProcessGroup& group, const std::string& text, int64_t root);
+} // namespace detail
+
 /// Where the gradients of a data-parallel backward go (the seam between the
 /// autograd hooks and the communication).
 class GradientReducer {
