@@ -222,7 +222,9 @@ ProcessGroup::ProcessGroup(const WorldInfo& world, ProcessGroupOptions options)
     const auto* error = dynamic_cast<const c10::Error*>(&e);
     std::string what = error != nullptr ? error->what_without_backtrace() : e.what();
     what = what.substr(0, what.find('\n'));  // no backtrace
-    TORCH_CHECK(what.find("Address already in use") == std::string::npos, "rank ", world.rank, " of ",
+    std::string lower = what;  // 1.13 says "Address already in use", 2.x "EADDRINUSE ... address already in use"
+    std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+    TORCH_CHECK(lower.find("address already in use") == std::string::npos, "rank ", world.rank, " of ",
                 world.world_size, ": port ", world.master_port, " of ", world.master_addr,
                 " is in use by another process: choose a free port (WorldInfo::master_port, MASTER_PORT)");
     TORCH_CHECK(false, "rank ", world.rank, " of ", world.world_size, ": could not meet the others at ",
