@@ -79,11 +79,55 @@ torch::Tensor closure_loss(const torch::optim::Optimizer::LossClosure& closure) 
   return closure();
 }
 
+// Why a parameter cannot take the fused kernel, or "" when it can: the fused
+// kernels index the parameter, its gradient and its state as one dense run
+// of elements of the parameter's dtype, on the CPU or CUDA.
+std::string fused_refusal(const torch::Tensor& p, const torch::Tensor& grad,
+                          std::initializer_list<torch::Tensor> state) {
+  if (!at::isFloatingType(p.scalar_type())) return std::string("a parameter of dtype ") + c10::toString(p.scalar_type());
+  if (grad.is_sparse()) return "a sparse gradient";
+  if (grad.scalar_type() != p.scalar_type() || grad.device() != p.device()) {
+    return "a gradient of another dtype or device than its parameter";
+  }
+  bool contiguous = p.is_contiguous() && grad.is_contiguous();
+  for (const auto& t : state) contiguous = contiguous && (!t.defined() || t.is_contiguous());
+  if (!contiguous) return "a non-contiguous parameter, gradient or state (channels_last, a view)";
+  return "";
+}
+
+// The float32 step counts the fused kernels read, one per device and step
+// value (the kernels only read them, so parameters at the same step share one).
+class StepCounts {
+ public:
+  const torch::Tensor& at(const torch::Device& device, int64_t step) {
+    auto& t = counts_[{device.str(), step}];
+    if (!t.defined()) {
+      t = torch::full({}, static_cast<double>(step), torch::TensorOptions().dtype(torch::kFloat).device(device));
+    }
+    return t;
+  }
+
+ private:
+  std::map<std::pair<std::string, int64_t>, torch::Tensor> counts_;
+};
+
+// The parameters of one fused call: one group, device and dtype (and, for
+// SGD, whether the momentum buffers are new).
+struct FusedBucket {
+  std::vector<torch::Tensor> params, grads, first, second, third, steps;
+};
+using BucketKey = std::tuple<size_t, std::string, int, bool>;
+BucketKey bucket_key(size_t group, const torch::Tensor& p, bool fresh = false) {
+  return {group, p.device().str(), static_cast<int>(p.scalar_type()), fresh};
+}
+
 // Adam and AdamW: their update after the weight decay is one (LibTorch's
 // adam.cpp and adamw.cpp); `decoupled` is AdamW's decay of the parameter
 // itself, Adam's adds weight_decay * p to the gradient.
 template <class Base, class Options, class State, bool decoupled>
-torch::Tensor adam_step(Base& self, const torch::optim::Optimizer::LossClosure& closure) {
+torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const torch::Tensor&)>& wants_fused,
+                        const std::function<void(const std::string&)>& fell_back,
+                        const torch::optim::Optimizer::LossClosure& closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = closure_loss(closure);
   using Key = decltype(compat::optimizer_state_key<Base>(std::declval<torch::Tensor>()));
@@ -95,10 +139,14 @@ torch::Tensor adam_step(Base& self, const torch::optim::Optimizer::LossClosure& 
     double step_size = 0;
   };
   std::vector<Item> items;
+  std::map<BucketKey, FusedBucket> fused;
+  std::map<BucketKey, const Options*> fused_options;
   std::vector<Key> added;
   Workspace work;
+  StepCounts counts;
   auto& state = self.state();
   prepare_or_undo(state, added, [&] {
+    size_t group_index = 0;
     for (auto& group : self.param_groups()) {
       const auto& o = static_cast<const Options&>(group.options());
       const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
@@ -119,10 +167,28 @@ torch::Tensor adam_step(Base& self, const torch::optim::Optimizer::LossClosure& 
           state[key] = std::move(s);
           added.push_back(key);
         }
+        auto* s = static_cast<State*>(state[key].get());
+        const int64_t step = s->step() + 1;
+        if (wants_fused(p)) {
+          const auto why = fused_refusal(p, p.grad(), {s->exp_avg(), s->exp_avg_sq(), s->max_exp_avg_sq()});
+          if (why.empty()) {
+            const auto bk = bucket_key(group_index, p);
+            auto& b = fused[bk];
+            fused_options[bk] = &o;
+            b.params.push_back(p);
+            b.grads.push_back(p.grad());
+            b.first.push_back(s->exp_avg());
+            b.second.push_back(s->exp_avg_sq());
+            if (o.amsgrad()) b.third.push_back(s->max_exp_avg_sq());
+            b.steps.push_back(counts.at(p.device(), step));
+            continue;
+          }
+          fell_back(why);
+        }
         Item it;
         it.p = p;
         it.grad = p.grad();
-        it.state = static_cast<State*>(state[key].get());
+        it.state = s;
         it.options = &o;
         const auto dtype = p.scalar_type();
         auto& sc = scalars[dtype];
@@ -134,7 +200,6 @@ torch::Tensor adam_step(Base& self, const torch::optim::Optimizer::LossClosure& 
         it.beta2 = sc[1];
         it.eps = sc[2];
         it.decay = sc[3];
-        const int64_t step = it.state->step() + 1;
         const double bias_correction1 = 1 - std::pow(beta1, step);
         const double bias_correction2 = 1 - std::pow(beta2, step);
         auto& b2 = bias2[{dtype, step}];
@@ -144,10 +209,21 @@ torch::Tensor adam_step(Base& self, const torch::optim::Optimizer::LossClosure& 
         work.need(p, (!decoupled && o.weight_decay() != 0) ? 2 : 1);
         items.push_back(std::move(it));
       }
+      ++group_index;
     }
     work.allocate();
   });
   // Nothing below allocates: parameters and state change only here.
+  for (auto& kv : fused) {
+    const Options& o = *fused_options.at(kv.first);
+    auto& b = kv.second;
+    for (auto& p : b.params) {
+      auto& s = static_cast<State&>(*state.at(compat::optimizer_state_key<Base>(p)));
+      s.step(s.step() + 1);
+    }
+    compat::fused_adam_(decoupled, b.params, b.grads, b.first, b.second, b.third, b.steps, o.lr(),
+                        std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(), o.amsgrad());
+  }
   for (auto& it : items) {
     const Options& o = *it.options;
     auto& p = it.p;
@@ -176,10 +252,46 @@ torch::Tensor adam_step(Base& self, const torch::optim::Optimizer::LossClosure& 
     at::add_out(denom, denom, it.eps);
     p.addcdiv_(exp_avg, denom, -it.step_size);
   }
+  if (!fused.empty() || !items.empty()) ran = items.empty() ? Kernel::kFused : Kernel::kLoop;
   return loss;
 }
 
 } // namespace
+
+KernelChoice::KernelChoice(Kernel kernel) : kernel_(kernel) {
+  TORCH_CHECK(kernel != Kernel::kFused || compat::kHasFusedOptimizers,
+              "memfit::optim::Kernel::kFused needs LibTorch 2.4 or later, and this is LibTorch ", TORCH_VERSION,
+              ": use Kernel::kAuto (the fastest kernel there is) or Kernel::kLoop");
+}
+
+bool KernelChoice::wants_fused(c10::DeviceType device) const {
+  return kernel_ != Kernel::kLoop && has_fused_kernels(device);
+}
+
+void KernelChoice::fell_back(const std::string& optimizer, const std::string& why) {
+  if (kernel_ == Kernel::kFused && !warned_) {
+    warned_ = true;
+    TORCH_WARN("memfit::optim::", optimizer, " steps ", why, " with the loop kernel: the fused kernel cannot take it");
+  }
+}
+
+SGD::SGD(std::vector<torch::Tensor> params, torch::optim::SGDOptions defaults, Kernel kernel)
+    : torch::optim::SGD(std::move(params), std::move(defaults)), KernelChoice(kernel) {}
+
+SGD::SGD(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::SGDOptions defaults, Kernel kernel)
+    : torch::optim::SGD(std::move(groups), std::move(defaults)), KernelChoice(kernel) {}
+
+Adam::Adam(std::vector<torch::Tensor> params, torch::optim::AdamOptions defaults, Kernel kernel)
+    : torch::optim::Adam(std::move(params), std::move(defaults)), KernelChoice(kernel) {}
+
+Adam::Adam(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamOptions defaults, Kernel kernel)
+    : torch::optim::Adam(std::move(groups), std::move(defaults)), KernelChoice(kernel) {}
+
+AdamW::AdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults, Kernel kernel)
+    : torch::optim::AdamW(std::move(params), std::move(defaults)), KernelChoice(kernel) {}
+
+AdamW::AdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults, Kernel kernel)
+    : torch::optim::AdamW(std::move(groups), std::move(defaults)), KernelChoice(kernel) {}
 
 torch::Tensor SGD::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
@@ -191,15 +303,46 @@ torch::Tensor SGD::step(LossClosure closure) {
     bool fresh = false;  // the buffer was made for this step: it is the first gradient already
   };
   std::vector<Item> items;
+  std::map<BucketKey, FusedBucket> fused;
+  std::map<BucketKey, const torch::optim::SGDOptions*> fused_options;
   std::vector<Key> added;
   Workspace work;
   auto& st = state();
   prepare_or_undo(st, added, [&] {
+    size_t group_index = 0;
     for (auto& group : param_groups()) {
       const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
       std::map<at::ScalarType, torch::Tensor> momentum;  // by dtype
       for (auto& p : group.params()) {
         if (!p.grad().defined()) continue;
+        const auto key = compat::optimizer_state_key<torch::optim::SGD>(p);
+        const auto found = o.momentum() != 0 ? st.find(key) : st.end();
+        const bool fresh = o.momentum() != 0 && found == st.end();
+        if (wants_fused(p.device().type())) {
+          const auto buf = o.momentum() != 0 && !fresh
+                               ? static_cast<torch::optim::SGDParamState&>(*found->second).momentum_buffer()
+                               : torch::Tensor();
+          const auto why = fused_refusal(p, p.grad(), {buf});
+          if (why.empty()) {
+            const auto bk = bucket_key(group_index, p, fresh);
+            auto& b = fused[bk];
+            fused_options[bk] = &o;
+            b.params.push_back(p);
+            b.grads.push_back(p.grad());
+            if (fresh) {
+              // The kernel fills a new buffer with the first (decayed) gradient, as LibTorch's clone does.
+              auto s = std::make_unique<torch::optim::SGDParamState>();
+              s->momentum_buffer(torch::empty_like(p.grad()));
+              b.first.push_back(s->momentum_buffer());
+              st[key] = std::move(s);
+              added.push_back(key);
+            } else if (o.momentum() != 0) {
+              b.first.push_back(buf);
+            }
+            continue;
+          }
+          fell_back("SGD", why);
+        }
         Item it;
         it.p = p;
         it.grad = p.grad().data();
@@ -208,11 +351,7 @@ torch::Tensor SGD::step(LossClosure closure) {
           auto& m = momentum[p.scalar_type()];
           if (!m.defined()) m = wrapped(o.momentum(), p.scalar_type());
           it.momentum = m;
-        }
-        if (o.momentum() != 0) {
-          const auto key = compat::optimizer_state_key<torch::optim::SGD>(p);
-          const auto found = st.find(key);
-          if (found == st.end()) {
+          if (fresh) {
             // LibTorch's first buffer: a clone of the (decayed) gradient.
             it.buf = o.weight_decay() != 0 ? it.grad.add(p.data(), o.weight_decay()) : torch::clone(it.grad);
             auto s = std::make_unique<torch::optim::SGDParamState>();
@@ -227,10 +366,17 @@ torch::Tensor SGD::step(LossClosure closure) {
         work.need(p, (o.weight_decay() != 0 ? 1 : 0) + (o.momentum() != 0 && o.nesterov() ? 1 : 0));
         items.push_back(std::move(it));
       }
+      ++group_index;
     }
     work.allocate();
   });
   // Nothing below allocates: parameters and state change only here.
+  for (auto& kv : fused) {
+    const auto& o = *fused_options.at(kv.first);
+    auto& b = kv.second;
+    compat::fused_sgd_(b.params, b.grads, b.first, o.weight_decay(), o.momentum(), o.lr(), o.dampening(),
+                       o.nesterov(), /*is_first_step=*/std::get<3>(kv.first));
+  }
   for (auto& it : items) {
     const auto& o = *it.options;
     auto p = it.p.data();
@@ -251,15 +397,20 @@ torch::Tensor SGD::step(LossClosure closure) {
     }
     p.add_(d_p, -1 * o.lr());
   }
+  if (!fused.empty() || !items.empty()) ran_ = items.empty() ? Kernel::kFused : Kernel::kLoop;
   return loss;
 }
 
 torch::Tensor Adam::step(LossClosure closure) {
-  return adam_step<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState, false>(*this, closure);
+  return adam_step<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState, false>(
+      *this, ran_, [this](const torch::Tensor& p) { return wants_fused(p.device().type()); },
+      [this](const std::string& why) { fell_back("Adam", why); }, closure);
 }
 
 torch::Tensor AdamW::step(LossClosure closure) {
-  return adam_step<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState, true>(*this, closure);
+  return adam_step<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState, true>(
+      *this, ran_, [this](const torch::Tensor& p) { return wants_fused(p.device().type()); },
+      [this](const std::string& why) { fell_back("AdamW", why); }, closure);
 }
 
 namespace {
@@ -274,6 +425,35 @@ BeforeCommit::~BeforeCommit() { innermost_gate = previous_; }
 
 void before_commit() {
   if (innermost_gate != nullptr && innermost_gate->fn_) innermost_gate->fn_();
+}
+
+const char* kernel_name(Kernel kernel) {
+  switch (kernel) {
+    case Kernel::kAuto:
+      return "auto";
+    case Kernel::kLoop:
+      return "loop";
+    case Kernel::kFused:
+      return "fused";
+  }
+  return "auto";
+}
+
+Kernel parse_kernel(const std::string& name) {
+  for (const auto k : {Kernel::kAuto, Kernel::kLoop, Kernel::kFused}) {
+    if (name == kernel_name(k)) return k;
+  }
+  TORCH_CHECK(false, "unknown optimizer kernel '", name, "': use auto, loop or fused");
+}
+
+bool has_fused_kernels(c10::DeviceType device) {
+  return compat::kHasFusedOptimizers && (device == c10::DeviceType::CPU || device == c10::DeviceType::CUDA);
+}
+
+std::string kernel_ran(const torch::optim::Optimizer& optimizer) {
+  const auto* choice = dynamic_cast<const KernelChoice*>(&optimizer);
+  if (choice == nullptr) return "libtorch";
+  return choice->kernel_ran() == Kernel::kAuto ? "none" : kernel_name(choice->kernel_ran());
 }
 
 bool is_transactional(const torch::optim::Optimizer& optimizer) {

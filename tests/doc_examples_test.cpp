@@ -114,6 +114,24 @@ TEST_F(DocExamples, OptimHeader) {
     memfit::optim::Adam adam(lin->parameters());
     EXPECT_EQ(memfit::optim::state_type_name(adam), "torch::optim::Adam");
   }
+  {  // kernel_name, parse_kernel, has_fused_kernels
+    EXPECT_EQ(std::string(memfit::optim::kernel_name(memfit::optim::Kernel::kFused)), "fused");
+    EXPECT_EQ(memfit::optim::parse_kernel("loop"), memfit::optim::Kernel::kLoop);
+    bool fused = memfit::optim::has_fused_kernels(torch::kCPU);  // false on LibTorch 1.13
+    EXPECT_EQ(fused, TORCH_VERSION_MAJOR >= 2);
+  }
+  {  // KernelChoice
+    auto lin = torch::nn::Linear(4, 2);
+    memfit::optim::Adam adam(lin->parameters(), torch::optim::AdamOptions(1e-3), memfit::optim::Kernel::kLoop);
+    lin(torch::ones({3, 4})).sum().backward();
+    adam.step();
+    EXPECT_EQ(adam.kernel_ran(), memfit::optim::Kernel::kLoop);
+  }
+  {  // kernel_ran
+    auto lin = torch::nn::Linear(4, 2);
+    torch::optim::SGD plain(lin->parameters(), torch::optim::SGDOptions(0.1));
+    EXPECT_EQ(memfit::optim::kernel_ran(plain), "libtorch");
+  }
 }
 
 TEST_F(DocExamples, RecoveryFromOutOfMemory) {

@@ -1,5 +1,6 @@
-// memfit::optim: LibTorch's SGD, Adam and AdamW, bitwise, with a step that
-// completes or changes nothing when an allocation fails.
+// memfit::optim: LibTorch's SGD, Adam and AdamW, bitwise on the loop kernel
+// and within rounding on the fused one, with a step that completes or
+// changes nothing when an allocation fails.
 #include "memfit/compat.h"
 #include "memfit/memory.h"
 #include "memfit/optim.h"
@@ -20,6 +21,29 @@ namespace memfit {
 namespace {
 
 using Factory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>;
+using KernelFactory =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>, optim::Kernel)>;
+
+// The kernels this LibTorch has for the CPU, the loop first.
+std::vector<optim::Kernel> kernels() {
+  std::vector<optim::Kernel> out{optim::Kernel::kLoop};
+  if (optim::has_fused_kernels(torch::kCPU)) out.push_back(optim::Kernel::kFused);
+  return out;
+}
+
+std::string kernel_text(optim::Kernel k) { return std::string(", kernel ") + optim::kernel_name(k); }
+
+// Expects every tensor of `a` within `tolerance` of `b`'s, relative to its norm.
+void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, double tolerance,
+                  const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].defined(), b[i].defined()) << what << ": tensor " << i << " defined in one only";
+    if (!a[i].defined()) continue;
+    const double d = testing::relative_difference(a[i].to(torch::kDouble), b[i].to(torch::kDouble));
+    EXPECT_LE(d, tolerance) << what << ": tensor " << i;
+  }
+}
 
 // Parameters of several shapes (a 0-dim one too), with seeded values.
 std::vector<torch::Tensor> make_params() {
@@ -47,7 +71,8 @@ using testing::optimizer_state_of;
 
 struct Case {
   std::string name;
-  Factory libtorch, memfit;
+  Factory libtorch;
+  KernelFactory memfit;
 };
 
 std::vector<Case> cases() {
@@ -59,9 +84,9 @@ std::vector<Case> cases() {
       auto adamw = AdamWOptions(1e-2).weight_decay(wd).amsgrad(amsgrad);
       const std::string suffix = " wd " + std::to_string(wd) + (amsgrad ? " amsgrad" : "");
       out.push_back({"Adam" + suffix, [=](auto p) { return std::make_unique<torch::optim::Adam>(p, adam); },
-                     [=](auto p) { return std::make_unique<optim::Adam>(p, adam); }});
+                     [=](auto p, optim::Kernel k) { return std::make_unique<optim::Adam>(p, adam, k); }});
       out.push_back({"AdamW" + suffix, [=](auto p) { return std::make_unique<torch::optim::AdamW>(p, adamw); },
-                     [=](auto p) { return std::make_unique<optim::AdamW>(p, adamw); }});
+                     [=](auto p, optim::Kernel k) { return std::make_unique<optim::AdamW>(p, adamw, k); }});
     }
     for (double momentum : {0.0, 0.9}) {
       for (bool nesterov : {false, true}) {
@@ -72,7 +97,7 @@ std::vector<Case> cases() {
           out.push_back({"SGD wd " + std::to_string(wd) + " momentum " + std::to_string(momentum) +
                              (nesterov ? " nesterov" : "") + " dampening " + std::to_string(dampening),
                          [=](auto p) { return std::make_unique<torch::optim::SGD>(p, sgd); },
-                         [=](auto p) { return std::make_unique<optim::SGD>(p, sgd); }});
+                         [=](auto p, optim::Kernel k) { return std::make_unique<optim::SGD>(p, sgd, k); }});
         }
       }
     }
@@ -80,11 +105,11 @@ std::vector<Case> cases() {
   return out;
 }
 
-TEST(Optim, EveryOptionStepsBitwiseAsLibTorchsOptimizerOver100Steps) {
+TEST(Optim, EveryOptionStepsBitwiseAsLibTorchsOptimizerOver100StepsOnTheLoopKernel) {
   for (const auto& c : cases()) {
     SCOPED_TRACE(c.name);
     auto a = make_params(), b = make_params();
-    auto ours = c.memfit(a);
+    auto ours = c.memfit(a, optim::Kernel::kLoop);
     auto theirs = c.libtorch(b);
     for (int64_t i = 0; i < 100; ++i) {
       set_grads(a, i);
@@ -97,25 +122,91 @@ TEST(Optim, EveryOptionStepsBitwiseAsLibTorchsOptimizerOver100Steps) {
   }
 }
 
-TEST(Optim, ParameterGroupsAndAnLRSchedulerWorkAsWithLibTorchs) {
-  auto a = make_params(), b = make_params();
-  auto groups = [](const std::vector<torch::Tensor>& p) {
-    return std::vector<torch::optim::OptimizerParamGroup>{
-        torch::optim::OptimizerParamGroup({p[0], p[1]}),
-        torch::optim::OptimizerParamGroup({p[2], p[3]}, std::make_unique<torch::optim::AdamOptions>(5e-3))};
+TEST(Optim, EveryOptionStepsAsLibTorchsOptimizerWithin1e6Over100StepsOnTheFusedKernel) {
+  if (!optim::has_fused_kernels(torch::kCPU)) GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no fused kernels";
+  for (const auto& c : cases()) {
+    SCOPED_TRACE(c.name);
+    auto a = make_params(), b = make_params();
+    auto ours = c.memfit(a, optim::Kernel::kFused);
+    auto theirs = c.libtorch(b);
+    for (int64_t i = 0; i < 100; ++i) {
+      set_grads(a, i);
+      set_grads(b, i);
+      ours->step();
+      theirs->step();
+    }
+    EXPECT_EQ(optim::kernel_ran(*ours), "fused");
+    expect_close(copies(a), copies(b), 1e-6, "parameters");
+    expect_close(optimizer_state_of(*ours, a), optimizer_state_of(*theirs, b), 1e-6, "state");
+  }
+}
+
+TEST(Optim, TheDefaultKernelIsTheFusedOneWhereLibTorchHasItAndTheLoopElsewhere) {
+  auto p = make_params();
+  optim::Adam adam(p, torch::optim::AdamOptions(1e-3));
+  EXPECT_EQ(adam.kernel(), optim::Kernel::kAuto);
+  EXPECT_EQ(optim::kernel_ran(adam), "none");
+  set_grads(p, 0);
+  adam.step();
+  EXPECT_EQ(optim::kernel_ran(adam), optim::has_fused_kernels(torch::kCPU) ? "fused" : "loop");
+  torch::optim::Adam plain(p);
+  EXPECT_EQ(optim::kernel_ran(plain), "libtorch");
+  if (!optim::has_fused_kernels(torch::kCPU)) {
+    expect_error([&] { optim::SGD sgd(p, torch::optim::SGDOptions(0.1), optim::Kernel::kFused); },
+                 "memfit::optim::Kernel::kFused needs LibTorch 2.4 or later, and this is LibTorch");
+  }
+}
+
+// A parameter the fused kernel cannot take (here a non-contiguous one) is
+// stepped by the loop, bitwise LibTorch's, with one warning when kFused was asked for.
+TEST(Optim, AParameterTheFusedKernelCannotTakeIsSteppedByTheLoopWithOneWarning) {
+  if (!optim::has_fused_kernels(torch::kCPU)) GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no fused kernels";
+  auto make = [] {
+    torch::manual_seed(5);
+    return std::vector<torch::Tensor>{torch::randn({6, 4}).t().requires_grad_()};
   };
-  optim::Adam ours(groups(a), torch::optim::AdamOptions(1e-2));
-  torch::optim::Adam theirs(groups(b), torch::optim::AdamOptions(1e-2));
-  torch::optim::StepLR s1(ours, 2, 0.5), s2(theirs, 2, 0.5);
-  for (int64_t i = 0; i < 10; ++i) {
-    set_grads(a, i);
-    set_grads(b, i);
+  auto a = make(), b = make();
+  ASSERT_FALSE(a[0].is_contiguous());
+  optim::Adam ours(a, torch::optim::AdamOptions(1e-2), optim::Kernel::kFused);
+  torch::optim::Adam theirs(b, torch::optim::AdamOptions(1e-2));
+  compat::WarningCapture warnings;
+  for (int64_t i = 0; i < 3; ++i) {
+    set_grads(a, 2 * i);
+    set_grads(b, 2 * i);
     ours.step();
     theirs.step();
-    s1.step();
-    s2.step();
   }
+  ASSERT_EQ(warnings.messages.size(), 1u);
+  EXPECT_NE(warnings.messages[0].find("memfit::optim::Adam steps a non-contiguous parameter, gradient or state"),
+            std::string::npos)
+      << warnings.messages[0];
+  EXPECT_EQ(optim::kernel_ran(ours), "loop");
   expect_bitwise(copies(a), copies(b), "parameters");
+}
+
+TEST(Optim, ParameterGroupsAndAnLRSchedulerWorkAsWithLibTorchs) {
+  for (const auto kernel : kernels()) {
+    SCOPED_TRACE(kernel_text(kernel));
+    auto a = make_params(), b = make_params();
+    auto groups = [](const std::vector<torch::Tensor>& p) {
+      return std::vector<torch::optim::OptimizerParamGroup>{
+          torch::optim::OptimizerParamGroup({p[0], p[1]}),
+          torch::optim::OptimizerParamGroup({p[2], p[3]}, std::make_unique<torch::optim::AdamOptions>(5e-3))};
+    };
+    optim::Adam ours(groups(a), torch::optim::AdamOptions(1e-2), kernel);
+    torch::optim::Adam theirs(groups(b), torch::optim::AdamOptions(1e-2));
+    torch::optim::StepLR s1(ours, 2, 0.5), s2(theirs, 2, 0.5);
+    for (int64_t i = 0; i < 10; ++i) {
+      set_grads(a, i);
+      set_grads(b, i);
+      ours.step();
+      theirs.step();
+      s1.step();
+      s2.step();
+    }
+    if (kernel == optim::Kernel::kLoop) expect_bitwise(copies(a), copies(b), "parameters");
+    expect_close(copies(a), copies(b), 1e-6, "parameters");
+  }
 }
 
 // Fails each allocation of a step in turn: every failure leaves parameters
@@ -123,11 +214,12 @@ TEST(Optim, ParameterGroupsAndAnLRSchedulerWorkAsWithLibTorchs) {
 // again), and the step then equals the uninterrupted one.
 TEST(Optim, AStepThatFailsAnyAllocationChangesNothingAndThenStepsAsUninterrupted) {
   for (const auto& c : cases()) {
+    for (const auto kernel : kernels()) {
     for (int64_t warm : {0, 2}) {  // 0: the state is made by the failing step
-      SCOPED_TRACE(c.name + ", warm steps " + std::to_string(warm));
+      SCOPED_TRACE(c.name + kernel_text(kernel) + ", warm steps " + std::to_string(warm));
       auto ref = make_params(), p = make_params();
-      auto reference = c.memfit(ref);
-      auto o = c.memfit(p);
+      auto reference = c.memfit(ref, kernel);
+      auto o = c.memfit(p, kernel);
       for (int64_t i = 0; i < warm; ++i) {
         set_grads(ref, i);
         set_grads(p, i);
@@ -142,8 +234,8 @@ TEST(Optim, AStepThatFailsAnyAllocationChangesNothingAndThenStepsAsUninterrupted
         reference->step();
         allocations = count.allocations();
       }
-      // Adam's work buffer is always made; SGD without decay or Nesterov momentum allocates nothing
-      // once its momentum buffers exist, and then nothing can fail.
+      // Adam's work buffer (loop) or step counts (fused) are always made; SGD without decay or
+      // Nesterov momentum allocates nothing once its momentum buffers exist, and then nothing can fail.
       if (c.name.rfind("Adam", 0) == 0) EXPECT_GT(allocations, 0);
       for (int64_t k = 1; k <= allocations; ++k) {
         const auto params_before = copies(p);
@@ -159,13 +251,14 @@ TEST(Optim, AStepThatFailsAnyAllocationChangesNothingAndThenStepsAsUninterrupted
       expect_bitwise(copies(p), copies(ref), "parameters after the retried step");
       expect_bitwise(optimizer_state_of(*o, p), optimizer_state_of(*reference, ref), "state after the retried step");
     }
+    }
   }
 }
 
 TEST(Optim, SavedStateLoadsIntoLibTorchsOptimizerAndBack) {
   auto a = make_params(), b = make_params(), c = make_params();
   const auto options = torch::optim::AdamOptions(1e-2).amsgrad(true);
-  optim::Adam ours(a, options);
+  optim::Adam ours(a, options, optim::Kernel::kLoop);
   for (int64_t i = 0; i < 3; ++i) {
     set_grads(a, i);
     ours.step();
@@ -177,7 +270,7 @@ TEST(Optim, SavedStateLoadsIntoLibTorchsOptimizerAndBack) {
   for (size_t i = 0; i < b.size(); ++i) b[i].detach().copy_(a[i].detach());
   std::stringstream again;
   torch::save(theirs, again);
-  optim::Adam back(c, options);
+  optim::Adam back(c, options, optim::Kernel::kLoop);
   torch::load(back, again);
   for (size_t i = 0; i < c.size(); ++i) c[i].detach().copy_(a[i].detach());
   for (int64_t i = 3; i < 6; ++i) {
@@ -194,18 +287,24 @@ TEST(Optim, SavedStateLoadsIntoLibTorchsOptimizerAndBack) {
 
 TEST(Optim, TheStepNeedsAtMostTwoLargestParametersOfWorkMemory) {
   // LibTorch's Adam makes two temporaries of each parameter (the square
-  // root and the quotient) and a third with weight decay; memfit's one work
-  // buffer as large as the largest parameter, two with weight decay.
-  for (double wd : {0.0, 0.1}) {
-    auto p = make_params();
-    optim::Adam adam(p, torch::optim::AdamOptions(1e-3).weight_decay(wd));
-    set_grads(p, 0);
-    adam.step();  // the state exists
-    set_grads(p, 2);
-    PeakMeter meter;
-    adam.step();
-    const int64_t largest = 17 * 9 * 4;
-    EXPECT_EQ(meter.peak_delta(), (wd != 0 ? 2 : 1) * largest) << "weight decay " << wd;
+  // root and the quotient) and a third with weight decay; memfit's loop one
+  // work buffer as large as the largest parameter, two with weight decay;
+  // the fused kernel none, only its float32 step counts (one per step value).
+  for (const auto kernel : kernels()) {
+    for (double wd : {0.0, 0.1}) {
+      auto p = make_params();
+      optim::Adam adam(p, torch::optim::AdamOptions(1e-3).weight_decay(wd), kernel);
+      set_grads(p, 0);
+      adam.step();
+      set_grads(p, 1);
+      adam.step();  // the state exists; the last parameter (no gradient at step 1) is a step behind
+      set_grads(p, 2);
+      PeakMeter meter;
+      adam.step();
+      const int64_t largest = 17 * 9 * 4;
+      const int64_t expected = kernel == optim::Kernel::kFused ? 2 * 4 : (wd != 0 ? 2 : 1) * largest;
+      EXPECT_EQ(meter.peak_delta(), expected) << "weight decay " << wd << kernel_text(kernel);
+    }
   }
 }
 
@@ -235,8 +334,10 @@ TEST(Optim, SparseGradientsAreRefusedBeforeAnythingChanges) {
 
 TEST(Optim, BeforeCommitRunsAfterEveryAllocationAndWhenItThrowsTheStepChangesNothing) {
   for (const auto& c : cases()) {
+    for (const auto kernel : kernels()) {
+    SCOPED_TRACE(kernel_text(kernel));
     auto p = make_params();
-    auto opt = c.memfit(p);
+    auto opt = c.memfit(p, kernel);
     set_grads(p, 0);
     const auto before = copies(p);
     // Thrown from between the phases (as another rank's failure is): nothing changes.
@@ -259,6 +360,7 @@ TEST(Optim, BeforeCommitRunsAfterEveryAllocationAndWhenItThrowsTheStepChangesNot
     }
     EXPECT_EQ(calls, 1) << c.name;
     EXPECT_EQ(max_memory_allocated(torch::kCPU), at_gate) << c.name << ": the update after the gate allocated";
+    }
   }
 }
 

@@ -31,6 +31,12 @@
 #include <cstdint>
 #include <cstring>
 
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/_fused_sgd.h>
+#endif
+
 #if defined(MEMFIT_WITH_CUDA)
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
@@ -294,6 +300,47 @@ using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<co
 inline std::shared_ptr<void> hold_node(NodePtr node) {
   auto* raw = node.get();
   return std::shared_ptr<void>(raw, [held = std::move(node)](void*) mutable { held = nullptr; });
+}
+
+/// True where LibTorch has fused Adam, AdamW and SGD kernels for the CPU and
+/// CUDA (at::_fused_adam_, _fused_adamw_, _fused_sgd_; the CPU ones came with 2.4).
+constexpr bool kHasFusedOptimizers = MEMFIT_TORCH_AT_LEAST(2, 4);
+
+/// at::_fused_adam_ (AdamW's decay when `decoupled`) over one device and
+/// dtype; `steps` hold each parameter's step count after this step, as
+/// float32 on the parameters' device, and are only read. Where
+/// kHasFusedOptimizers is false it is never called.
+inline void fused_adam_(bool decoupled, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                        at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
+                        double beta1, double beta2, double weight_decay, double eps, bool amsgrad) {
+#if MEMFIT_TORCH_AT_LEAST(2, 4)
+  if (decoupled) {
+    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
+                      eps, amsgrad, /*maximize=*/false);
+  } else {
+    at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
+                     eps, amsgrad, /*maximize=*/false);
+  }
+#else
+  (void)decoupled, (void)params, (void)grads, (void)exp_avgs, (void)exp_avg_sqs, (void)max_exp_avg_sqs, (void)steps;
+  (void)lr, (void)beta1, (void)beta2, (void)weight_decay, (void)eps, (void)amsgrad;
+  TORCH_INTERNAL_ASSERT(false, "fused optimizer kernels need LibTorch 2.4 or later");
+#endif
+}
+
+/// at::_fused_sgd_ over one device and dtype; `is_first_step` fills the
+/// (empty) momentum buffers with the first gradient, as LibTorch's SGD does.
+inline void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                       double weight_decay, double momentum, double lr, double dampening, bool nesterov,
+                       bool is_first_step) {
+#if MEMFIT_TORCH_AT_LEAST(2, 4)
+  at::_fused_sgd_(params, grads, momentum_buffers, weight_decay, momentum, lr, dampening, nesterov,
+                  /*maximize=*/false, is_first_step);
+#else
+  (void)params, (void)grads, (void)momentum_buffers, (void)weight_decay, (void)momentum, (void)lr;
+  (void)dampening, (void)nesterov, (void)is_first_step;
+  TORCH_INTERNAL_ASSERT(false, "fused optimizer kernels need LibTorch 2.4 or later");
+#endif
 }
 
 /// Collects the messages of c10 warnings (TORCH_WARN) raised on this thread

@@ -1,35 +1,121 @@
 #pragma once
 /// \file optim.h
 /// LibTorch's SGD, Adam and AdamW with a step that either completes or
-/// changes nothing.
+/// changes nothing, and that runs the fastest kernel LibTorch has.
 ///
 /// Each is a torch::optim optimizer (same options, parameter groups, state
 /// and serialization, so it swaps in with one word and LR schedulers work)
 /// whose step runs in two phases. The first makes everything the step
-/// allocates: the state a parameter gets at its first step, one work buffer
-/// per device and dtype as large as the largest parameter (two where weight
-/// decay or Nesterov momentum need one more), and the step's scalars (host
-/// memory). Only then does the second phase change parameters and state,
-/// with in-place and `out=` operations that allocate nothing. So an
+/// allocates: the state a parameter gets at its first step, and for the loop
+/// kernel one work buffer per device and dtype as large as the largest
+/// parameter (two where weight decay or Nesterov momentum need one more) and
+/// the step's scalars (host memory); for the fused kernel one float32 step
+/// count per device and step value. Only then does the second phase change
+/// parameters and state, with operations that allocate nothing. So an
 /// allocation that fails (an out-of-memory error under a budget) leaves every
 /// parameter and every state tensor as they were, and the state made for the
-/// step is dropped again. The operations are LibTorch's own, in its order:
-/// results are bitwise LibTorch's optimizer's.
+/// step is dropped again.
 ///
-/// Sync points: none. Extra memory: the work buffers during the step (one
-/// largest parameter, or two), where LibTorch's loop makes two or three
-/// temporaries of each parameter in turn.
+/// Kernels (Kernel): kLoop runs LibTorch's own operations in its order, one
+/// parameter at a time: results are bitwise torch::optim's. kFused runs
+/// LibTorch's fused kernels (at::_fused_adam_, _fused_adamw_, _fused_sgd_;
+/// LibTorch 2.4 and later, CPU and CUDA), one call per parameter group,
+/// device and dtype, with no temporaries: results equal torch::optim's within
+/// rounding (1e-6 relative over 100 steps in tests/optim_test.cpp). kAuto, the
+/// default, takes kFused where it exists and kLoop elsewhere. LibTorch's
+/// `_foreach_*` operations are not used: on the CPU they loop over the
+/// tensors as kLoop does, and the CUDA builds memfit supports have kFused
+/// (docs/optim.md has the measurement).
+///
+/// Sync points: none. Extra memory: kLoop's work buffers during the step
+/// (one largest parameter, or two), where LibTorch's loop makes two or three
+/// temporaries of each parameter in turn; kFused's step counts (4 bytes each).
 
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include <functional>
+#include <string>
 
 namespace memfit {
 namespace optim {
 
-/// torch::optim::SGD whose step completes or changes nothing (see the file comment).
+/// The implementation of a memfit optimizer's update.
+enum class Kernel {
+  kAuto,   ///< kFused where this LibTorch has it for the parameter, else kLoop
+  kLoop,   ///< LibTorch's operations one parameter at a time: bitwise torch::optim
+  kFused,  ///< one fused kernel per group, device and dtype (LibTorch 2.4 and later)
+};
+
+/// The name of `kernel`: "auto", "loop" or "fused".
+///
+/// Example:
+/// \code
+///   assert(std::string(memfit::optim::kernel_name(memfit::optim::Kernel::kFused)) == "fused");
+/// \endcode
+const char* kernel_name(Kernel kernel);
+
+/// The kernel named `name` ("auto", "loop" or "fused"); anything else is
+/// refused, naming the three.
+///
+/// Example:
+/// \code
+///   assert(memfit::optim::parse_kernel("loop") == memfit::optim::Kernel::kLoop);
+/// \endcode
+Kernel parse_kernel(const std::string& name);
+
+/// Whether this LibTorch has fused Adam, AdamW and SGD kernels for
+/// `device`'s type (LibTorch 2.4 and later, CPU and CUDA).
+///
+/// Example:
+/// \code
+///   bool fused = memfit::optim::has_fused_kernels(torch::kCPU);  // false on LibTorch 1.13
+/// \endcode
+bool has_fused_kernels(c10::DeviceType device);
+
+/// The kernel choice of a memfit optimizer: the one asked for, and the one
+/// its last step ran.
+///
+/// A parameter that kFused cannot take (a dtype or device without a fused
+/// kernel, or a non-contiguous parameter, gradient or state) is stepped by
+/// the loop instead, with one warning per optimizer naming the reason. Asking
+/// for kFused where LibTorch has no fused kernels at all is refused when the
+/// optimizer is built.
+///
+/// Example:
+/// \code
+///   auto lin = torch::nn::Linear(4, 2);
+///   memfit::optim::Adam adam(lin->parameters(), torch::optim::AdamOptions(1e-3), memfit::optim::Kernel::kLoop);
+///   lin(torch::ones({3, 4})).sum().backward();
+///   adam.step();
+///   assert(adam.kernel_ran() == memfit::optim::Kernel::kLoop);
+/// \endcode
+class KernelChoice {
+ public:
+  /// The kernel asked for.
+  Kernel kernel() const { return kernel_; }
+  /// The kernel the last step ran: kFused when every parameter it updated
+  /// took the fused kernel, kLoop when any took the loop, kAuto before the
+  /// first step.
+  Kernel kernel_ran() const { return ran_; }
+
+ protected:
+  explicit KernelChoice(Kernel kernel = Kernel::kAuto);
+  /// Whether a parameter of this device type may take the fused kernel.
+  bool wants_fused(c10::DeviceType device) const;
+  /// Records a parameter that kFused was asked for but the loop steps; warns
+  /// once, naming `why`.
+  void fell_back(const std::string& optimizer, const std::string& why);
+  Kernel kernel_;
+  Kernel ran_ = Kernel::kAuto;
+
+ private:
+  bool warned_ = false;
+};
+
+/// torch::optim::SGD whose step completes or changes nothing, on the fastest
+/// kernel (see the file comment).
 ///
 /// Example:
 /// \code
@@ -38,15 +124,19 @@ namespace optim {
 ///   lin(torch::ones({3, 4})).sum().backward();
 ///   sgd.step();
 /// \endcode
-class SGD : public torch::optim::SGD {
+class SGD : public torch::optim::SGD, public KernelChoice {
  public:
   using torch::optim::SGD::SGD;
+  /// LibTorch's constructors, with the kernel to run.
+  SGD(std::vector<torch::Tensor> params, torch::optim::SGDOptions defaults, Kernel kernel);
+  SGD(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::SGDOptions defaults, Kernel kernel);
   /// One step over every parameter with a gradient; throws before changing
   /// anything when an allocation fails.
   torch::Tensor step(LossClosure closure = nullptr) override;
 };
 
-/// torch::optim::Adam whose step completes or changes nothing (see the file comment).
+/// torch::optim::Adam whose step completes or changes nothing, on the fastest
+/// kernel (see the file comment).
 ///
 /// Example:
 /// \code
@@ -55,15 +145,19 @@ class SGD : public torch::optim::SGD {
 ///   lin(torch::ones({3, 4})).sum().backward();
 ///   adam.step();
 /// \endcode
-class Adam : public torch::optim::Adam {
+class Adam : public torch::optim::Adam, public KernelChoice {
  public:
   using torch::optim::Adam::Adam;
+  /// LibTorch's constructors, with the kernel to run.
+  Adam(std::vector<torch::Tensor> params, torch::optim::AdamOptions defaults, Kernel kernel);
+  Adam(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamOptions defaults, Kernel kernel);
   /// One step over every parameter with a gradient; throws before changing
   /// anything when an allocation fails.
   torch::Tensor step(LossClosure closure = nullptr) override;
 };
 
-/// torch::optim::AdamW whose step completes or changes nothing (see the file comment).
+/// torch::optim::AdamW whose step completes or changes nothing, on the
+/// fastest kernel (see the file comment).
 ///
 /// Example:
 /// \code
@@ -72,13 +166,28 @@ class Adam : public torch::optim::Adam {
 ///   lin(torch::ones({3, 4})).sum().backward();
 ///   adamw.step();
 /// \endcode
-class AdamW : public torch::optim::AdamW {
+class AdamW : public torch::optim::AdamW, public KernelChoice {
  public:
   using torch::optim::AdamW::AdamW;
+  /// LibTorch's constructors, with the kernel to run.
+  AdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults, Kernel kernel);
+  AdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults, Kernel kernel);
   /// One step over every parameter with a gradient; throws before changing
   /// anything when an allocation fails.
   torch::Tensor step(LossClosure closure = nullptr) override;
 };
+
+/// The kernel `optimizer`'s last step ran, as the report names it: "fused"
+/// or "loop" for memfit's optimizers ("none" before their first step), and
+/// "libtorch" for any other optimizer (its own implementation).
+///
+/// Example:
+/// \code
+///   auto lin = torch::nn::Linear(4, 2);
+///   torch::optim::SGD plain(lin->parameters(), torch::optim::SGDOptions(0.1));
+///   assert(memfit::optim::kernel_ran(plain) == "libtorch");
+/// \endcode
+std::string kernel_ran(const torch::optim::Optimizer& optimizer);
 
 /// Whether `optimizer`'s step completes or changes nothing: memfit's SGD,
 /// Adam and AdamW (and a ZeroRedundancyOptimizer over them are not: its
