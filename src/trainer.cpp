@@ -144,13 +144,15 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainerOptions& o,
     case OptimizerKind::kSGD:
       return std::make_unique<optim::SGD>(
           std::move(params),
-          torch::optim::SGDOptions(o.lr()).momentum(o.momentum()).weight_decay(o.weight_decay()));
+          torch::optim::SGDOptions(o.lr()).momentum(o.momentum()).weight_decay(o.weight_decay()),
+          o.optimizer_kernel());
     case OptimizerKind::kAdam:
       return std::make_unique<optim::Adam>(
-          std::move(params), torch::optim::AdamOptions(o.lr()).weight_decay(o.weight_decay()));
+          std::move(params), torch::optim::AdamOptions(o.lr()).weight_decay(o.weight_decay()), o.optimizer_kernel());
     case OptimizerKind::kAdamW:
       return std::make_unique<optim::AdamW>(
-          std::move(params), torch::optim::AdamWOptions(o.lr()).weight_decay(o.weight_decay()));
+          std::move(params), torch::optim::AdamWOptions(o.lr()).weight_decay(o.weight_decay()),
+          o.optimizer_kernel());
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled optimizer kind");
 }
@@ -1058,6 +1060,7 @@ TrainReport Trainer::run_fit(int64_t n, const BatchReader& read, const BatchView
   report.peak_bytes = run_meter.peak();
   for (const auto& r : report.steps) report.peak_bytes = std::max(report.peak_bytes, r.peak_bytes);
   report.precision = to_string(options_.precision());
+  if (state_optimizer() != nullptr) report.optimizer_kernel = optim::kernel_ran(*state_optimizer());
   report.final_scale = scaler_->is_enabled() ? scaler_->get_scale() : 0.0;
   return report;
 }
@@ -1437,6 +1440,7 @@ std::string TrainReport::to_json() const {
                             {"samples_per_second", samples_per_second},
                             {"peak_bytes", peak_bytes},
                             {"precision", precision},
+                            {"optimizer_kernel", optimizer_kernel},
                             {"skipped_steps", skipped_steps},
                             {"recoveries", recoveries.size()},
                             {"stopped", stopped},

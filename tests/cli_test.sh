@@ -220,6 +220,19 @@ if grep -q '"test_accuracy"' "$tmp/r2.json" && grep -q '"peak_bytes"' "$tmp/r2.j
 else
   echo "FAIL report-has-summary"; failed=$((failed + 1))
 fi
+# The optimizer kernel: the one --version names runs by default and the report says so; loop on request;
+# fused where LibTorch has none is a usage error.
+if [[ "$version" == *"optimizer kernel: fused"* ]]; then
+  check report-names-the-fused-kernel grep -q '"optimizer_kernel": "fused"' "$tmp/r2.json"
+else
+  check report-names-the-loop-kernel grep -q '"optimizer_kernel": "loop"' "$tmp/r2.json"
+  expect optimizer-kernel-fused-without-kernels 2 'optimizer-kernel fused needs LibTorch 2.4.*auto or loop' err -- \
+    train --model mlp --width 16 --depth 1 --steps 2 -q --optimizer-kernel fused
+fi
+expect optimizer-kernel-loop 0 'report written' out -- \
+  train --model mlp --width 16 --depth 1 --steps 2 -q --no-eval --optimizer-kernel loop --report "$tmp/r3.json"
+check report-names-the-loop-kernel-asked-for grep -q '"optimizer_kernel": "loop"' "$tmp/r3.json"
+expect optimizer-kernel-unknown 2 'optimizer-kernel.*foreach' err -- train --optimizer-kernel foreach
 
 
 # Micro-batching, freezing, offloading the optimizer.

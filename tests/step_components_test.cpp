@@ -120,8 +120,10 @@ std::vector<torch::Tensor> trained_with(const TrainerOptions& options, double dr
   return values(net->parameters());
 }
 
+// On the loop kernel memfit's SGD is bitwise LibTorch's, which the hand loop steps with.
 TEST_F(OwnModelTest, TrainStepOnAUsersNetIsBitwiseAHandWrittenLoop) {
-  const auto options = TrainerOptions().optimizer(OptimizerKind::kSGD).lr(0.1).momentum(0.9);
+  const auto options =
+      TrainerOptions().optimizer(OptimizerKind::kSGD).lr(0.1).momentum(0.9).optimizer_kernel(optim::Kernel::kLoop);
   const auto by_trainer = trained_with(options);
 
   torch::manual_seed(7);
@@ -552,7 +554,12 @@ TEST_F(OwnModelTest, WhatAUsersCodeGetsWrongIsNamed) {
 class CudaOwnModelTest : public testing::OnCuda {};
 
 TEST_F(CudaOwnModelTest, TrainStepOnTheDeviceIsBitwiseAHandWrittenDeviceLoop) {
-  const auto options = TrainerOptions().optimizer(OptimizerKind::kSGD).lr(0.1).momentum(0.9).device(cuda);
+  const auto options = TrainerOptions()
+                           .optimizer(OptimizerKind::kSGD)
+                           .lr(0.1)
+                           .momentum(0.9)
+                           .optimizer_kernel(optim::Kernel::kLoop)
+                           .device(cuda);
   const auto by_trainer = trained_with(options);  // with dropout: the CUDA generator, seeded alike
 
   torch::manual_seed(7);

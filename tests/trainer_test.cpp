@@ -25,6 +25,13 @@ const ImageDataset& small_real_data() { return testing::fashion_test_head(2048);
 
 class TrainerTest : public testing::WithFashionMnist {};
 
+std::vector<torch::Tensor> parameters_of(Trainer& t) {
+  UntrackedGuard host;  // copies kept by the test are not the trainer's memory
+  std::vector<torch::Tensor> out;
+  for (const auto& p : t.model()->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
 double mean_loss(const TrainReport& r, size_t from, size_t to) {
   double s = 0;
   for (size_t i = from; i < to; ++i) s += r.steps[i].loss;
@@ -109,6 +116,27 @@ TEST_F(TrainerTest, ReportJsonHoldsStepsAndSummary) {
     EXPECT_TRUE(j["summary"].contains(key)) << key;
   }
   EXPECT_EQ(j["summary"]["peak_bytes"].get<int64_t>(), report.peak_bytes);
+}
+
+// OptimizerKind builds memfit's optimizers on the kernel asked for: kAuto is
+// LibTorch's fused kernel where it has one, also for the host step of
+// offload_optimizer, within rounding of the loop; the report names it.
+TEST_F(TrainerTest, TheOptimizerRunsTheFusedKernelWhereLibTorchHasItAlsoOnTheHostAndTheReportSaysSo) {
+  for (auto offload : {Offload::kNone, Offload::kHost}) {
+    auto run = [&](optim::Kernel kernel) {
+      torch::manual_seed(7);
+      Trainer t(make_mlp(ModelOptions().width(16).depth(1)),
+                TrainerOptions().batch_size(32).steps(5).optimizer_kernel(kernel).offload_optimizer(offload));
+      const auto report = t.fit(small_real_data());
+      EXPECT_EQ(nlohmann::json::parse(report.to_json())["summary"]["optimizer_kernel"], report.optimizer_kernel);
+      return std::make_pair(parameters_of(t), report.optimizer_kernel);
+    };
+    const auto [loop, loop_kernel] = run(optim::Kernel::kLoop);
+    const auto [fastest, fastest_kernel] = run(optim::Kernel::kAuto);
+    EXPECT_EQ(loop_kernel, "loop");
+    EXPECT_EQ(fastest_kernel, optim::has_fused_kernels(torch::kCPU) ? "fused" : "loop");
+    EXPECT_LT(testing::max_relative_difference(fastest, loop), 1e-6) << "offload " << int(offload);
+  }
 }
 
 TEST_F(TrainerTest, BadOptionsAreRejectedInTheConstructor) {
@@ -250,12 +278,6 @@ struct CheckpointDir {
   std::string path;
 };
 
-std::vector<torch::Tensor> parameters_of(Trainer& t) {
-  UntrackedGuard host;  // copies kept by the test are not the trainer's memory
-  std::vector<torch::Tensor> out;
-  for (const auto& p : t.model()->parameters()) out.push_back(p.detach().clone());
-  return out;
-}
 
 TEST_F(TrainerTest, MicroBatchesGiveTheFullBatchParametersAlsoWhenTheyDoNotDivideIt) {
   // 100 examples per step in micro-batches of 32 (32+32+32+4); 2048 examples

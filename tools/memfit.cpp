@@ -70,6 +70,7 @@ struct TrainArgs : ModelArgs {
   int64_t epochs = 0;
   double lr = 1e-3;
   std::string optimizer = "adam";
+  std::string optimizer_kernel = "auto";
   uint64_t seed = 0;
   std::string budget;
   std::string report;
@@ -251,6 +252,11 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   train->add_option("--optimizer", a.optimizer, "Optimizer: sgd (momentum 0.9), adam or adamw")
       ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
+      ->capture_default_str();
+  train->add_option("--optimizer-kernel", a.optimizer_kernel,
+                    "The optimizer's kernel: auto (fused where LibTorch has it, 2.4 and later; else loop), "
+                    "fused, or loop (bitwise LibTorch's torch::optim)")
+      ->check(CLI::IsMember({"auto", "fused", "loop"}))
       ->capture_default_str();
   train->add_option("--seed", a.seed, "Seed of the parameter initialisation and data shuffling")
       ->check(memfit::tools::integer(0, std::numeric_limits<int64_t>::max()))
@@ -626,6 +632,9 @@ std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
                 "process or data parallelism use --checkpoint (sqrt, optimal, ...)");
   }
   const auto offloads = [&](const char* what) { return offloads_to_host(a, what); };
+  usage_check(a.optimizer_kernel != "fused" || memfit::optim::has_fused_kernels(torch::kCPU),
+              "--optimizer-kernel fused needs LibTorch 2.4 or later, and this memfit is built with LibTorch " TORCH_VERSION
+              ": use --optimizer-kernel auto or loop");
   usage_check(!offloads("gradients") || offloads("optimizer"), "--offload gradients moves each gradient to "
               "the host masters that the optimizer's offload keeps: use --offload optimizer,gradients");
   usage_check(!offloads("parameters") || (offloads("optimizer") && offloads("gradients")), "--offload "
@@ -921,6 +930,7 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
       .epochs(std::max<int64_t>(a.epochs, 1))
       .lr(a.lr)
       .optimizer(memfit::parse_optimizer_kind(a.optimizer))
+      .optimizer_kernel(memfit::optim::parse_kernel(a.optimizer_kernel))
       .seed(a.seed)
       .eval_batch_size(a.eval_batch)
       .device(device)
@@ -1142,9 +1152,10 @@ int main(int argc, char** argv) {
       "Exit codes: 0 success, 1 failed run (e.g. out of memory under --budget), 2 bad usage.",
       "memfit"};
   app.set_version_flag("--version", [] {  // the BLAS is looked up only when asked for
-    return fmt::format("memfit 0.1.0 (LibTorch {}, {}, {}; BLAS: {})", TORCH_VERSION,
+    return fmt::format("memfit 0.1.0 (LibTorch {}, {}, {}; BLAS: {}; optimizer kernel: {})", TORCH_VERSION,
                        memfit::compat::kBuiltWithCuda ? "CUDA" : "CPU only",
-                       memfit::distributed_available() ? (memfit::nccl_available() ? "c10d Gloo and NCCL" : "c10d Gloo") : "no c10d", memfit::blas_info().name());
+                       memfit::distributed_available() ? (memfit::nccl_available() ? "c10d Gloo and NCCL" : "c10d Gloo") : "no c10d", memfit::blas_info().name(),
+                       memfit::optim::has_fused_kernels(torch::kCPU) ? "fused (Adam, AdamW, SGD)" : "loop (no fused kernels before LibTorch 2.4)");
   });
   app.require_subcommand(1);
   TrainArgs train_args;

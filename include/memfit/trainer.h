@@ -23,6 +23,7 @@
 #include "memfit/data.h"
 #include "memfit/distributed.h"
 #include "memfit/memory.h"
+#include "memfit/optim.h"
 #include "memfit/pipeline.h"
 #include "memfit/precision.h"
 #include "memfit/state.h"
@@ -191,6 +192,10 @@ struct TrainerOptions {
   TORCH_ARG(double, lr) = 1e-3;
   /// The optimizer (when optimizer_factory is empty).
   TORCH_ARG(OptimizerKind, optimizer) = OptimizerKind::kAdam;
+  /// The kernel of memfit's optimizer (`optimizer`): kAuto runs LibTorch's
+  /// fused kernel where it has one (2.4 and later) and the loop elsewhere;
+  /// kLoop is bitwise torch::optim's (optim.h).
+  TORCH_ARG(optim::Kernel, optimizer_kernel) = optim::Kernel::kAuto;
   /// The user's own optimizer, built over the parameters to train; empty:
   /// `optimizer` with lr, momentum and weight_decay.
   TORCH_ARG(OptimizerFactory, optimizer_factory) = nullptr;
@@ -346,6 +351,9 @@ struct TrainReport {
   StepMemory step_memory;          ///< Breakdown of the step with the highest peak.
   std::vector<PhaseMemory> step_timeline;  ///< That step's memory, phase by phase.
   std::string precision = "fp32";  ///< Compute precision of the run.
+  /// The optimizer's kernel in the last step (optim::kernel_ran): "fused",
+  /// "loop", "libtorch" (a user's torch::optim optimizer), or "none".
+  std::string optimizer_kernel = "none";
   int64_t skipped_steps = 0;       ///< Steps the GradScaler skipped.
   double final_scale = 0;          ///< The GradScaler's scale at the end (0 without one).
   bool stopped = false;            ///< fit returned early, at Trainer::request_stop.
