@@ -10,6 +10,8 @@
 #          peers_torch2 peers_gpt_torch2  (peers with PyTorch 2.15's tools too: after
 #          `make build LIBTORCH=pip`; not in the default list)
 #          tax_python_torch2 process_noise_torch2  (in PyTorch 2.15's Python, on build-pip: ditto)
+#          optim_step (1.13), optim_step_torch2 and tax_optim_torch2 (2.15, on build-pip): into
+#          docs/measurements/NAME.txt, one current file each (git keeps the history)
 #   BUILD=build OUT=docs bash bench/remeasure.sh ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +25,7 @@ mkdir -p "$out"
 # through a temporary file so an interrupted run leaves the old file.
 run() {
   local name=$1; shift
-  local file="$out/${name}_$day.txt" start
+  local file="$out/${name}${day:+_$day}.txt" start
   echo "remeasure: $name: $*" >&2
   start=$(date +%s)
   {
@@ -36,6 +38,9 @@ run() {
 }
 
 bench() { run "$1" "$build/bench/$2" "${@:3}"; }
+
+# current NAME COMMAND...: as run, into docs/measurements/NAME.txt (no date: git keeps the history).
+current() { out=docs/measurements day="" run "$@"; }
 
 measure() {
   case "$1" in
@@ -66,6 +71,11 @@ measure() {
       --build "${BUILD_PIP:-build-pip}" --model gpt --rounds 30 ;;
     process_noise_torch2) build=${BUILD_PIP:-build-pip} run process_noise_torch2 /usr/bin/python3 \
       bench/process_noise.py --build "${BUILD_PIP:-build-pip}" --python "$torch2" --rounds 8 ;;
+    optim_step) current optim_step /usr/bin/python3 bench/optim_step.py --build "$build" ;;
+    optim_step_torch2) build=${BUILD_PIP:-build-pip} current optim_step_torch2 "$torch2" bench/optim_step.py \
+      --build "${BUILD_PIP:-build-pip}" ;;
+    tax_optim_torch2) build=${BUILD_PIP:-build-pip} current tax_optim_torch2 bash -c "for p in default fused; do \
+      '$torch2' bench/tax.py --build '${BUILD_PIP:-build-pip}' --precision fp32 --rounds 30 --python-optimizer \$p; done" ;;
     peers_gpt_torch2) run peers_gpt_torch2 /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 8 \
       --batch 16 --repeats 3 --pairs 5 --torch2 "$torch2" --torch2-build "${BUILD_PIP:-build-pip}" ;;
   esac
@@ -73,7 +83,8 @@ measure() {
 
 all=(main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed gpt_train gpt_budget
   peers peers_gpt)
-known=("${all[@]}" peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2)
+known=("${all[@]}" peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2 optim_step optim_step_torch2
+  tax_optim_torch2)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${all[@]}")
 for name in "${names[@]}"; do  # every name checked before anything runs

@@ -7,7 +7,7 @@
 // allocator, side by side.
 //
 //   lib = ctypes.CDLL("build/bench/libmemfit_tax.so")
-//   lib.memfit_tax_setup(b"cnn", batch, micro, 0, 0, 0, 0, 0, b"", b"cpu", b"fp32")   # 0: whole batches
+//   lib.memfit_tax_setup(b"cnn", batch, micro, 0, 0, 0, 0, 0, b"", b"cpu", b"fp32", b"auto")   # 0: whole batches
 //   lib.memfit_tax_set_data(...); lib.memfit_tax_set_parameter(i, ptr, numel) ...
 //   loss = lib.memfit_tax_step(0, 1 or 2, step)   # the loop, the Trainer, the Trainer on TorchScript
 //
@@ -133,9 +133,12 @@ const char* memfit_tax_error() { return last_error.c_str(); }
 /// arguments; with `script` a TorchScript file of the same model, a third
 /// side: the Trainer on load_torchscript's chain); micro 0 runs whole
 /// batches; `device` is "cpu" or "cuda"; `precision` "fp32" or "bf16" (the
-/// forwards under autocast). Returns 0, or -1.
+/// forwards under autocast); `kernel` the Trainers' optimizer kernel ("auto",
+/// "loop" or "fused"; the hand-written loop keeps torch::optim::Adam).
+/// Returns 0, or -1.
 int memfit_tax_setup(const char* model, int64_t batch, int64_t micro, int64_t vocab, int64_t width, int64_t depth,
-                     int64_t heads, int64_t context, const char* script, const char* device, const char* precision) {
+                     int64_t heads, int64_t context, const char* script, const char* device, const char* precision,
+                     const char* kernel) {
   return guarded(
       [&] {
         auto t = std::make_unique<Tax>();
@@ -151,7 +154,7 @@ int memfit_tax_setup(const char* model, int64_t batch, int64_t micro, int64_t vo
         t->trainer_model = make(model, vocab, width, depth, heads, context);
         const auto options =
             memfit::TrainerOptions().batch_size(batch).micro_batch_size(micro).lr(1e-3).device(t->device).precision(
-                t->precision);
+                t->precision).optimizer_kernel(memfit::optim::parse_kernel(kernel));
         t->trainer = std::make_unique<memfit::Trainer>(t->trainer_model, options);
         if (script != nullptr && *script != 0) {
           t->script_model = memfit::load_torchscript(script);
@@ -227,6 +230,13 @@ int64_t memfit_tax_peak() { return std::max(memfit::max_memory_allocated(meter_d
 void memfit_tax_reset_peak() {
   trainer_peak = 0;
   memfit::reset_peak_memory_stats(meter_device());
+}
+
+/// The optimizer kernel the Trainer's last step ran (memfit::optim::kernel_ran).
+const char* memfit_tax_kernel_ran() {
+  static std::string ran;
+  ran = tax ? memfit::optim::kernel_ran(tax->trainer->optimizer()) : "none";
+  return ran.c_str();
 }
 
 /// Frees both C++ sides.
