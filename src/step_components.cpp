@@ -157,13 +157,7 @@ void NonfiniteCheck::check(StepState& s, double value, const char* where) const 
   s.skip = true;
 }
 
-void NonfiniteCheck::after_forward(StepState& s) {
-  if (ranks_ == 1) check(s, s.micro_loss_value, "");
-}
-
-void NonfiniteCheck::finish_backward(StepState& s) {
-  if (ranks_ > 1) check(s, s.loss_value, across_);
-}
+void NonfiniteCheck::finish_backward(StepState& s) { check(s, s.loss_value, ranks_ > 1 ? across_ : ""); }
 
 void MasterWeightsStep::finish_backward(StepState& s) {
   if (!s.skip) master_.grads_to_master();

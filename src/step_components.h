@@ -152,15 +152,14 @@ class PrecisionStep final : public StepComponent {
 };
 
 // A NaN or infinite loss (without a GradScaler, which skips such steps
-// itself) stops the run or skips the step. With several ranks, the decision
-// is taken on the loss averaged over them, after backward.
+// itself) stops the run or skips the step. The decision is taken on the
+// step's loss, read once after backward (with several ranks, averaged over them).
 class NonfiniteCheck final : public StepComponent {
  public:
   // `across` qualifies the loss of several ranks in the message.
   NonfiniteCheck(NonfiniteLoss mode, int64_t ranks, const char* across)
       : mode_(mode), ranks_(ranks), across_(across) {}
-  void after_forward(StepState& s) override;
-  void finish_backward(StepState& s) override;
+  void finish_backward(StepState& s) override;  // the step's loss, read once after its micro-batches
 
  private:
   void check(StepState& s, double value, const char* where) const;

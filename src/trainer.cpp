@@ -735,6 +735,13 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
     s.phase = "forward and backward";
     call_all(cs, [&](StepComponent& c) { c.after_backward(s); });
   }
+  if (!taken) {
+    // The losses are summed where they are and read once, after the last
+    // micro-batch: one synchronisation per step (on the CPU the sum is host memory).
+    std::optional<UntrackedGuard> host;
+    if (options_.device().is_cpu()) host.emplace();
+    s.loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(options_.device()));
+  }
   for (s.micro = 0; !taken && s.micro < s.micro_batches && !s.skip; ++s.micro) {
     const int64_t start = s.micro * micro;
     s.micro_examples = std::min(micro, in.examples - start);
@@ -750,8 +757,7 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
       loss = loss * (double(s.micro_examples * world) / double(s.global_examples));
     }
     s.loss = loss;
-    s.micro_loss_value = loss.item<double>();
-    s.loss_value += s.micro_loss_value;
+    s.loss_sum.add_(loss.detach());
     s.phase = "forward " + k;
     call_all(cs, [&](StepComponent& c) { c.after_forward(s); });
     if (s.skip) break;
@@ -765,6 +771,8 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
     s.phase = "backward " + k;
     call_all(cs, [&](StepComponent& c) { c.after_backward(s); });
   }
+  if (!taken) s.loss_value = s.loss_sum.item<double>();  // the step's one read of a device value
+  s.loss_sum = torch::Tensor();
   call_all(cs, [&](StepComponent& c) { c.finish_backward(s); });
   if (!s.skip) {
     call_all(cs, [&](StepComponent& c) { c.before_optimizer_step(s); });

@@ -5,9 +5,12 @@
 #include "memfit/models.h"
 #include "test_util.h"
 
+#include <ATen/record_function.h>
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -136,6 +139,57 @@ TEST_F(TrainerTest, TheOptimizerRunsTheFusedKernelWhereLibTorchHasItAlsoOnTheHos
     EXPECT_EQ(loop_kernel, "loop");
     EXPECT_EQ(fastest_kernel, optim::has_fused_kernels(torch::kCPU) ? "fused" : "loop");
     EXPECT_LT(testing::max_relative_difference(fastest, loop), 1e-6) << "offload " << int(offload);
+  }
+}
+
+// Counts the values read back to the host on this thread while alive:
+// aten::_local_scalar_dense, which item() and every tensor-to-number
+// conversion run (on CUDA, a device synchronisation each).
+class HostReads {
+ public:
+  HostReads() : handle_(at::addThreadLocalCallback(at::RecordFunctionCallback(&HostReads::seen))) { count = 0; }
+  ~HostReads() { at::removeCallback(handle_); }
+  static std::atomic<int64_t> count;
+
+ private:
+  static std::unique_ptr<at::ObserverContext> seen(const at::RecordFunction& fn) {
+    if (std::strcmp(fn.name(), "aten::_local_scalar_dense") == 0) ++count;
+    return nullptr;
+  }
+  at::CallbackHandle handle_;
+};
+std::atomic<int64_t> HostReads::count{0};
+
+// A step reads one value to the host however many micro-batches it has (the
+// summed loss, for the record and the non-finite check); clipping reads its
+// norm too. The loop kernel: the CPU's fused kernels read their step counts
+// on the host, where that is no synchronisation.
+TEST_F(TrainerTest, AStepReadsOneValueToTheHostWhateverItsMicroBatches) {
+  struct Case {
+    const char* name;
+    TrainerOptions options;
+    int64_t reads;
+  };
+  const auto base = TrainerOptions().batch_size(32).optimizer_kernel(optim::Kernel::kLoop);
+  const std::vector<Case> cases{
+      {"whole batch", TrainerOptions(base), 1},
+      {"4 micro-batches", TrainerOptions(base).micro_batch_size(8), 1},
+      {"4 micro-batches, skipping non-finite losses",
+       TrainerOptions(base).micro_batch_size(8).nonfinite_loss(NonfiniteLoss::kSkip), 1},
+      {"4 micro-batches, SGD, clipped", TrainerOptions(base).micro_batch_size(8).optimizer(OptimizerKind::kSGD)
+                                           .max_grad_norm(1.0), 2},
+  };
+  const auto& data = small_real_data();
+  for (const auto& c : cases) {
+    torch::manual_seed(3);
+    Trainer t(make_mlp(ModelOptions().width(16).depth(1)), c.options);
+    for (int64_t i = 0; i < 3; ++i) {
+      const torch::data::Example<> batch(data.images.narrow(0, 32 * i, 32), data.labels.narrow(0, 32 * i, 32));
+      HostReads reads;
+      const auto record = t.train_step(batch);
+      EXPECT_EQ(HostReads::count.load(), c.reads) << c.name << ", step " << i + 1;
+      EXPECT_TRUE(std::isfinite(record.loss)) << c.name;
+    }
   }
 }
 

@@ -42,9 +42,12 @@ struct StepState {
   int64_t micro_examples = 0;  ///< Examples in the current micro-batch.
   std::string phase;          ///< Name of the phase just ended ("forward 1", "backward 1", ...).
   torch::Tensor loss;         ///< The current micro-batch's loss, weighted by its share of the step.
-  double micro_loss_value = 0;  ///< The current micro-batch's weighted loss, read (the step's sync).
-  double loss_value = 0;      ///< Sum of the weighted losses so far: the step's mean loss at the end
-                              ///< (components may replace it: data parallelism averages it over ranks).
+  /// Sum of the weighted losses so far, on the loss's device (float64; not
+  /// read during the micro-batches, so that they do not synchronise).
+  torch::Tensor loss_sum;
+  double loss_value = 0;      ///< The step's mean loss, read once after the last micro-batch (the
+                              ///< step's sync); components may replace it (data parallelism averages
+                              ///< it over ranks).
   bool skip = false;          ///< Set to skip the rest of the step (no backward, no optimizer step).
   bool stepped = false;       ///< Whether the optimizer stepped (false when a GradScaler skipped it).
   torch::optim::Optimizer* optimizer = nullptr;  ///< The optimizer the step steps.

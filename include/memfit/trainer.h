@@ -12,9 +12,11 @@
 /// settings (docs/recovery.md).
 ///
 /// Thread safety: a Trainer is used from one thread at a time. Sync points:
-/// one per micro-batch (the loss value is read for the report and the
-/// non-finite check); recovery adds none in one process unless a step fails,
-/// and with a process group two votes (docs/recovery.md). Extra memory:
+/// one per step (the micro-batches' losses are summed on the device and read
+/// once, after the last backward, for the record and the non-finite check);
+/// one more with fp16 (the GradScaler's inf check) and with clipping (the
+/// norm); recovery adds none in one process unless a step fails, and with a
+/// process group two votes (docs/recovery.md). Extra memory:
 /// the micro-batch being trained on (copied to the device from host memory,
 /// memfit::to_device), and the optimizer's state (none on the device with
 /// offload_optimizer kHost); host copies of the buffers and RNG states.
@@ -445,7 +447,7 @@ class EvalScope {
 /// optimizer state. With master weights the parameters are held in the low
 /// dtype and the optimizer steps fp32 masters (on the host for
 /// MasterWeightsMode::kHost, where the step then runs). Sync points: one per
-/// micro-batch for the loss, one more with fp16 (the GradScaler's inf check).
+/// step for the loss, one more with fp16 (the GradScaler's inf check).
 /// A NaN or infinite loss without a GradScaler stops the run with an error
 /// naming the step, or skips the step (NonfiniteLoss::kSkip, recorded as
 /// skipped).
