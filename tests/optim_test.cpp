@@ -184,6 +184,36 @@ TEST(Optim, AParameterTheFusedKernelCannotTakeIsSteppedByTheLoopWithOneWarning) 
   expect_bitwise(copies(a), copies(b), "parameters");
 }
 
+// One group holding parameters of two dtypes: the fused kernel is called
+// per dtype, and each parameter steps as LibTorch's optimizer steps it.
+TEST(Optim, AGroupOfSeveralDtypesIsSteppedOneDtypeAtATime) {
+  auto make = [] {
+    auto p = make_params();
+    p[1] = p[1].detach().to(torch::kDouble).requires_grad_();
+    p[2] = p[2].detach().to(torch::kDouble).requires_grad_();
+    return p;
+  };
+  for (const auto kernel : kernels()) {
+    SCOPED_TRACE(kernel_text(kernel));
+    auto a = make(), b = make();
+    optim::AdamW ours(a, torch::optim::AdamWOptions(1e-2).weight_decay(0.1), kernel);
+    torch::optim::AdamW theirs(b, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    for (int64_t i = 0; i < 20; ++i) {
+      set_grads(a, i);
+      set_grads(b, i);
+      for (size_t k = 1; k < 3; ++k) {
+        a[k].mutable_grad() = a[k].grad().to(torch::kDouble);
+        b[k].mutable_grad() = b[k].grad().to(torch::kDouble);
+      }
+      ours.step();
+      theirs.step();
+    }
+    EXPECT_EQ(optim::kernel_ran(ours), optim::kernel_name(kernel));
+    EXPECT_EQ(a[1].scalar_type(), torch::kDouble);
+    expect_close(copies(a), copies(b), kernel == optim::Kernel::kLoop ? 0.0 : 1e-6, "parameters");
+  }
+}
+
 TEST(Optim, ParameterGroupsAndAnLRSchedulerWorkAsWithLibTorchs) {
   for (const auto kernel : kernels()) {
     SCOPED_TRACE(kernel_text(kernel));
