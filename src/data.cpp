@@ -93,19 +93,25 @@ void gunzip(const fs::path& gz, const fs::path& out) {
   TORCH_CHECK(os, "cannot write ", out.string(), " (is the disk full?)");
 }
 
+// Runs the rest of `is` through CRC-32 from `crc`, adding its length to `size`.
+uLong crc32_of_rest(std::istream& is, uLong crc, uintmax_t& size) {
+  std::vector<char> buf(1 << 20);
+  while (is.read(buf.data(), static_cast<std::streamsize>(buf.size())) || is.gcount() > 0) {
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(is.gcount()));
+    size += static_cast<uintmax_t>(is.gcount());
+  }
+  return crc;
+}
+
 // A key for the four .gz files' contents: their sizes and CRC-32s.
 std::string content_key(const fs::path& root) {
   uLong crc = crc32(0L, Z_NULL, 0);
-  std::vector<char> buf(1 << 20);
   for (const char* f : kFiles) {
     const fs::path gz = root / (std::string(f) + ".gz");
     std::ifstream is(gz, std::ios::binary);
     TORCH_CHECK(is, "cannot open ", gz.string(), " for reading");
     uintmax_t size = 0;
-    while (is.read(buf.data(), static_cast<std::streamsize>(buf.size())) || is.gcount() > 0) {
-      crc = crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(is.gcount()));
-      size += static_cast<uintmax_t>(is.gcount());
-    }
+    crc = crc32_of_rest(is, crc, size);
     crc = crc32(crc, reinterpret_cast<const Bytef*>(&size), sizeof size);
   }
   return fmt::format("{:08x}", static_cast<uint32_t>(crc));
@@ -134,14 +140,9 @@ bool unzips_to(const fs::path& gz, const fs::path& file) {
     return uint32_t(t[4 * i]) | uint32_t(t[4 * i + 1]) << 8 | uint32_t(t[4 * i + 2]) << 16 | uint32_t(t[4 * i + 3]) << 24;
   };
   std::ifstream is(file, std::ios::binary);
-  std::vector<char> buf(1 << 20);
-  uLong crc = crc32(0L, Z_NULL, 0);
-  uint32_t size = 0;
-  while (is.read(buf.data(), static_cast<std::streamsize>(buf.size())) || is.gcount() > 0) {
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(is.gcount()));
-    size += static_cast<uint32_t>(is.gcount());
-  }
-  return static_cast<uint32_t>(crc) == word(0) && size == word(1);
+  uintmax_t size = 0;
+  const uLong crc = crc32_of_rest(is, crc32(0L, Z_NULL, 0), size);
+  return static_cast<uint32_t>(crc) == word(0) && static_cast<uint32_t>(size) == word(1);
 }
 
 // The cache copy is checked against the .gz files in `root`, not only keyed
