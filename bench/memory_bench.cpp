@@ -7,7 +7,7 @@
 //
 //   make bench        or   build/bench/memfit_bench --benchmark_filter=TrainStep
 
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
 #include "memory_internal.h"

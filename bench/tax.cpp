@@ -21,7 +21,7 @@
 // Errors come back as a negative result (NaN for a step) and
 // memfit_tax_error()'s text: nothing here throws across the C boundary.
 
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/memory.h"
 #include "memfit/models.h"
 #include "memfit/precision.h"

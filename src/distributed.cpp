@@ -1,6 +1,6 @@
 #include "memfit/distributed.h"
 
-#include "memfit/compat.h"
+#include "compat.h"
 
 #include "memfit/memory.h"
 #include "memfit/state.h"

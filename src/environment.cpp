@@ -1,6 +1,6 @@
 #include "memfit/environment.h"
 
-#include "memfit/compat.h"
+#include "compat.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>

@@ -1,6 +1,6 @@
 #include "memfit/freeze.h"
 
-#include "memfit/compat.h"
+#include "compat.h"
 
 #include <c10/util/Exception.h>
 

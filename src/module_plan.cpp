@@ -1,6 +1,6 @@
 #include "memfit/module_plan.h"
 
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/memory.h"
 #include "memfit/profile.h"
 #include "memfit/state.h"

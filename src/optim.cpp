@@ -1,6 +1,6 @@
 #include "memfit/optim.h"
 
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/memory.h"
 
 #include <ATen/ATen.h>

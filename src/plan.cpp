@@ -2,7 +2,7 @@
 
 #include "plan_internal.h"
 
-#include "memfit/compat.h"
+#include "compat.h"
 
 #include <torch/torch.h>
 

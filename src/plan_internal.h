@@ -4,7 +4,7 @@
 // a plan's reasons, the guards that put a module back after measuring, and
 // the wire format that broadcast_plan and save_plan carry (plan.cpp).
 
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/environment.h"
 #include "memfit/memory.h"
 #include "memfit/plan.h"

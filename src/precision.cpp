@@ -1,6 +1,6 @@
 #include "memfit/precision.h"
 
-#include "memfit/compat.h"
+#include "compat.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>

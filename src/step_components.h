@@ -10,7 +10,7 @@
 #include "memfit/step.h"
 #include "memfit/stream.h"
 #include "memfit/trainer.h"
-#include "memfit/compat.h"
+#include "compat.h"
 
 #include <torch/nn/module.h>
 

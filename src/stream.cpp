@@ -1,7 +1,7 @@
 #include "memfit/stream.h"
 
 #include "memfit/checkpoint.h"
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/schedule.h"
 
 #include <ATen/ExpandUtils.h>

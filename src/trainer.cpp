@@ -3,7 +3,7 @@
 #include "memfit/plan.h"
 #include "memfit/schedule.h"
 
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/freeze.h"
 #include "memfit/optim.h"
 #include "memfit/state.h"

@@ -3,7 +3,7 @@
 
 #include "memfit/checkpoint.h"
 
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/precision.h"
 #include "memfit/schedule.h"
 #include "test_util.h"

@@ -1,6 +1,6 @@
 #include "memfit/distributed.h"
 
-#include "memfit/compat.h"
+#include "compat.h"
 
 #include "memfit/models.h"
 #include "memfit/trainer.h"

@@ -1,6 +1,6 @@
 #include "memfit/memory.h"
 
-#include "memfit/compat.h"
+#include "compat.h"
 
 #include "memory_internal.h"
 #include "test_util.h"

@@ -1,7 +1,7 @@
 // memfit::optim: LibTorch's SGD, Adam and AdamW, bitwise on the loop kernel
 // and within rounding on the fused one, with a step that completes or
 // changes nothing when an allocation fails.
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/memory.h"
 #include "memfit/optim.h"
 #include "memory_internal.h"

@@ -2,7 +2,7 @@
 // test_cuda.py test_grad_scaling_*, run on the CPU) and MasterWeights.
 
 #include "memfit/checkpoint.h"
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/environment.h"
 #include "memfit/precision.h"
 #include "test_util.h"

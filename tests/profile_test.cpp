@@ -1,6 +1,6 @@
 #include "memfit/profile.h"
 
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/models.h"
 #include "test_util.h"
 

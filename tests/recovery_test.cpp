@@ -2,7 +2,7 @@
 // state bitwise as it was; it starts from its own gradients only; and with
 // OnOutOfMemory::kReplan a step that runs out of memory is re-planned and
 // run again with the same math.
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/memory.h"
 #include "memfit/optim.h"
 #include "memfit/schedule.h"

@@ -2,7 +2,7 @@
 // Shared test helpers: a fixture that seeds every RNG the tests use and
 // checks that no budget leaks between tests.
 
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/data.h"
 #include "memfit/memory.h"
 #include "memory_internal.h"

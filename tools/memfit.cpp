@@ -1,7 +1,7 @@
 // memfit: the command-line tool. Exit codes: 0 success, 1 a run that failed
 // (out of memory under the budget, missing data, I/O), 2 bad usage.
 
-#include "memfit/compat.h"
+#include "compat.h"
 #include "memfit/data.h"
 #include "memfit/environment.h"
 #include "memfit/freeze.h"

@@ -1,7 +1,8 @@
 #pragma once
 /// \file compat.h
 /// Every difference between LibTorch versions, and between CPU and CUDA builds,
-/// lives here and nowhere else (internal; included by memfit's sources).
+/// lives here and nowhere else (internal: not installed; included by memfit's
+/// sources, its tests, benchmarks and CLI).
 ///
 /// MEMFIT_WITH_CUDA is defined by the build when LibTorch has CUDA. Code that
 /// names a CUDA symbol is guarded by it, so the CPU build (Debian's LibTorch
