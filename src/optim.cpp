@@ -111,10 +111,14 @@ class StepCounts {
   std::map<std::pair<std::string, int64_t>, torch::Tensor> counts_;
 };
 
-// The parameters of one fused call: one group, device and dtype (and, for
-// SGD, whether the momentum buffers are new).
+// The parameters of one fused call: one group (its options), device and
+// dtype (and, for SGD, whether the momentum buffers are new), with the
+// parameters' states whose step counts the call advances (Adam's).
+template <class Options, class State>
 struct FusedBucket {
+  const Options* options = nullptr;
   std::vector<torch::Tensor> params, grads, first, second, third, steps;
+  std::vector<State*> states;
 };
 using BucketKey = std::tuple<size_t, std::string, int, bool>;
 BucketKey bucket_key(size_t group, const torch::Tensor& p, bool fresh = false) {
@@ -139,8 +143,7 @@ torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const 
     double step_size = 0;
   };
   std::vector<Item> items;
-  std::map<BucketKey, FusedBucket> fused;
-  std::map<BucketKey, const Options*> fused_options;
+  std::map<BucketKey, FusedBucket<Options, State>> fused;
   std::vector<Key> added;
   Workspace work;
   StepCounts counts;
@@ -172,9 +175,9 @@ torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const 
         if (wants_fused(p)) {
           const auto why = fused_refusal(p, p.grad(), {s->exp_avg(), s->exp_avg_sq(), s->max_exp_avg_sq()});
           if (why.empty()) {
-            const auto bk = bucket_key(group_index, p);
-            auto& b = fused[bk];
-            fused_options[bk] = &o;
+            auto& b = fused[bucket_key(group_index, p)];
+            b.options = &o;
+            b.states.push_back(s);
             b.params.push_back(p);
             b.grads.push_back(p.grad());
             b.first.push_back(s->exp_avg());
@@ -215,12 +218,9 @@ torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const 
   });
   // Nothing below allocates: parameters and state change only here.
   for (auto& kv : fused) {
-    const Options& o = *fused_options.at(kv.first);
     auto& b = kv.second;
-    for (auto& p : b.params) {
-      auto& s = static_cast<State&>(*state.at(compat::optimizer_state_key<Base>(p)));
-      s.step(s.step() + 1);
-    }
+    const Options& o = *b.options;
+    for (auto* s : b.states) s->step(s->step() + 1);
     compat::fused_adam_(decoupled, b.params, b.grads, b.first, b.second, b.third, b.steps, o.lr(),
                         std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(), o.amsgrad());
   }
@@ -303,8 +303,7 @@ torch::Tensor SGD::step(LossClosure closure) {
     bool fresh = false;  // the buffer was made for this step: it is the first gradient already
   };
   std::vector<Item> items;
-  std::map<BucketKey, FusedBucket> fused;
-  std::map<BucketKey, const torch::optim::SGDOptions*> fused_options;
+  std::map<BucketKey, FusedBucket<torch::optim::SGDOptions, torch::optim::SGDParamState>> fused;
   std::vector<Key> added;
   Workspace work;
   auto& st = state();
@@ -324,9 +323,8 @@ torch::Tensor SGD::step(LossClosure closure) {
                                : torch::Tensor();
           const auto why = fused_refusal(p, p.grad(), {buf});
           if (why.empty()) {
-            const auto bk = bucket_key(group_index, p, fresh);
-            auto& b = fused[bk];
-            fused_options[bk] = &o;
+            auto& b = fused[bucket_key(group_index, p, fresh)];
+            b.options = &o;
             b.params.push_back(p);
             b.grads.push_back(p.grad());
             if (fresh) {
@@ -372,8 +370,8 @@ torch::Tensor SGD::step(LossClosure closure) {
   });
   // Nothing below allocates: parameters and state change only here.
   for (auto& kv : fused) {
-    const auto& o = *fused_options.at(kv.first);
     auto& b = kv.second;
+    const auto& o = *b.options;
     compat::fused_sgd_(b.params, b.grads, b.first, o.weight_decay(), o.momentum(), o.lr(), o.dampening(),
                        o.nesterov(), /*is_first_step=*/std::get<3>(kv.first));
   }
