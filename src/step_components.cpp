@@ -1,9 +1,15 @@
 #include "step_components.h"
 
+#include "memfit/state.h"
+#include "memory_internal.h"
+
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/utils/clip_grad.h>
 
+#include <fmt/format.h>
+
 #include <cmath>
+#include <memory>
 
 namespace memfit {
 namespace detail {
@@ -19,6 +25,18 @@ torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& ta
   }
   namespace F = torch::nn::functional;
   return sum ? F::cross_entropy(l, t, F::CrossEntropyFuncOptions().reduction(torch::kSum)) : F::cross_entropy(l, t);
+}
+
+int64_t read_int(torch::serialize::InputArchive& a, const std::string& key, const std::string& what) {
+  c10::IValue v;
+  TORCH_CHECK(a.try_read(key, v) && v.isInt(), what, " is damaged: '", key, "' is missing");
+  return v.toInt();
+}
+
+torch::Tensor read_tensor(torch::serialize::InputArchive& a, const std::string& key, const std::string& what) {
+  torch::Tensor t;
+  TORCH_CHECK(a.try_read(key, t), what, " is damaged: '", key, "' is missing");
+  return t;
 }
 
 std::vector<double> RankVote::sum(double extra, double mine) {
@@ -148,6 +166,23 @@ bool PrecisionStep::optimizer_step(StepState& s) {
   return true;
 }
 
+void PrecisionStep::save_state(torch::serialize::OutputArchive& a) {
+  if (!scaler_.is_enabled()) return;
+  torch::serialize::OutputArchive scaler;
+  scaler_.save(scaler);
+  a.write("grad_scaler", scaler);
+}
+
+std::function<void()> PrecisionStep::load_state(torch::serialize::InputArchive& a, const std::string& path) {
+  auto scaler = std::make_shared<torch::serialize::InputArchive>();
+  TORCH_CHECK(a.try_read("grad_scaler", *scaler) == scaler_.is_enabled(), path,
+              scaler_.is_enabled() ? " holds no GradScaler, but this run scales the loss (fp16)"
+                                   : " holds a GradScaler (fp16), but this run scales no loss",
+              ": resume with the precision of the saved run");
+  if (!scaler_.is_enabled()) return {};
+  return [this, scaler] { scaler_.load(*scaler); };
+}
+
 void NonfiniteCheck::check(StepState& s, double value, const char* where) const {
   if (std::isfinite(value)) return;
   TORCH_CHECK(mode_ == NonfiniteLoss::kSkip, "step ", s.step, " (epoch ", s.epoch, "): the loss", where, " is ",
@@ -170,6 +205,31 @@ void MasterWeightsStep::before_optimizer_step(StepState&) {
 void MasterWeightsStep::end_step(StepState& s) {
   host_.reset();
   if (!s.skip) master_.master_to_model();
+}
+
+void MasterWeightsStep::save_state(torch::serialize::OutputArchive& a) {
+  torch::serialize::OutputArchive masters;
+  const auto& m = master_.master_parameters();
+  for (size_t i = 0; i < m.size(); ++i) masters.write(fmt::format("m{}", i), m[i].detach());
+  a.write("masters", masters);
+}
+
+std::function<void()> MasterWeightsStep::load_state(torch::serialize::InputArchive& a, const std::string& path) {
+  torch::serialize::InputArchive masters;
+  TORCH_CHECK(a.try_read("masters", masters), path, " holds no fp32 master weights, but this run keeps them: "
+              "resume with the master-weights and optimizer-offload options of the saved run");
+  const auto& m = master_.master_parameters();
+  std::vector<torch::Tensor> saved;
+  for (size_t i = 0; i < m.size(); ++i) {
+    saved.push_back(read_tensor(masters, fmt::format("m{}", i), path));
+    TORCH_CHECK(saved.back().sizes() == m[i].sizes(), path, " does not match the model: master ", i,
+                " has another shape");
+  }
+  return [this, saved = std::move(saved)] {
+    torch::NoGradGuard no_grad;
+    const auto& m = master_.master_parameters();
+    for (size_t i = 0; i < m.size(); ++i) const_cast<torch::Tensor&>(m[i]).copy_(saved[i]);
+  };
 }
 
 void ClipStep::before_optimizer_step(StepState& s) {
@@ -249,6 +309,117 @@ void OwnGradients::abort_step(StepState&) {
     }
   }
   aside_.clear();
+}
+
+void OptimizerStatePart::save_state(torch::serialize::OutputArchive& a) {
+  if (layout_.zero == nullptr) {
+    torch::serialize::OutputArchive optimizer;
+    optimizer_.save(optimizer);
+    a.write("optimizer", optimizer);
+    return;
+  }
+  // Every rank sends rank 0 its shard; only rank 0's archive is written.
+  const std::vector<std::string> shards = layout_.zero->consolidate_state_dict(0);
+  torch::serialize::OutputArchive sharded;
+  sharded.write("world", c10::IValue(static_cast<int64_t>(shards.size())));
+  for (size_t r = 0; r < shards.size(); ++r) sharded.write("rank" + std::to_string(r), bytes_tensor(shards[r]));
+  a.write("optimizer_shards", sharded);
+}
+
+std::function<void()> OptimizerStatePart::load_state(torch::serialize::InputArchive& a, const std::string& path) {
+  torch::serialize::InputArchive unused;
+  // (The masters themselves are MasterWeightsStep's part, when this run keeps them.)
+  TORCH_CHECK(layout_.masters || !a.try_read("masters", unused), path, " holds fp32 master weights, but this "
+              "run keeps none: resume with the master-weights and optimizer-offload options of the saved run");
+  auto optimizer = std::make_shared<torch::serialize::InputArchive>();
+  torch::serialize::InputArchive sharded;
+  const bool was_sharded = a.try_read("optimizer_shards", sharded);
+  if (layout_.zero != nullptr) {
+    TORCH_CHECK(was_sharded, path, " holds an unsharded optimizer, but this run shards it (zero_stage 1): "
+                "resume with zero_stage 0 (no --zero-stage)");
+    const int64_t saved_world = read_int(sharded, "world", path);
+    TORCH_CHECK(saved_world == layout_.world, path, " holds the optimizer state of ", saved_world,
+                " ranks (zero_stage 1), but this job has ", layout_.world,
+                ": resume with the world size that saved it");
+    const std::string rank = std::to_string(layout_.rank);
+    load_archive(*optimizer, read_tensor(sharded, "rank" + rank, path),
+                 path + "'s optimizer shard of rank " + rank);
+  } else {
+    TORCH_CHECK(!was_sharded, path, " holds optimizer state sharded over ranks (zero_stage 1): resume "
+                "with zero_stage 1 (--zero-stage 1) and the world size that saved it");
+    TORCH_CHECK(a.try_read("optimizer", *optimizer), path, " is damaged: 'optimizer' is missing");
+  }
+  return [this, optimizer] {
+    optimizer_.load(*optimizer);
+    place_state();
+  };
+}
+
+// The loaded optimizer state is host memory; state that lives with the
+// parameters moves to their device one tensor at a time. (With sharded
+// state: this rank's shard, held by its local optimizer.)
+void OptimizerStatePart::place_state() const {
+  torch::optim::Optimizer* const holder = layout_.holder;
+  for (size_t g = 0; holder != nullptr && g < holder->param_groups().size(); ++g) {
+    for (const auto& p : holder->param_groups()[g].params()) {
+      auto it = holder->state().find(compat::optimizer_state_key(p));
+      if (it == holder->state().end()) continue;
+      for_each_state_tensor(*it->second, [&](torch::Tensor& t) {
+        if (layout_.on_host) {
+          if (p.is_pinned() && !t.is_pinned()) t = t.pin_memory();
+          return;
+        }
+        torch::Tensor moved = torch::empty(t.sizes(), t.options().device(p.device()));
+        moved.copy_(t);
+        t = moved;
+      });
+    }
+  }
+}
+
+void Timeline::begin_step(StepState&) {
+  timeline_.clear();
+  model_grad_bytes_ = 0;
+  meter_.emplace(device_);
+}
+
+namespace {
+std::vector<torch::Tensor> grads(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  out.reserve(params.size());
+  for (const auto& p : params) out.push_back(p.grad());
+  return out;
+}
+} // namespace
+
+void Timeline::after_backward(StepState& s) {
+  model_grad_bytes_ = storage_bytes(grads(params_));
+  mark(s.phase);
+}
+
+void Timeline::end_step(StepState& s) {
+  mark("released");
+  meter_.reset();
+  skipped_ = s.skip;
+}
+
+void Timeline::mark(std::string phase) {
+  // On CUDA a new meter resets the device's peak statistic, so the step's
+  // peak is also the largest phase peak.
+  PhaseMemory m;
+  m.phase = std::move(phase);
+  m.peak_bytes = meter_->peak();
+  m.current_bytes = memory_allocated(device_);
+  meter_.reset();
+  auto g = grads(params_);
+  if (masters_ != nullptr) {
+    const auto masters = grads(masters_->master_parameters());
+    g.insert(g.end(), masters.begin(), masters.end());
+  }
+  m.gradients = storage_bytes(g);
+  m.optimizer_state = state_ != nullptr ? optimizer_state_bytes(*state_) : 0;
+  timeline_.push_back(std::move(m));
+  meter_.emplace(device_);
 }
 
 } // namespace detail

@@ -14,6 +14,7 @@
 
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -26,6 +27,11 @@ namespace detail {
 // logits [N, T, C] against [N, T] labels (a language model), in fp32: the
 // mean, or with `sum` the sum, over every label.
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& target, bool sum = false);
+
+// A checkpoint's integer or tensor at `key`; throws "<what> is damaged:
+// '<key>' is missing" when it is not there.
+int64_t read_int(torch::serialize::InputArchive& a, const std::string& key, const std::string& what);
+torch::Tensor read_tensor(torch::serialize::InputArchive& a, const std::string& key, const std::string& what);
 
 // Streamed parameters (offload_parameters host): the parameters outside
 // the module's chains on the device for each micro-batch's forward and
@@ -143,6 +149,10 @@ class PrecisionStep final : public StepComponent {
     autocast_.reset();
     scaler_.discard_step();
   }
+  // "grad_scaler", when the scaler is enabled (fp16); a checkpoint must hold
+  // one exactly when this run scales the loss.
+  void save_state(torch::serialize::OutputArchive& a) override;
+  std::function<void()> load_state(torch::serialize::InputArchive& a, const std::string& path) override;
 
  private:
   torch::Device device_;
@@ -179,6 +189,9 @@ class MasterWeightsStep final : public StepComponent {
   void after_optimizer_step(StepState&) override { host_.reset(); }
   void end_step(StepState& s) override;
   void abort_step(StepState&) override { host_.reset(); }
+  // "masters": each fp32 master's values.
+  void save_state(torch::serialize::OutputArchive& a) override;
+  std::function<void()> load_state(torch::serialize::InputArchive& a, const std::string& path) override;
 
  private:
   MasterWeights& master_;
@@ -248,6 +261,62 @@ class OwnGradients final : public StepComponent {
   std::vector<Zeroed> zeroed_;
   std::vector<torch::Tensor> aside_;  // per parameter: what other code left there
   std::vector<char> kept_;            // per parameter: the step began on its own zeroed gradient
+};
+
+// The optimizer's part of a checkpoint: "optimizer", or with a sharded
+// optimizer (zero_stage 1) "optimizer_shards", every rank's shard gathered
+// on rank 0 (save_state is then a collective). On resume the state goes
+// where the Trainer keeps it: with the parameters on the device, or in (pinned)
+// host memory with the host masters. It takes no part in the step.
+class OptimizerStatePart final : public StepComponent {
+ public:
+  struct Layout {
+    ZeroRedundancyOptimizer* zero = nullptr;  // the optimizer, when it is sharded
+    torch::optim::Optimizer* holder = nullptr;  // the optimizer that holds this rank's state
+    bool on_host = false;  // the state lives in host memory (offload_optimizer host)
+    bool masters = false;  // the optimizer steps fp32 masters, not the model's parameters
+    int64_t world = 1;
+    int64_t rank = 0;
+  };
+  OptimizerStatePart(torch::optim::Optimizer& optimizer, Layout layout) : optimizer_(optimizer), layout_(layout) {}
+  void save_state(torch::serialize::OutputArchive& a) override;
+  std::function<void()> load_state(torch::serialize::InputArchive& a, const std::string& path) override;
+
+ private:
+  void place_state() const;  // loaded state (host memory) to where this run keeps it
+  torch::optim::Optimizer& optimizer_;
+  Layout layout_;
+};
+
+// The step's memory at the end of each phase, and the model's gradient
+// bytes after backward (before they move to any masters). It holds what it
+// reads, never the Trainer, which may move; the parameters are listed once,
+// not walked from the module at every phase. The Trainer keeps it last.
+class Timeline final : public StepComponent {
+ public:
+  Timeline(torch::Device device, std::vector<torch::Tensor> params, MasterWeights* device_masters,
+           torch::optim::Optimizer* device_state)
+      : device_(device), params_(std::move(params)), masters_(device_masters), state_(device_state) {}
+  void begin_step(StepState&) override;
+  void after_forward(StepState& s) override { mark(s.phase); }
+  void after_backward(StepState& s) override;
+  void after_optimizer_step(StepState&) override { mark("optimizer step"); }
+  void end_step(StepState& s) override;
+  void abort_step(StepState&) override { meter_.reset(); }
+  const std::vector<PhaseMemory>& timeline() const { return timeline_; }
+  int64_t model_grad_bytes() const { return model_grad_bytes_; }
+  bool skipped() const { return skipped_; }
+
+ private:
+  void mark(std::string phase);
+  torch::Device device_;
+  std::vector<torch::Tensor> params_;  // the module's
+  MasterWeights* masters_;             // fp32 masters on the device, or nullptr
+  torch::optim::Optimizer* state_;     // the optimizer whose state is on the device, or nullptr
+  std::vector<PhaseMemory> timeline_;
+  std::optional<PeakMeter> meter_;
+  int64_t model_grad_bytes_ = 0;
+  bool skipped_ = false;
 };
 
 } // namespace detail

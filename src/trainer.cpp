@@ -66,71 +66,6 @@ EvalScope::~EvalScope() { module_.train(was_training_); }
 
 } // namespace detail
 
-// The step's memory at the end of each phase, and the model's gradient
-// bytes after backward (before they move to any masters). It holds what it
-// reads, never the Trainer, which may move; the parameters are listed once,
-// not walked from the module at every phase.
-class Trainer::Timeline final : public StepComponent {
- public:
-  Timeline(torch::Device device, std::vector<torch::Tensor> params, MasterWeights* device_masters,
-           torch::optim::Optimizer* device_state)
-      : device_(device), params_(std::move(params)), masters_(device_masters), state_(device_state) {}
-  void begin_step(StepState&) override {
-    timeline_.clear();
-    model_grad_bytes_ = 0;
-    meter_.emplace(device_);
-  }
-  void after_forward(StepState& s) override { mark(s.phase); }
-  void after_backward(StepState& s) override {
-    model_grad_bytes_ = storage_bytes(grads(params_));
-    mark(s.phase);
-  }
-  void after_optimizer_step(StepState&) override { mark("optimizer step"); }
-  void end_step(StepState& s) override {
-    mark("released");
-    meter_.reset();
-    skipped_ = s.skip;
-  }
-  void abort_step(StepState&) override { meter_.reset(); }
-  const std::vector<PhaseMemory>& timeline() const { return timeline_; }
-  int64_t model_grad_bytes() const { return model_grad_bytes_; }
-  bool skipped() const { return skipped_; }
-
- private:
-  static std::vector<torch::Tensor> grads(const std::vector<torch::Tensor>& params) {
-    std::vector<torch::Tensor> out;
-    out.reserve(params.size());
-    for (const auto& p : params) out.push_back(p.grad());
-    return out;
-  }
-  void mark(std::string phase) {
-    // On CUDA a new meter resets the device's peak statistic, so the step's
-    // peak is also the largest phase peak.
-    PhaseMemory m;
-    m.phase = std::move(phase);
-    m.peak_bytes = meter_->peak();
-    m.current_bytes = memory_allocated(device_);
-    meter_.reset();
-    auto g = grads(params_);
-    if (masters_ != nullptr) {
-      const auto masters = grads(masters_->master_parameters());
-      g.insert(g.end(), masters.begin(), masters.end());
-    }
-    m.gradients = storage_bytes(g);
-    m.optimizer_state = state_ != nullptr ? optimizer_state_bytes(*state_) : 0;
-    timeline_.push_back(std::move(m));
-    meter_.emplace(device_);
-  }
-  torch::Device device_;
-  std::vector<torch::Tensor> params_;  // the module's
-  MasterWeights* masters_;           // fp32 masters on the device, or nullptr
-  torch::optim::Optimizer* state_;  // the optimizer whose state is on the device, or nullptr
-  std::vector<PhaseMemory> timeline_;
-  std::optional<PeakMeter> meter_;
-  int64_t model_grad_bytes_ = 0;
-  bool skipped_ = false;
-};
-
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainerOptions& o,
                                                         std::vector<torch::Tensor> params) {
   if (o.optimizer_factory()) {
@@ -473,7 +408,15 @@ void Trainer::build_components() {
   std::vector<torch::Tensor> release = params;
   if (master_) release.insert(release.end(), master_->master_parameters().begin(), master_->master_parameters().end());
   components_.push_back(std::make_shared<OwnGradients>(std::move(release), options_.set_to_none()));
-  timeline_ = std::make_shared<Timeline>(options_.device(), params, state_on_host() ? nullptr : master_.get(),
+  OptimizerStatePart::Layout layout;
+  layout.zero = zero_;
+  layout.holder = state_optimizer();
+  layout.on_host = state_on_host();
+  layout.masters = master_ != nullptr;
+  layout.world = world_size();
+  layout.rank = rank();
+  components_.push_back(std::make_shared<OptimizerStatePart>(*optimizer_, layout));
+  timeline_ = std::make_shared<detail::Timeline>(options_.device(), params, state_on_host() ? nullptr : master_.get(),
                                          state_on_host() ? nullptr : state_optimizer());
   components_.push_back(timeline_);
 }
@@ -1128,32 +1071,16 @@ std::vector<c10::DeviceIndex> cuda_devices(const torch::Device& device) {
   return {device.has_index() ? device.index() : c10::DeviceIndex(0)};
 }
 
-int64_t read_int(torch::serialize::InputArchive& a, const char* key, const std::string& what) {
-  c10::IValue v;
-  TORCH_CHECK(a.try_read(key, v) && v.isInt(), what, " is damaged: '", key, "' is missing");
-  return v.toInt();
-}
-
-torch::Tensor read_tensor(torch::serialize::InputArchive& a, const std::string& key,
-                          const std::string& what) {
-  torch::Tensor t;
-  TORCH_CHECK(a.try_read(key, t), what, " is damaged: '", key, "' is missing");
-  return t;
-}
-
 } // namespace
 
 void Trainer::save(const std::string& dir) {
-  // With sharded state every rank sends rank 0 its shard; only rank 0 writes.
-  std::vector<std::string> shards;
-  if (zero_ != nullptr) shards = zero_->consolidate_state_dict(0);
-  // A pipeline's stages (each rank's layers and optimizer), gathered on rank 0.
+  // This rank's part: the model and each component's state (collectives
+  // among them). A pipeline's stages each have one, gathered on rank 0.
+  torch::serialize::OutputArchive a, stage;
+  torch::serialize::OutputArchive& part = pipeline_ ? stage : a;
+  write_part(part);
   std::vector<torch::Tensor> stages;
-  if (pipeline_) {
-    torch::serialize::OutputArchive part;
-    write_state(part, shards);
-    stages = options_.process_group()->gather(detail::bytes_tensor(detail::archive_bytes(part)));
-  }
+  if (pipeline_) stages = options_.process_group()->gather(detail::bytes_tensor(detail::archive_bytes(stage)));
   // Each rank's random generators (their dropout masks differ when their
   // shares of a batch do), gathered on rank 0.
   compat::RngState rng;
@@ -1171,20 +1098,12 @@ void Trainer::save(const std::string& dir) {
   std::filesystem::create_directories(dir, ec);
   TORCH_CHECK(!ec && std::filesystem::is_directory(dir), "cannot create the checkpoint folder ",
               dir, ": ", ec.message());
-  torch::serialize::OutputArchive a;
   a.write("format", c10::IValue(std::string(kCheckpointFormat)));
   if (pipeline_) {
     torch::serialize::OutputArchive parts;
     parts.write("world", c10::IValue(world_size()));
     for (size_t r = 0; r < stages.size(); ++r) parts.write("rank" + std::to_string(r), stages[r]);
     a.write("stages", parts);
-  } else {
-    write_state(a, shards);
-  }
-  if (scaler_->is_enabled()) {
-    torch::serialize::OutputArchive scaler;
-    scaler_->save(scaler);
-    a.write("grad_scaler", scaler);
   }
   {
     UntrackedGuard host;  // generator states are host tensors
@@ -1214,26 +1133,11 @@ void Trainer::save(const std::string& dir) {
   continues_ = file;
 }
 
-void Trainer::write_state(torch::serialize::OutputArchive& a, const std::vector<std::string>& shards) const {
+void Trainer::write_part(torch::serialize::OutputArchive& part) {
   torch::serialize::OutputArchive model;
   detail::write_module(model, *module_, [this](const torch::Tensor& p) { return stand_in(p); });
-  a.write("model", model);
-  if (master_) {
-    torch::serialize::OutputArchive masters;
-    const auto& m = master_->master_parameters();
-    for (size_t i = 0; i < m.size(); ++i) masters.write(fmt::format("m{}", i), m[i].detach());
-    a.write("masters", masters);
-  }
-  if (zero_ != nullptr) {
-    torch::serialize::OutputArchive sharded;
-    sharded.write("world", c10::IValue(static_cast<int64_t>(shards.size())));
-    for (size_t r = 0; r < shards.size(); ++r) sharded.write("rank" + std::to_string(r), detail::bytes_tensor(shards[r]));
-    a.write("optimizer_shards", sharded);
-  } else {
-    torch::serialize::OutputArchive optimizer;
-    optimizer_->save(optimizer);
-    a.write("optimizer", optimizer);
-  }
+  part.write("model", model);
+  for (const auto& c : components_) c->save_state(part);
 }
 
 torch::Tensor Trainer::stand_in(const torch::Tensor& param) const {
@@ -1279,101 +1183,46 @@ void Trainer::resume(const std::string& path_or_dir) {
   if (pipeline_) {
     TORCH_CHECK(has_stages, path, " holds a whole model, but this run is a pipeline: resume with the "
                 "parallel mode that saved it");
-    const int64_t saved_world = read_int(parts, "world", path);
+    const int64_t saved_world = detail::read_int(parts, "world", path);
     TORCH_CHECK(saved_world == world_size(), path, " holds a pipeline of ", saved_world,
                 " stages, but this job has ", world_size(), " ranks: resume with the world size that saved it");
-    detail::load_archive(stage, read_tensor(parts, "rank" + std::to_string(rank()), path),
+    detail::load_archive(stage, detail::read_tensor(parts, "rank" + std::to_string(rank()), path),
                  path + "'s stage " + std::to_string(rank()));
     src = &stage;
   } else {
     TORCH_CHECK(!has_stages, path, " holds a pipeline's stages: resume with parallel pipeline "
                 "(--parallel pipeline) and the world size that saved it");
   }
-  torch::serialize::InputArchive model, optimizer, scaler, masters;
+  torch::serialize::InputArchive model;
   TORCH_CHECK(src->try_read("model", model), path, " is damaged: 'model' is missing");
   const auto stand_in = [this](const torch::Tensor& p) { return this->stand_in(p); };
   detail::check_module(model, *module_, path, stand_in);
-  TORCH_CHECK(src->try_read("masters", masters) == (master_ != nullptr), path,
-              master_ ? " holds no fp32 master weights, but this run keeps them: resume with the "
-                        "master-weights and optimizer-offload options of the saved run"
-                      : " holds fp32 master weights, but this run keeps none: resume with the "
-                        "master-weights and optimizer-offload options of the saved run");
-  std::vector<torch::Tensor> saved_masters;
-  if (master_) {
-    const auto& m = master_->master_parameters();
-    for (size_t i = 0; i < m.size(); ++i) {
-      saved_masters.push_back(read_tensor(masters, fmt::format("m{}", i), path));
-      TORCH_CHECK(saved_masters.back().sizes() == m[i].sizes(), path,
-                  " does not match the model: master ", i, " has another shape");
-    }
+  std::vector<std::function<void()>> puts;  // each component's part, checked
+  for (const auto& c : components_) {
+    if (auto put = c->load_state(*src, path)) puts.push_back(std::move(put));
   }
-  torch::serialize::InputArchive sharded;
-  const bool was_sharded = src->try_read("optimizer_shards", sharded);
-  if (zero_ != nullptr) {
-    TORCH_CHECK(was_sharded, path, " holds an unsharded optimizer, but this run shards it (zero_stage 1): "
-                "resume with zero_stage 0 (no --zero-stage)");
-    const int64_t saved_world = read_int(sharded, "world", path);
-    TORCH_CHECK(saved_world == world_size(), path, " holds the optimizer state of ", saved_world,
-                " ranks (zero_stage 1), but this job has ", world_size(),
-                ": resume with the world size that saved it");
-    detail::load_archive(optimizer, read_tensor(sharded, "rank" + std::to_string(rank()), path),
-                 path + "'s optimizer shard of rank " + std::to_string(rank()));
-  } else {
-    TORCH_CHECK(!was_sharded, path, " holds optimizer state sharded over ranks (zero_stage 1): resume "
-                "with zero_stage 1 (--zero-stage 1) and the world size that saved it");
-    TORCH_CHECK(src->try_read("optimizer", optimizer), path, " is damaged: 'optimizer' is missing");
-  }
-  TORCH_CHECK(a.try_read("grad_scaler", scaler) == scaler_->is_enabled(), path,
-              scaler_->is_enabled() ? " holds no GradScaler, but this run scales the loss (fp16)"
-                                    : " holds a GradScaler (fp16), but this run scales no loss",
-              ": resume with the precision of the saved run");
-  torch::Tensor rng_cpu = read_tensor(a, "rng_cpu", path);
+  torch::Tensor rng_cpu = detail::read_tensor(a, "rng_cpu", path);
   torch::Tensor rng_cuda;
   a.try_read("rng_cuda", rng_cuda);
   // A job of the same size: each rank continues its own generators (else
   // every rank takes rank 0's).
   torch::serialize::InputArchive ranks;
-  if (a.try_read("rank_rng", ranks) && read_int(ranks, "world", path) == world_size() && world_size() > 1) {
+  if (a.try_read("rank_rng", ranks) && detail::read_int(ranks, "world", path) == world_size() && world_size() > 1) {
     const std::string r = std::to_string(rank());
-    rng_cpu = read_tensor(ranks, "cpu" + r, path);
+    rng_cpu = detail::read_tensor(ranks, "cpu" + r, path);
     torch::Tensor cuda;
     if (ranks.try_read("cuda" + r, cuda)) rng_cuda = cuda;
   }
-  const torch::Tensor sampler_rng = read_tensor(a, "sampler_rng", path);
-  const int64_t step = read_int(a, "step", path);
-  const int64_t epoch = read_int(a, "epoch", path);
-  const int64_t cursor = read_int(a, "cursor", path);
+  const torch::Tensor sampler_rng = detail::read_tensor(a, "sampler_rng", path);
+  const int64_t step = detail::read_int(a, "step", path);
+  const int64_t epoch = detail::read_int(a, "epoch", path);
+  const int64_t cursor = detail::read_int(a, "cursor", path);
   torch::Tensor order;
   a.try_read("order", order);
 
   // Apply: tensor by tensor into the model's storage.
   detail::copy_into_module(model, *module_, stand_in);
-  {
-    torch::NoGradGuard no_grad;
-    const auto& m = master_ ? master_->master_parameters() : std::vector<torch::Tensor>();
-    for (size_t i = 0; i < m.size(); ++i) const_cast<torch::Tensor&>(m[i]).copy_(saved_masters[i]);
-  }
-  optimizer_->load(optimizer);
-  // The loaded optimizer state is host memory; state that lives with the
-  // parameters moves to their device one tensor at a time.
-  // (With sharded state: this rank's shard, held by its local optimizer.)
-  torch::optim::Optimizer* const holder = state_optimizer();
-  for (size_t g = 0; holder != nullptr && g < holder->param_groups().size(); ++g) {
-    for (const auto& p : holder->param_groups()[g].params()) {
-      auto it = holder->state().find(compat::optimizer_state_key(p));
-      if (it == holder->state().end()) continue;
-      detail::for_each_state_tensor(*it->second, [&](torch::Tensor& t) {
-        if (state_on_host()) {
-          if (p.is_pinned() && !t.is_pinned()) t = t.pin_memory();
-          return;
-        }
-        torch::Tensor moved = torch::empty(t.sizes(), t.options().device(p.device()));
-        moved.copy_(t);
-        t = moved;
-      });
-    }
-  }
-  if (scaler_->is_enabled()) scaler_->load(scaler);
+  for (const auto& put : puts) put();
   compat::RngState rng;
   rng.cpu = rng_cpu;
   if (rng_cuda.defined() && options_.device().is_cuda()) {

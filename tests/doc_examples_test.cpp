@@ -22,6 +22,7 @@
 #include "test_util.h"
 
 #include <filesystem>
+#include <unistd.h>
 #include <iostream>
 #include <thread>
 #include <sstream>
@@ -758,6 +759,43 @@ TEST_F(DocExamples, StepComponent) {
   trainer.add_component(count);
   trainer.train_step(torch::data::Example<>(torch::randn({4, 1, 28, 28}), torch::randint(10, {4})));
   EXPECT_EQ(count->steps, 1);
+}
+
+TEST_F(DocExamples, StepComponentState) {
+  struct CountSteps : memfit::StepComponent {  // its count survives save and resume
+    int64_t steps = 0;
+    void end_step(memfit::StepState&) override { ++steps; }
+    void save_state(torch::serialize::OutputArchive& a) override {
+      a.write("count_steps", c10::IValue(steps));
+    }
+    std::function<void()> load_state(torch::serialize::InputArchive& a, const std::string&) override {
+      c10::IValue v;
+      if (!a.try_read("count_steps", v)) return {};  // saved without it: keep counting from here
+      return [this, n = v.toInt()] { steps = n; };
+    }
+  };
+  const std::string dir = ::testing::TempDir() + "memfit_doc_component_state_" + std::to_string(::getpid());
+  const auto batch = torch::data::Example<>(torch::randn({4, 1, 28, 28}), torch::randint(10, {4}));
+  const auto options = memfit::TrainerOptions();
+  auto count = std::make_shared<CountSteps>();
+  memfit::Trainer trainer(memfit::make_mlp(memfit::ModelOptions().width(8).depth(1)), options);
+  trainer.add_component(count);
+  trainer.train_step(batch);
+  trainer.train_step(batch);
+  trainer.save(dir);
+  auto resumed_count = std::make_shared<CountSteps>();
+  memfit::Trainer resumed(memfit::make_mlp(memfit::ModelOptions().width(8).depth(1)), options);
+  resumed.add_component(resumed_count);
+  resumed.resume(dir);
+  EXPECT_EQ(resumed_count->steps, 2);
+  auto unsaved_count = std::make_shared<CountSteps>();
+  unsaved_count->steps = 7;
+  memfit::Trainer without(memfit::make_mlp(memfit::ModelOptions().width(8).depth(1)), options);
+  without.save(dir);  // a checkpoint of a run without the component
+  without.add_component(unsaved_count);
+  without.resume(dir);
+  EXPECT_EQ(unsaved_count->steps, 7) << "a part the checkpoint lacks leaves the component as it is";
+  std::filesystem::remove_all(dir);
 }
 
 struct NetImpl : torch::nn::Module {

@@ -19,13 +19,20 @@
 /// (forward_backward). A user's own component joins through
 /// Trainer::add_component.
 ///
+/// A component also keeps its own part of a checkpoint: Trainer::save calls
+/// every component's save_state and Trainer::resume every component's
+/// load_state, so that neither has a branch per technique.
+///
 /// Sync points: none of the interface's own; each component states its own.
 
 #include <torch/data/example.h>
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace memfit {
@@ -102,6 +109,44 @@ class StepComponent {
   /// budget, an error in the loss): leave any scoped state entered (autocast,
   /// no_sync, host allocation), in reverse order of the components.
   virtual void abort_step(StepState&) {}
+
+  /// Writes this component's state into its rank's part of a checkpoint
+  /// (Trainer::save), under keys of its own.
+  ///
+  /// Called on every rank, in the order of the components, so it may call
+  /// collectives; the part is the whole checkpoint except with a pipeline,
+  /// where each stage has one. The Trainer's own keys ("model", "optimizer",
+  /// "format", "step", "rng_*", ...) are taken.
+  virtual void save_state(torch::serialize::OutputArchive&) {}
+  /// Reads this component's part of the checkpoint at `path` and checks it
+  /// against the component, changing nothing; returns what puts it in place,
+  /// or an empty function when there is nothing to put.
+  ///
+  /// Trainer::resume calls every component's load_state first and the
+  /// returned functions only when every part has been checked, so a
+  /// checkpoint that does not fit changes nothing. A part that does not fit
+  /// throws c10::Error naming `path` and what to resume with. A part that is
+  /// missing (a checkpoint from before the component saved one) is either
+  /// refused or left as the component is, as the component states.
+  ///
+  /// Example:
+  /// \code
+  ///   struct CountSteps : memfit::StepComponent {  // its count survives save and resume
+  ///     int64_t steps = 0;
+  ///     void end_step(memfit::StepState&) override { ++steps; }
+  ///     void save_state(torch::serialize::OutputArchive& a) override {
+  ///       a.write("count_steps", c10::IValue(steps));
+  ///     }
+  ///     std::function<void()> load_state(torch::serialize::InputArchive& a, const std::string&) override {
+  ///       c10::IValue v;
+  ///       if (!a.try_read("count_steps", v)) return {};  // saved without it: keep counting from here
+  ///       return [this, n = v.toInt()] { steps = n; };
+  ///     }
+  ///   };
+  /// \endcode
+  virtual std::function<void()> load_state(torch::serialize::InputArchive&, const std::string& /*path*/) {
+    return {};
+  }
 };
 
 } // namespace memfit

@@ -369,6 +369,7 @@ struct TrainReport {
 };
 
 namespace detail {
+class Timeline;  // the step component that records each phase's memory (internal)
 class RankVote;  // step_components.h
 
 // The batch type a loss function takes: its second parameter, decayed.
@@ -701,7 +702,7 @@ class Trainer {
   int64_t world_size() const;
   int64_t rank() const;
   int64_t data_ranks() const;
-  void write_state(torch::serialize::OutputArchive& archive, const std::vector<std::string>& shards) const;
+  void write_part(torch::serialize::OutputArchive& part);
   torch::Tensor stand_in(const torch::Tensor& param) const;
 
   // The position of the run: steps taken, epoch, the epoch's shuffled order
@@ -727,8 +728,7 @@ class Trainer {
   std::unique_ptr<std::atomic<bool>> stop_ = std::make_unique<std::atomic<bool>>(false);  // request_stop
   ZeroRedundancyOptimizer* zero_ = nullptr;  // optimizer_, when it is sharded
   std::vector<std::shared_ptr<StepComponent>> components_;
-  class Timeline;
-  std::shared_ptr<Timeline> timeline_;  // also in components_
+  std::shared_ptr<detail::Timeline> timeline_;  // also in components_, last
   // Recovery: the events so far, the first settings, steps since the last re-plan, and
   // whether the running step's optimizer has begun changing the parameters.
   std::vector<Recovery> recoveries_;
