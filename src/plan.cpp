@@ -43,13 +43,6 @@ std::string schedule_text(const StepSettings& s) {
 
 } // namespace
 
-std::optional<std::string> batch_statistics_layer(const torch::nn::Module& module) {
-  for (const auto& item : module.named_modules()) {
-    if (item.value()->name().find("BatchNorm") != std::string::npos) return item.key();
-  }
-  return std::nullopt;
-}
-
 namespace {
 // Each chain's schedule, "; "-separated ("none" for a plain one).
 std::string chains_text(const std::vector<Schedule>& schedules) {

@@ -1,6 +1,5 @@
 #include "memfit/trainer.h"
 
-#include "memfit/plan.h"
 #include "memfit/schedule.h"
 
 #include "compat.h"
@@ -103,6 +102,13 @@ OnOutOfMemory parse_on_out_of_memory(const std::string& name) {
   if (name == "throw") return OnOutOfMemory::kThrow;
   if (name == "replan") return OnOutOfMemory::kReplan;
   TORCH_CHECK(false, "unknown out-of-memory action '", name, "': expected throw or replan");
+}
+
+std::optional<std::string> batch_statistics_layer(const torch::nn::Module& module) {
+  for (const auto& item : module.named_modules()) {
+    if (item.value()->name().find("BatchNorm") != std::string::npos) return item.key();
+  }
+  return std::nullopt;
 }
 
 namespace {
@@ -273,22 +279,43 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
   if (!options_.save_dir().empty() && rank() == 0) save_lock_ = FolderLock(options_.save_dir(), "TrainerOptions::save_dir");
   memory_allocated(options_.device());  // starts tracking (and checks the device)
   for (const auto& pattern : options_.freeze()) freeze(*module_, pattern);
-  if (options_.parallel() == ParallelMode::kPipeline) {
-    // This rank keeps its stage; the other layers go when the caller drops the model.
-    pipeline_ = std::make_unique<Pipeline>(classifier_, options_.process_group(), options_.pipeline());
-    classifier_ = pipeline_->stage();
-    module_ = classifier_.ptr();
-    options_.pipeline(pipeline_->options());
+  if (options_.parallel() == ParallelMode::kPipeline) split_into_stages();
+  warn_if_micro_batches_change_statistics();
+  place_model();
+  const std::vector<torch::Tensor> model_params = module_->parameters();
+  const std::vector<torch::Tensor> params = make_masters(model_params);  // what the optimizer steps
+  if (classifier_) loss_ = classifier_loss(classifier_, stream_, options_.device());
+  auto scaler_options = options_.grad_scaler();
+  scaler_options.enabled(scaler_options.enabled() && options_.precision() == Precision::kFP16);
+  scaler_ = std::make_unique<GradScaler>(scaler_options);
+  make_optimizer_over(trainable_of(params, model_params));
+  if (options_.process_group() != nullptr && !pipeline_) make_data_parallel(params, model_params);
+  generator_ = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
+  remember_first_settings();
+  build_components();
+}
+
+// This rank keeps its stage; the other layers go when the caller drops the model.
+void Trainer::split_into_stages() {
+  pipeline_ = std::make_unique<Pipeline>(classifier_, options_.process_group(), options_.pipeline());
+  classifier_ = pipeline_->stage();
+  module_ = classifier_.ptr();
+  options_.pipeline(pipeline_->options());
+}
+
+void Trainer::warn_if_micro_batches_change_statistics() const {
+  if (options_.micro_batch_size() == 0 || options_.micro_batch_size() >= options_.batch_size()) return;
+  if (const auto layer = batch_statistics_layer(*module_)) {
+    TORCH_WARN("micro-batching: BatchNorm layers (the first is '", *layer,
+               "') normalise each micro-batch of ", options_.micro_batch_size(),
+               " examples with its own statistics, not the batch of ", options_.batch_size(),
+               "; gradients equal the full batch's only without batch statistics "
+               "(GroupNorm or LayerNorm do)");
   }
-  if (options_.micro_batch_size() > 0 && options_.micro_batch_size() < options_.batch_size()) {
-    if (const auto layer = batch_statistics_layer(*module_)) {
-      TORCH_WARN("micro-batching: BatchNorm layers (the first is '", *layer,
-                 "') normalise each micro-batch of ", options_.micro_batch_size(),
-                 " examples with its own statistics, not the batch of ", options_.batch_size(),
-                 "; gradients equal the full batch's only without batch statistics "
-                 "(GroupNorm or LayerNorm do)");
-    }
-  }
+}
+
+// The model on its device, and every rank's equal to rank 0's.
+void Trainer::place_model() {
   if (options_.offload_parameters() == Offload::kHost) {
     // Streamed parameters go from where the model was built to their host
     // masters (MasterWeights::stream_to); only the buffers move now.
@@ -303,27 +330,33 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
     // the masters, skips its own broadcast).
     broadcast_module_state(*module_, *options_.process_group());
   }
-  const std::vector<torch::Tensor> model_params = module_->parameters();
-  std::vector<torch::Tensor> params = model_params;
-  if (options_.master_weights() != MasterWeightsMode::kNone ||
-      options_.offload_optimizer() == Offload::kHost) {
-    const auto dtype = options_.master_weights() != MasterWeightsMode::kNone
-                           ? scalar_type(options_.precision())
-                           : at::kFloat;
-    master_ = std::make_unique<MasterWeights>(
-        *module_, MasterWeightsOptions()
-                      .dtype(dtype)
-                      .offload(state_on_host() ? Offload::kHost : Offload::kNone)
-                      .gradients(options_.offload_gradients())
-                      .parameters(options_.offload_parameters())
-                      .stream_to(options_.device()));
-    params = master_->master_parameters();
-    if (master_->streamed()) {
-      stream_ = classifier_ ? std::make_shared<ParameterStream>(classifier_, *master_, options_.stream())
-                            : std::make_shared<ParameterStream>(module_, *master_, options_.stream());
-    }
+}
+
+// fp32 (or host) masters and the parameter stream, when the options keep
+// them; returns the tensors the optimizer steps (the model's parameters
+// when there are no masters).
+std::vector<torch::Tensor> Trainer::make_masters(const std::vector<torch::Tensor>& model_params) {
+  if (options_.master_weights() == MasterWeightsMode::kNone && options_.offload_optimizer() != Offload::kHost) {
+    return model_params;
   }
-  if (classifier_) loss_ = classifier_loss(classifier_, stream_, options_.device());
+  const auto dtype = options_.master_weights() != MasterWeightsMode::kNone ? scalar_type(options_.precision())
+                                                                            : at::kFloat;
+  master_ = std::make_unique<MasterWeights>(*module_, MasterWeightsOptions()
+                                                          .dtype(dtype)
+                                                          .offload(state_on_host() ? Offload::kHost : Offload::kNone)
+                                                          .gradients(options_.offload_gradients())
+                                                          .parameters(options_.offload_parameters())
+                                                          .stream_to(options_.device()));
+  if (master_->streamed()) {
+    stream_ = classifier_ ? std::make_shared<ParameterStream>(classifier_, *master_, options_.stream())
+                          : std::make_shared<ParameterStream>(module_, *master_, options_.stream());
+  }
+  return master_->master_parameters();
+}
+
+// The optimizer's tensors of the parameters that are not frozen.
+std::vector<torch::Tensor> Trainer::trainable_of(const std::vector<torch::Tensor>& params,
+                                                 const std::vector<torch::Tensor>& model_params) const {
   std::vector<torch::Tensor> trainable;
   for (size_t i = 0; i < params.size(); ++i) {
     if (model_params[i].requires_grad()) trainable.push_back(params[i]);
@@ -334,39 +367,29 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
               ") has no parameter to train: give it other layers (PipelineOptions().balance)");
   TORCH_CHECK(!trainable.empty(), "every parameter is frozen (patterns: ",
               c10::Join(", ", options_.freeze()), "): nothing to train; freeze fewer parameters");
-  auto scaler_options = options_.grad_scaler();
-  scaler_options.enabled(scaler_options.enabled() && options_.precision() == Precision::kFP16);
-  scaler_ = std::make_unique<GradScaler>(scaler_options);
-  {
-    std::optional<UntrackedGuard> host;  // optimizer state lives with the masters
-    if (state_on_host()) host.emplace();
-    if (options_.zero_stage() == 1) {
-      const auto o = options_;
-      auto zero = std::make_unique<ZeroRedundancyOptimizer>(
-          trainable, [o](std::vector<torch::Tensor> p) { return make_optimizer(o, std::move(p)); },
-          options_.process_group());
-      zero_ = zero.get();
-      optimizer_ = std::move(zero);
-    } else {
-      optimizer_ = make_optimizer(options_, trainable);
-    }
+  return trainable;
+}
+
+// The optimizer (sharded with zero_stage 1), its state in host memory when
+// it lives with host masters.
+void Trainer::make_optimizer_over(const std::vector<torch::Tensor>& trainable) {
+  std::optional<UntrackedGuard> host;
+  if (state_on_host()) host.emplace();
+  if (options_.zero_stage() != 1) {
+    optimizer_ = make_optimizer(options_, trainable);
+    return;
   }
-  if (options_.process_group() != nullptr && !pipeline_) {
-    // With gradient offload, the masters' hooks (registered first) have
-    // moved each gradient to the host by the time DDP's hook sees it: the
-    // host masters' gradients are reduced.
-    std::vector<torch::Tensor> holders;
-    if (options_.offload_gradients() == Offload::kHost) {
-      for (size_t i = 0; i < params.size(); ++i) {
-        if (model_params[i].requires_grad()) holders.push_back(params[i]);
-      }
-    }
-    ddp_ = std::make_unique<DistributedDataParallel>(
-        module_, options_.process_group(),
-        DistributedDataParallelOptions().bucket_cap_mb(options_.bucket_cap_mb()).init_sync(false),
-        std::move(holders));
-  }
-  generator_ = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
+  const auto o = options_;
+  auto zero = std::make_unique<ZeroRedundancyOptimizer>(
+      trainable, [o](std::vector<torch::Tensor> p) { return make_optimizer(o, std::move(p)); },
+      options_.process_group());
+  zero_ = zero.get();
+  optimizer_ = std::move(zero);
+}
+
+// What recovery restores after restore_after clean steps: the first
+// micro-batch and the chains' first schedules; and its default policy.
+void Trainer::remember_first_settings() {
   first_micro_batch_ = options_.micro_batch_size();
   restore_first_schedules_ = [chains = find_chains(*module_)]() mutable {
     std::vector<Schedule> first;
@@ -378,8 +401,24 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
   if (options_.on_out_of_memory() == OnOutOfMemory::kReplan && !options_.replan()) {
     options_.replan(more_micro_batches(*module_, false));
   }
-  build_components();
 }
+
+void Trainer::make_data_parallel(const std::vector<torch::Tensor>& params,
+                                 const std::vector<torch::Tensor>& model_params) {
+  // With gradient offload, the masters' hooks (registered first) have
+  // moved each gradient to the host by the time DDP's hook sees it: the
+  // host masters' gradients are reduced.
+  std::vector<torch::Tensor> holders;
+  if (options_.offload_gradients() == Offload::kHost) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (model_params[i].requires_grad()) holders.push_back(params[i]);
+    }
+  }
+  ddp_ = std::make_unique<DistributedDataParallel>(
+      module_, options_.process_group(),
+      DistributedDataParallelOptions().bucket_cap_mb(options_.bucket_cap_mb()).init_sync(false), std::move(holders));
+}
+
 
 // The step's components, in the order the step calls them at each point.
 void Trainer::build_components() {

@@ -58,17 +58,6 @@ enum class BatchStatistics {
   kPerMicroBatch,  ///< Micro-batches may change them; the plan's text says so.
 };
 
-/// The path of the first layer of `module` that normalises with batch
-/// statistics (a BatchNorm; its path as named_modules() gives it, "" for
-/// the module itself), or nullopt when none does.
-///
-/// Example:
-/// \code
-///   torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
-///   assert(memfit::batch_statistics_layer(*net) == std::optional<std::string>("1"));
-/// \endcode
-std::optional<std::string> batch_statistics_layer(const torch::nn::Module& module);
-
 /// What the planner may choose and what the step it plans for looks like.
 struct PlanOptions {
   /// Precisions the plan may use (each is profiled).

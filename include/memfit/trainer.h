@@ -156,6 +156,17 @@ struct Replan {
 /// with, or nullopt to give up (the error then propagates).
 using OutOfMemoryPolicy = std::function<std::optional<Replan>(const OutOfMemoryEvent&)>;
 
+/// The path of the first layer of `module` that normalises with batch
+/// statistics (a BatchNorm; its path as named_modules() gives it, "" for
+/// the module itself), or nullopt when none does.
+///
+/// Example:
+/// \code
+///   torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
+///   assert(memfit::batch_statistics_layer(*net) == std::optional<std::string>("1"));
+/// \endcode
+std::optional<std::string> batch_statistics_layer(const torch::nn::Module& module);
+
 /// The Trainer's default re-planning: twice the micro-batches (half the
 /// micro-batch, down to 1 example), which gives the same gradients; then the
 /// module's chains (CheckpointedSequential) that recompute nothing recompute
@@ -694,6 +705,16 @@ class Trainer {
                double seconds);
   std::string settings_text() const;
   void check_options() const;
+  // The constructor's steps, in its order.
+  void split_into_stages();
+  void warn_if_micro_batches_change_statistics() const;
+  void place_model();
+  std::vector<torch::Tensor> make_masters(const std::vector<torch::Tensor>& model_params);
+  std::vector<torch::Tensor> trainable_of(const std::vector<torch::Tensor>& params,
+                                          const std::vector<torch::Tensor>& model_params) const;
+  void make_optimizer_over(const std::vector<torch::Tensor>& trainable);
+  void make_data_parallel(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& model_params);
+  void remember_first_settings();
   void build_components();
   StepMemory breakdown(int64_t peak, int64_t model_grad_bytes) const;
   bool state_on_host() const;
