@@ -427,70 +427,69 @@ std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
 }
 
 // `given`: the plan of --plan FILE (validate_train), or nullopt.
-int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given) {
-  const torch::Device device = parse_device(a.device);
-  // Data parallel when started by `memfit launch`, torchrun, srun or mpirun.
-  const auto world = memfit::world_from_env();
-  memfit::tools::usage_check(a.on_out_of_memory != "replan" || (a.parallel != "pipeline" && a.zero_stage == 0),
-                             "--on-out-of-memory replan re-plans data-parallel ranks together, not ",
-                             a.parallel == "pipeline" ? "a pipeline's stages" : "a sharded optimizer (--zero-stage 1)",
-                             ": use --on-out-of-memory throw (or auto)");
-  std::shared_ptr<memfit::ProcessGroup> group;
-  std::optional<c10::DeviceGuard> device_guard;
-  if (world.distributed()) {
-    if (a.dist_backend == "nccl") {
-      // One GPU per rank, as torch.cuda.set_device(local_rank) chooses it;
-      // NCCL reduces on the current device.
-      const auto gpus = static_cast<int64_t>(torch::cuda::device_count());
-      TORCH_CHECK(world.local_rank < gpus, "rank ", world.rank, " (local rank ", world.local_rank,
-                  ") needs a GPU of its own for NCCL, and this machine has ", gpus,
-                  "; start at most that many processes per machine, or use --dist-backend gloo");
-      device_guard.emplace(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(world.local_rank)));
-    }
-    group = std::make_shared<memfit::ProcessGroup>(
-        world, memfit::ProcessGroupOptions()
-                   .timeout(std::chrono::seconds(a.dist_timeout))
-                   .backend(a.dist_backend == "nccl" ? memfit::ProcessGroupBackend::kNccl
-                                                     : memfit::ProcessGroupBackend::kGloo));
-    // Rank 0 speaks for the job; the others print errors only.
-    if (world.rank != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return kExitFailure;
+namespace {
+
+// Joins the job when `memfit launch`, torchrun, srun or mpirun started this
+// process (one GPU per rank with NCCL, kept current by `device_guard`);
+// returns its process group, or nullptr alone. Rank 0 speaks for the job.
+std::shared_ptr<memfit::ProcessGroup> join_job(const TrainArgs& a, const memfit::WorldInfo& world,
+                                               std::optional<c10::DeviceGuard>& device_guard) {
+  if (!world.distributed()) return nullptr;
+  if (a.dist_backend == "nccl") {
+    // One GPU per rank, as torch.cuda.set_device(local_rank) chooses it;
+    // NCCL reduces on the current device.
+    const auto gpus = static_cast<int64_t>(torch::cuda::device_count());
+    TORCH_CHECK(world.local_rank < gpus, "rank ", world.rank, " (local rank ", world.local_rank,
+                ") needs a GPU of its own for NCCL, and this machine has ", gpus,
+                "; start at most that many processes per machine, or use --dist-backend gloo");
+    device_guard.emplace(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(world.local_rank)));
   }
-  memfit::memory_allocated(device);  // begins tracking before anything is allocated
-  torch::manual_seed(a.seed);
-  const std::string blas_warning = set_threads(a.threads, world.rank == 0);  // printed after the resume check
+  auto group = std::make_shared<memfit::ProcessGroup>(
+      world, memfit::ProcessGroupOptions()
+                 .timeout(std::chrono::seconds(a.dist_timeout))
+                 .backend(a.dist_backend == "nccl" ? memfit::ProcessGroupBackend::kNccl
+                                                   : memfit::ProcessGroupBackend::kGloo));
+  // The others print errors only.
+  TORCH_CHECK(world.rank == 0 || std::freopen("/dev/null", "w", stdout) != nullptr,
+              "rank ", world.rank, " cannot send its output to /dev/null");
+  return group;
+}
 
-  const auto workload = load_workload(a, /*with_test=*/!a.no_eval);
-  check_batch_within_data(a.batch, workload);
-  const auto& train_data = workload.train;
-  const auto& test_data = workload.test;
-
-  // --plan FILE (given): the saved plan, checked against this run once the model is built.
-  const int64_t budget = !a.budget.empty() ? memfit::parse_memory_size(a.budget) : given ? given->budget : 0;
-
-  auto chain = workload.make();
+// The model --model names, with --freeze applied, as the chain that
+// --checkpoint's schedule recomputes.
+memfit::CheckpointedSequential checkpointed_model(const TrainArgs& a, torch::nn::Sequential chain) {
   auto ck_options = parse_checkpoint(a.checkpoint);
   if (ck_options.kind() == memfit::ScheduleKind::kOptimal) {
     ck_options.budget(memfit::parse_memory_size(a.checkpoint_budget));
   }
-  const auto offloads = [&](const char* what) { return offloads_to_host(a, what); };
   for (const auto& pattern : a.freeze) {  // the names exist only once the model is built
     memfit::tools::as_usage([&] { memfit::freeze(*chain, pattern); });
   }
   ck_options.checkpoint(memfit::CheckpointOptions().offload(
-      a.offload_checkpoints || offloads("checkpoints") ? memfit::Offload::kHost
-                                                       : memfit::Offload::kNone));
-  const auto precisions = plan_precisions(a.precision, device);  // "any": the plan's choice of these
-  const bool pipelined = a.parallel == "pipeline";
-  // A pipeline's stages balance the layers' time, measured on rank 0 (its balance is used everywhere).
-  std::vector<int64_t> balance;
-  if (pipelined && world.rank == 0 && world.world_size <= static_cast<int64_t>(chain->size())) {
-    const int64_t chunk = (a.batch + a.chunks - 1) / a.chunks;
-    chain->to(device);
-    balance = memfit::balance_by_time(chain, train_data.images.narrow(0, 0, std::min(chunk, train_data.size())).to(device),
-                                      world.world_size);
+      a.offload_checkpoints || offloads_to_host(a, "checkpoints") ? memfit::Offload::kHost : memfit::Offload::kNone));
+  return memfit::CheckpointedSequential(chain, ck_options);
+}
+
+// A pipeline's stages balance the layers' time, measured on rank 0 (its
+// balance is used everywhere); empty when there is no pipeline to balance.
+std::vector<int64_t> pipeline_balance(const TrainArgs& a, const memfit::WorldInfo& world,
+                                      torch::nn::Sequential chain, const memfit::ImageDataset& data,
+                                      const torch::Device& device) {
+  if (a.parallel != "pipeline" || world.rank != 0 || world.world_size > static_cast<int64_t>(chain->size())) {
+    return {};
   }
-  memfit::CheckpointedSequential checkpointed(chain, ck_options);
-  torch::nn::Sequential model = pipelined ? chain : torch::nn::Sequential(checkpointed);
+  const int64_t chunk = (a.batch + a.chunks - 1) / a.chunks;
+  chain->to(device);
+  return memfit::balance_by_time(chain, data.images.narrow(0, 0, std::min(chunk, data.size())).to(device),
+                                 world.world_size);
+}
+
+// The TrainerOptions the flags set (a plan may change the knobs after).
+memfit::TrainerOptions trainer_options(const TrainArgs& a, const torch::Device& device, memfit::Precision precision,
+                                       std::shared_ptr<memfit::ProcessGroup> group, std::vector<int64_t> balance) {
+  const auto host = [&](const char* what) {
+    return offloads_to_host(a, what) ? memfit::Offload::kHost : memfit::Offload::kNone;
+  };
   memfit::TrainerOptions options;
   options.batch_size(a.batch)
       .prefetch_factor(a.prefetch_factor)
@@ -502,131 +501,115 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
       .seed(a.seed)
       .eval_batch_size(a.eval_batch)
       .device(device)
-      .precision(precisions.front())
+      .precision(precision)
       .master_weights(memfit::parse_master_weights_mode(a.master_weights))
       .max_grad_norm(a.clip_grad_norm)
-      .nonfinite_loss(a.skip_nonfinite ? memfit::NonfiniteLoss::kSkip
-                                       : memfit::NonfiniteLoss::kError)
+      .nonfinite_loss(a.skip_nonfinite ? memfit::NonfiniteLoss::kSkip : memfit::NonfiniteLoss::kError)
       .micro_batch_size(a.micro_batch)
-      .offload_optimizer(offloads("optimizer") ? memfit::Offload::kHost : memfit::Offload::kNone)
-      .offload_gradients(offloads("gradients") ? memfit::Offload::kHost : memfit::Offload::kNone)
-      .offload_parameters(offloads("parameters") ? memfit::Offload::kHost : memfit::Offload::kNone)
+      .offload_optimizer(host("optimizer"))
+      .offload_gradients(host("gradients"))
+      .offload_parameters(host("parameters"))
       .stream(memfit::StreamOptions().tile_bytes(a.offload_tile.empty() ? 0 : memfit::parse_memory_size(a.offload_tile)))
       .save_dir(a.save)
       .save_every(a.save_every)
-      .process_group(group)
+      .process_group(std::move(group))
       .zero_stage(a.zero_stage)
       .parallel(memfit::parse_parallel_mode(a.parallel))
       .pipeline(memfit::PipelineOptions()
                     .chunks(a.chunks)
                     .schedule(memfit::parse_pipeline_schedule(a.schedule))
                     .checkpoint(memfit::parse_pipeline_checkpoint(a.pipeline_checkpoint))
-                    .balance(balance));
+                    .balance(std::move(balance)));
+  return options;
+}
+
+// The plan for --budget or --plan FILE, applied to `options` and explained;
+// nullopt when the knobs are the flags'. Planning measures this run's own
+// step (Trainer(model, options)) in one process, saving nothing.
+std::optional<memfit::ModulePlan> plan_run(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given,
+                                           torch::nn::Sequential& model, int64_t budget,
+                                           const std::vector<memfit::Precision>& precisions,
+                                           const memfit::ImageDataset& data, memfit::TrainerOptions& options) {
   std::optional<memfit::ModulePlan> plan;
   if (planned(a)) {
-    // The planner measures this run's own step (Trainer(model, options)), in
-    // one process and saving nothing; the plan then sets its knobs.
     const auto measured = memfit::TrainerOptions(options).process_group(nullptr).zero_stage(0).save_dir("");
     const auto planning = plan_options(a, precisions);
     plan = given ? given_plan(a, *given, *model, budget, planning) : resumed_plan(a, *model, budget, planning);
-    if (!plan) plan = memfit::plan(model, sample_of(train_data, a.batch), budget, planning, measured);
+    if (!plan) plan = memfit::plan(model, sample_of(data, a.batch), budget, planning, measured);
     // Data-parallel ranks planned alike but timed apart: they train with rank 0's plan.
-    if (group) memfit::broadcast_plan(*plan, *group);
+    if (options.process_group()) memfit::broadcast_plan(*plan, *options.process_group());
     options = plan->apply(*model, options);
     // Evaluation forwards no more examples at once than a training
     // micro-batch, which the plan fitted with grad.
-    options.eval_batch_size(std::min<int64_t>(a.eval_batch, plan->settings.micro_batch() > 0
-                                                               ? plan->settings.micro_batch()
-                                                               : a.batch));
+    options.eval_batch_size(std::min<int64_t>(
+        a.eval_batch, plan->settings.micro_batch() > 0 ? plan->settings.micro_batch() : a.batch));
     fmt::print("{}", memfit::tools::with_flag_names(plan->explain()));
   }
   if (!plan && budget > 0 && a.plan == "auto") {
-    fmt::print("plan: none ({})\n", pipelined ? "the planner plans one process; a pipeline splits the model"
-                                               : "micro-batch, checkpointing, offload or master weights set by hand");
+    fmt::print("plan: none ({})\n", a.parallel == "pipeline"
+                                         ? "the planner plans one process; a pipeline splits the model"
+                                         : "micro-batch, checkpointing, offload or master weights set by hand");
   }
-  memfit::set_memory_budget(device, budget);
+  return plan;
+}
+
+// What `memfit generate` needs to build the model again (DIR/model.json),
+// and the plan that --resume trains with again (DIR/plan.json).
+void write_model_card(const TrainArgs& a, const Workload& workload, const std::optional<memfit::ModulePlan>& plan) {
+  nlohmann::json card = {{"model", a.model},     {"width", a.width},     {"depth", a.depth},
+                         {"heads", a.heads},     {"context", a.context}, {"dropout", a.dropout},
+                         {"num_classes", workload.options.num_classes()}};
+  if (workload.kind == memfit::ModelKind::kGpt) {
+    std::vector<int> vocab;
+    for (char c : workload.vocab) vocab.push_back(static_cast<unsigned char>(c));
+    card["vocab"] = vocab;
+  }
+  memfit::tools::write_model_card(a.save, card);
+  if (plan) memfit::save_plan(*plan, saved_plan_path(a.save));
+}
+
+// The run's first line: the model, the data, how the batch is split, the steps and the budget.
+void print_start(const TrainArgs& a, const memfit::WorldInfo& world, const torch::nn::Sequential& chain,
+                 const memfit::Trainer& trainer, const memfit::ImageDataset& data, int64_t budget) {
   int64_t params = 0, frozen = 0;  // of the whole model
   for (const auto& p : chain->parameters()) {
     params += p.numel();
     frozen += p.requires_grad() ? 0 : p.numel();
   }
-  const std::string schedule_text =
-      pipelined ? "none (pipeline stages)" : checkpointed->schedule().to_string();
-  // Recovery from out of memory (--on-out-of-memory): every model here is a chain, so a model with
-  // batch statistics recomputes it rather than micro-batching, unless --batch-statistics allows it.
-  if (a.on_out_of_memory == "replan" || (a.on_out_of_memory == "auto" && !pipelined && a.zero_stage == 0)) {
-    options.on_out_of_memory(memfit::OnOutOfMemory::kReplan)
-        .replan(memfit::more_micro_batches(*model, a.batch_statistics == "per-micro-batch"));
+  std::string batch = std::to_string(a.batch);
+  if (world.distributed() && a.parallel == "pipeline") {
+    batch = fmt::format("{} in {} chunks through a pipeline of {} stages ({}, layers {}, {}{}, over Gloo)", a.batch,
+                        a.chunks, world.world_size, world.source, fmt::join(trainer.options().pipeline().balance(), "+"),
+                        a.schedule, a.pipeline_checkpoint == "never" ? "" : ", checkpoint " + a.pipeline_checkpoint);
+  } else if (world.distributed()) {
+    batch = fmt::format("{} per rank × {} ranks ({}, data parallel over {}{})", a.batch, world.world_size,
+                        world.source, a.dist_backend == "nccl" ? "NCCL" : "Gloo",
+                        a.zero_stage == 1 ? ", optimizer state sharded: ZeRO stage 1" : "");
   }
-  // Ranks started with other flags are refused, each in the same line, before any step.
-  memfit::tools::as_usage([&] { memfit::check_ranks_agree(*model, options); });
-  memfit::Trainer trainer(model, options);
-  // The run's peak from here: with streamed parameters the model built in
-  // (tracked) memory has just gone to its host masters, as on a GPU, where
-  // it would have been built in host memory.
-  memfit::reset_peak_memory_stats(device);
-  if (!a.resume.empty()) {
-    // A checkpoint of other options or another model is a usage error,
-    // found before anything is written (the model card below included).
-    memfit::tools::as_usage([&] { trainer.resume(a.resume); });
-    fmt::print("resumed from {} at step {}\n", a.resume, trainer.step());
-  }
-  print_warning(blas_warning);
-  if (world.rank == 0) print_warning(precision_warning(precisions, device));
-  if (!a.save.empty() && world.rank == 0) check_save_is_ours(a);  // the folder is this run's now
-  if (!a.save.empty() && world.rank == 0) {  // what `memfit generate` needs to build the model again
-    nlohmann::json card = {{"model", a.model},     {"width", a.width},     {"depth", a.depth},
-                           {"heads", a.heads},     {"context", a.context}, {"dropout", a.dropout},
-                           {"num_classes", workload.options.num_classes()}};
-    if (workload.kind == memfit::ModelKind::kGpt) {
-      std::vector<int> vocab;
-      for (char c : workload.vocab) vocab.push_back(static_cast<unsigned char>(c));
-      card["vocab"] = vocab;
-    }
-    memfit::tools::write_model_card(a.save, card);
-    if (plan) memfit::save_plan(*plan, saved_plan_path(a.save));  // --resume trains with it again
-  }
-  if (pipelined) {  // this rank's stage keeps its layers; the others go now
-    chain = nullptr;
-    model = nullptr;
-    checkpointed = nullptr;
-  }
-
-  fmt::print("memfit train: model {} ({} parameters{}), {} training examples, batch {}{}, {} "
-             "steps, budget {}\n",
+  fmt::print("memfit train: model {} ({} parameters{}), {} training examples, batch {}{}, {} steps, budget {}\n",
              a.torchscript.empty() ? a.model : "TorchScript " + a.torchscript, params,
-             frozen > 0 ? fmt::format(", {} frozen", frozen) : std::string(),
-             train_data.size(),
-             !group ? std::to_string(a.batch)
-             : pipelined
-                 ? fmt::format("{} in {} chunks through a pipeline of {} stages ({}, layers {}, {}{}, over Gloo)",
-                               a.batch, a.chunks, world.world_size, world.source,
-                               fmt::join(trainer.options().pipeline().balance(), "+"), a.schedule,
-                               a.pipeline_checkpoint == "never" ? ""
-                                                                : ", checkpoint " + a.pipeline_checkpoint)
-                 : fmt::format("{} per rank × {} ranks ({}, data parallel over {}{})", a.batch,
-                               world.world_size, world.source, a.dist_backend == "nccl" ? "NCCL" : "Gloo",
-                               a.zero_stage == 1 ? ", optimizer state sharded: ZeRO stage 1" : ""),
-             a.micro_batch > 0 && a.micro_batch < a.batch
-                 ? fmt::format(" in micro-batches of {}", a.micro_batch)
-                 : std::string(),
-             trainer.total_steps(train_data),
-             budget > 0 ? memfit::format_bytes(budget) : std::string("none"));
+             frozen > 0 ? fmt::format(", {} frozen", frozen) : std::string(), data.size(), batch,
+             a.micro_batch > 0 && a.micro_batch < a.batch ? fmt::format(" in micro-batches of {}", a.micro_batch)
+                                                          : std::string(),
+             trainer.total_steps(data), budget > 0 ? memfit::format_bytes(budget) : std::string("none"));
   std::fflush(stdout);
+}
 
-  memfit::tools::ProgressBar bar(trainer.total_steps(train_data), a.batch, stderr,
-                                 ::isatty(fileno(stderr)) != 0);
+// Trains to the end (or to a signal), with a progress bar and the
+// library's warnings a line each. SIGINT, SIGTERM and SIGHUP (a closed
+// terminal) end the run after the step in progress, saving first with
+// --save; a second one stops at once.
+memfit::TrainReport train_with_progress(const TrainArgs& a, memfit::Trainer& trainer,
+                                        const memfit::ImageDataset& data, const torch::Device& device) {
+  memfit::tools::ProgressBar bar(trainer.total_steps(data), a.batch, stderr, ::isatty(fileno(stderr)) != 0);
   const auto start = std::chrono::steady_clock::now();
-  // SIGINT, SIGTERM and SIGHUP (a closed terminal) end the run after the
-  // step in progress, saving first with --save; a second one stops at once.
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
     std::signal(sig, [](int received) {
       g_signal = received;
       std::signal(received, SIG_DFL);
     });
   }
-  // The library's warnings during the run (a step re-planned after running out of memory), a line each.
-  memfit::compat::WarningCapture warnings;
+  memfit::compat::WarningCapture warnings;  // e.g. a step re-planned after running out of memory
   const auto print_warnings = [&warnings, &bar] {
     for (const auto& w : warnings.messages) bar.note(w);
     warnings.messages.clear();
@@ -635,17 +618,15 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
     print_warnings();
     if (g_signal != 0) trainer.request_stop();
     if (a.quiet) return;
-    const double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     bar.update(r.step, r.loss, secs, r.current_bytes, memfit::max_memory_allocated(device));
   };
   memfit::TrainReport report;
   try {
-    if (trainer.step() >= trainer.total_steps(train_data)) {
-      fmt::print("the run is complete at step {}: nothing left to train (raise --steps to go "
-                 "on)\n", trainer.step());
+    if (trainer.step() >= trainer.total_steps(data)) {
+      fmt::print("the run is complete at step {}: nothing left to train (raise --steps to go on)\n", trainer.step());
     } else {
-      report = trainer.fit(train_data, on_step);
+      report = trainer.fit(data, on_step);
     }
   } catch (...) {
     print_warnings();
@@ -662,51 +643,123 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
                a.save.empty() ? "" : fmt::format("; checkpoint saved to {}/checkpoint.pt (continue with --resume {})",
                                                  a.save, a.save));
   }
+  return report;
+}
 
-  if (!a.no_eval && !report.stopped) {
-    report.test = trainer.evaluate(test_data);
-    report.evaluated = true;
-  }
+// The run's results: loss, test accuracy, precision, schedule, peak memory.
+void print_results(const TrainArgs& a, const memfit::TrainReport& report, const Workload& workload,
+                   const std::string& schedule_text, const torch::Device& device, int64_t budget,
+                   const std::optional<memfit::ModulePlan>& plan) {
   // The run's peak: fit and evaluate each reset the peak counter (on CUDA
   // the caching allocator has only one), so take the largest they saw.
   int64_t peak = std::max(memfit::max_memory_allocated(device), report.peak_bytes);
   if (report.evaluated) peak = std::max(peak, report.test.peak_bytes);
-  fmt::print("final loss {:.4f} | {:.0f} samples/s | {:.1f} s\n", report.final_loss,
-             report.samples_per_second, report.seconds);
+  fmt::print("final loss {:.4f} | {:.0f} samples/s | {:.1f} s\n", report.final_loss, report.samples_per_second,
+             report.seconds);
   if (report.evaluated) {
     const bool text = workload.kind == memfit::ModelKind::kGpt;
-    fmt::print("test accuracy {:.2f}% ({}, loss {:.4f}{}, evaluated under no-grad)\n",
-               100.0 * report.test.accuracy,
-               text ? fmt::format("next byte of {} sequences of {}", test_data.size(), a.context)
-                    : fmt::format("{} examples", test_data.size()),
+    const auto& test = workload.test;
+    fmt::print("test accuracy {:.2f}% ({}, loss {:.4f}{}, evaluated under no-grad)\n", 100.0 * report.test.accuracy,
+               text ? fmt::format("next byte of {} sequences of {}", test.size(), a.context)
+                    : fmt::format("{} examples", test.size()),
                report.test.loss, text ? fmt::format(", perplexity {:.2f}", std::exp(report.test.loss)) : "");
   }
   fmt::print("precision {}{}{}\n", report.precision,
-             a.master_weights != "none"
-                 ? fmt::format(", parameters in {} with fp32 master weights on the {}",
-                               report.precision, a.master_weights)
-                 : std::string(),
-             report.final_scale > 0 ? fmt::format(", loss scale {:g}, {} steps skipped",
-                                                  report.final_scale, report.skipped_steps)
-                                    : std::string());
+             a.master_weights != "none" ? fmt::format(", parameters in {} with fp32 master weights on the {}",
+                                                      report.precision, a.master_weights)
+                                        : std::string(),
+             report.final_scale > 0
+                 ? fmt::format(", loss scale {:g}, {} steps skipped", report.final_scale, report.skipped_steps)
+                 : std::string());
   fmt::print("checkpoint schedule: {} (layers [begin,end), * recomputed)\n", schedule_text);
   fmt::print("peak memory {} ({} bytes){}{}\n", memfit::format_bytes(peak), peak,
              budget > 0 ? fmt::format(" of budget {}", memfit::format_bytes(budget)) : "",
-             plan ? fmt::format("; the plan predicted {} for a step",
-                                memfit::format_bytes(plan->predicted.peak_bytes))
+             plan ? fmt::format("; the plan predicted {} for a step", memfit::format_bytes(plan->predicted.peak_bytes))
                   : std::string());
   fmt::print("peak of the largest training step:\n{}", report.step_memory.table());
   if (!a.save.empty() && !report.stopped) fmt::print("checkpoint saved to {}/checkpoint.pt\n", a.save);
-  if (!a.report.empty() && world.rank == 0) {
-    auto json = nlohmann::json::parse(report.to_json());
-    json["environment"] = nlohmann::json::parse(memfit::environment().to_json());
-    if (plan) {
-      json["plan"] = nlohmann::json::parse(plan->to_json());
-      json["summary"]["predicted_peak_bytes"] = plan->predicted.peak_bytes;
-    }
-    memfit::write_file_atomically(a.report, json.dump(2) + "\n");
-    fmt::print("report written to {}\n", a.report);
+}
+
+// --report: the run's JSON with the environment and the plan.
+void write_report(const TrainArgs& a, const memfit::TrainReport& report, const std::optional<memfit::ModulePlan>& plan) {
+  auto json = nlohmann::json::parse(report.to_json());
+  json["environment"] = nlohmann::json::parse(memfit::environment().to_json());
+  if (plan) {
+    json["plan"] = nlohmann::json::parse(plan->to_json());
+    json["summary"]["predicted_peak_bytes"] = plan->predicted.peak_bytes;
   }
+  memfit::write_file_atomically(a.report, json.dump(2) + "\n");
+  fmt::print("report written to {}\n", a.report);
+}
+
+} // namespace
+
+int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given) {
+  const torch::Device device = parse_device(a.device);
+  const auto world = memfit::world_from_env();
+  memfit::tools::usage_check(a.on_out_of_memory != "replan" || (a.parallel != "pipeline" && a.zero_stage == 0),
+                             "--on-out-of-memory replan re-plans data-parallel ranks together, not ",
+                             a.parallel == "pipeline" ? "a pipeline's stages" : "a sharded optimizer (--zero-stage 1)",
+                             ": use --on-out-of-memory throw (or auto)");
+  std::optional<c10::DeviceGuard> device_guard;
+  auto group = join_job(a, world, device_guard);
+  memfit::memory_allocated(device);  // begins tracking before anything is allocated
+  torch::manual_seed(a.seed);
+  const std::string blas_warning = set_threads(a.threads, world.rank == 0);  // printed after the resume check
+  const auto workload = load_workload(a, /*with_test=*/!a.no_eval);
+  check_batch_within_data(a.batch, workload);
+  // --plan FILE (given): the saved plan, checked against this run once the model is built.
+  const int64_t budget = !a.budget.empty() ? memfit::parse_memory_size(a.budget) : given ? given->budget : 0;
+
+  torch::nn::Sequential chain = workload.make();
+  auto checkpointed = checkpointed_model(a, chain);
+  const bool pipelined = a.parallel == "pipeline";
+  const auto precisions = plan_precisions(a.precision, device);  // "any": the plan's choice of these
+  auto options = trainer_options(a, device, precisions.front(), group,
+                                 pipeline_balance(a, world, chain, workload.train, device));
+  torch::nn::Sequential model = pipelined ? chain : torch::nn::Sequential(checkpointed);
+  const auto plan = plan_run(a, given, model, budget, precisions, workload.train, options);
+  // Recovery from out of memory (--on-out-of-memory): every model here is a
+  // chain, so a model with batch statistics recomputes it rather than
+  // micro-batching, unless --batch-statistics allows it.
+  if (a.on_out_of_memory == "replan" || (a.on_out_of_memory == "auto" && !pipelined && a.zero_stage == 0)) {
+    options.on_out_of_memory(memfit::OnOutOfMemory::kReplan)
+        .replan(memfit::more_micro_batches(*model, a.batch_statistics == "per-micro-batch"));
+  }
+  memfit::set_memory_budget(device, budget);
+  const std::string schedule_text = pipelined ? "none (pipeline stages)" : checkpointed->schedule().to_string();
+  // Ranks started with other flags are refused, each in the same line, before any step.
+  memfit::tools::as_usage([&] { memfit::check_ranks_agree(*model, options); });
+  memfit::Trainer trainer(model, options);
+  // The run's peak from here: with streamed parameters the model built in
+  // (tracked) memory has just gone to its host masters, as on a GPU, where
+  // it would have been built in host memory.
+  memfit::reset_peak_memory_stats(device);
+  if (!a.resume.empty()) {
+    // A checkpoint of other options or another model is a usage error,
+    // found before anything is written (the model card below included).
+    memfit::tools::as_usage([&] { trainer.resume(a.resume); });
+    fmt::print("resumed from {} at step {}\n", a.resume, trainer.step());
+  }
+  print_warning(blas_warning);
+  if (world.rank == 0) print_warning(precision_warning(precisions, device));
+  if (!a.save.empty() && world.rank == 0) {
+    check_save_is_ours(a);  // the folder is this run's now
+    write_model_card(a, workload, plan);
+  }
+  print_start(a, world, chain, trainer, workload.train, budget);
+  if (pipelined) {  // this rank's stage keeps its layers; the others go now
+    chain = nullptr;
+    model = nullptr;
+    checkpointed = nullptr;
+  }
+  auto report = train_with_progress(a, trainer, workload.train, device);
+  if (!a.no_eval && !report.stopped) {
+    report.test = trainer.evaluate(workload.test);
+    report.evaluated = true;
+  }
+  print_results(a, report, workload, schedule_text, device, budget, plan);
+  if (!a.report.empty() && world.rank == 0) write_report(a, report, plan);
   return report.stopped ? 128 + static_cast<int>(g_signal) : 0;  // as a shell reports the signal
 }
 
