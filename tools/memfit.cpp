@@ -5,7 +5,6 @@
 #include "compat.h"
 #include "memfit/environment.h"
 #include "memfit/optim.h"
-#include "memfit/state.h"
 #include "generate.h"
 #include "launch.h"
 #include "plan.h"
@@ -17,9 +16,6 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
-#include <filesystem>
-#include <fstream>
-#include <sstream>
 
 using namespace memfit::tools;
 
@@ -46,13 +42,8 @@ int main(int argc, char** argv) {
   memfit::tools::add_launch_command(app, launch_args);
   memfit::tools::GenerateArgs generate_args;
   memfit::tools::add_generate_command(app, generate_args);
-  std::string report_in, report_out;
-  auto* report = app.add_subcommand(
-      "report", "Write one self-contained HTML page from a `memfit train --report` JSON: the "
-                "memory timeline of the largest step by category, each step's peak against the "
-                "plan and the budget, the loss curve and the plan");
-  report->add_option("run", report_in, "The run's JSON report")->required()->check(CLI::ExistingFile);
-  report->add_option("-o,--output", report_out, "The HTML file to write")->required();
+  ReportArgs report_args;
+  add_report_command(app, report_args);
 
   try {
     app.parse(argc, argv);
@@ -85,24 +76,7 @@ int main(int argc, char** argv) {
       validate_model_command(plan_args);
       return run_model_command(plan_args, command);
     }
-    if (app.got_subcommand("report")) {
-      memfit::tools::check_output("--output", report_out, {report_in});
-      std::ifstream is(report_in);
-      std::stringstream text;
-      text << is.rdbuf();
-      const std::string title = "memfit run " + std::filesystem::path(report_in).filename().string();
-      // A file that is not a report memfit wrote is the caller's mistake: a usage error, before any output.
-      const std::string html = memfit::tools::as_usage([&] {
-        try {
-          return memfit::tools::report_html(text.str(), title);
-        } catch (const c10::Error& e) {
-          TORCH_CHECK(false, report_in, ": ", e.msg());
-        }
-      });
-      memfit::write_file_atomically(report_out, html);
-      fmt::print("report written to {}\n", report_out);
-      return 0;
-    }
+    if (app.got_subcommand("report")) return run_report(report_args);
   } catch (const memfit::tools::UsageError& e) {
     fmt::print(stderr, "{}: error: {} (see '{} --help')\n", where, memfit::tools::with_flag_names(e.what()), where);
     return kExitUsage;

@@ -1,7 +1,13 @@
 #include "report.h"
+#include "usage.h"
+
+#include "memfit/state.h"
 
 #include <fmt/format.h>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include <c10/util/Exception.h>
@@ -243,6 +249,34 @@ svg {{ background: #fafafa; border: 1px solid #ddd; }}
                      fmt::arg("plan", plan), fmt::arg("data", data), fmt::arg("script", kScript));
 }
 } // namespace
+
+void add_report_command(CLI::App& app, ReportArgs& args) {
+  auto* report = app.add_subcommand(
+      "report", "Write one self-contained HTML page from a `memfit train --report` JSON: the "
+                "memory timeline of the largest step by category, each step's peak against the "
+                "plan and the budget, the loss curve and the plan");
+  report->add_option("run", args.run, "The run's JSON report")->required()->check(CLI::ExistingFile);
+  report->add_option("-o,--output", args.output, "The HTML file to write")->required();
+}
+
+int run_report(const ReportArgs& args) {
+  check_output("--output", args.output, {args.run});
+  std::ifstream is(args.run);
+  std::stringstream text;
+  text << is.rdbuf();
+  const std::string title = "memfit run " + std::filesystem::path(args.run).filename().string();
+  // A file that is not a report memfit wrote is the caller's mistake: a usage error, before any output.
+  const std::string html = as_usage([&] {
+    try {
+      return report_html(text.str(), title);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, args.run, ": ", e.msg());
+    }
+  });
+  memfit::write_file_atomically(args.output, html);
+  fmt::print("report written to {}\n", args.output);
+  return 0;
+}
 
 } // namespace tools
 } // namespace memfit

@@ -1,10 +1,25 @@
 #pragma once
 // memfit report: one self-contained HTML page from a `memfit train --report` JSON.
 
+#include <CLI/CLI.hpp>
+
 #include <string>
 
 namespace memfit {
 namespace tools {
+
+/// What `memfit report` was asked.
+struct ReportArgs {
+  std::string run;     ///< The run's JSON report (memfit train --report).
+  std::string output;  ///< The HTML file to write.
+};
+
+/// Adds the `report` subcommand to `app`.
+void add_report_command(CLI::App& app, ReportArgs& args);
+
+/// Writes the page; a file that is not a report memfit wrote is a usage
+/// error (before any output). Returns the exit code.
+int run_report(const ReportArgs& args);
 
 /// The HTML page for the run report `json_text`: the memory of the largest
 /// step phase by phase and by category, the peak of every step with the
