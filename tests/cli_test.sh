@@ -304,6 +304,11 @@ expect save-plan-not-a-file 2 "plan.json" err -- "${planned[@]}" --steps 1 --sav
 
 # Plan once, train many: `memfit plan --save FILE`, then `train --plan FILE`
 # trains with that plan under its budget, planning nothing.
+# The CLI names its flags, never the planner's C++ options (PlanOptions::...).
+expect plan-names-the-budget-flag 0 'above the budget \(--budget\)' out -- plan --model mlp --batch 256 --budget 256KiB
+check plan-names-no-cpp-option lacks 'PlanOptions::' "$tmp/out"
+expect train-names-the-planners-margin 1 "after the planner's 97% margin" err -- train --model mlp --budget 4096 --steps 1
+check train-names-no-cpp-option lacks 'PlanOptions::' "$tmp/err"
 expect plan-save 0 'chosen: micro-batch' out -- plan --model mlp --width 32 --depth 1 --batch 64 --budget 1MiB \
   --save "$tmp/mlp-plan.json"
 check plan-save-writes-the-plan grep -q '"format": "memfit.module_plan.v1"' "$tmp/mlp-plan.json"

@@ -144,7 +144,7 @@ int run_model_command(const PlanArgs& a, ModelCommand command) {
     fmt::print("{}\n", j.dump(2));
     return rc;
   }
-  fmt::print("{}{}", found.explain(),
+  fmt::print("{}{}", memfit::tools::with_flag_names(found.explain()),
              logical ? fmt::format("any logical batch fits with micro-batching; for --batch {}:\n{}", a.batch,
                                    memfit::tools::with_flag_names(logical->explain()))
                      : std::string());

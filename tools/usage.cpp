@@ -1,6 +1,7 @@
 #include "usage.h"
 
 #include "memfit/memory.h"
+#include "memfit/plan.h"
 #include "memfit/state.h"
 
 #include <fmt/format.h>
@@ -100,16 +101,22 @@ std::string with_flag_names(std::string message) {
       {"PlanOptions::selective_recompute", "--selective-recompute"},
       {"PlanOptions::batch_statistics(kPerMicroBatch)", "--batch-statistics per-micro-batch"},
       {"PlanOptions::batch_statistics", "--batch-statistics"},
+      {"PlanOptions::profile_budget", "the budget (--budget)"},
       {"NonfiniteLoss::kSkip", "--skip-nonfinite"},
       {"TrainerOptions::max_grad_norm", "--clip-grad-norm"},
       {"load_plan: ", ""},
       {"with save_plan", "with `memfit plan --save`"},
       {"that save_plan wrote", "that `memfit plan --save` wrote"},
   };
+  // The planner's margin has no flag: the CLI keeps PlanOptions' default.
+  static const std::string margin = fmt::format("the planner's {:g}% margin", 100 * memfit::PlanOptions().margin());
   for (const auto& [cpp, flag] : names) {
     for (auto at = message.find(cpp); at != std::string::npos; at = message.find(cpp, at)) {
       message.replace(at, std::string(cpp).size(), flag);
     }
+  }
+  for (auto at = message.find("PlanOptions::margin"); at != std::string::npos; at = message.find("PlanOptions::margin", at)) {
+    message.replace(at, std::string("PlanOptions::margin").size(), margin);
   }
   return message;
 }
