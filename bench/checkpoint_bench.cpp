@@ -40,6 +40,7 @@
 
 #include "memfit/memory.h"
 #include "memfit/models.h"
+#include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
 
 #include "bench_util.h"

@@ -80,6 +80,7 @@
 #include "memfit/models.h"
 #include "memfit/module_plan.h"
 #include "memfit/plan.h"
+#include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
 #include "memfit/trainer.h"
 

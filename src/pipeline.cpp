@@ -2,6 +2,7 @@
 
 #include "memfit/memory.h"
 #include "memfit/profile.h"
+#include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
 
 #include <torch/autograd.h>

@@ -3,8 +3,6 @@
 #include "memfit/memory.h"
 
 #include <torch/autograd.h>
-#include <torch/nn/modules/activation.h>
-#include <torch/nn/modules/dropout.h>
 
 #include <fmt/format.h>
 
@@ -305,27 +303,6 @@ class Solver {
   std::vector<double> prefix_forward_;
 };
 
-bool module_is_in_place(torch::nn::AnyModule& m) {
-  const auto p = m.ptr();
-#define MEMFIT_INPLACE(Type) \
-  if (auto* q = p->as<torch::nn::Type>()) return q->options.inplace();
-  MEMFIT_INPLACE(ReLU)
-  MEMFIT_INPLACE(ReLU6)
-  MEMFIT_INPLACE(LeakyReLU)
-  MEMFIT_INPLACE(ELU)
-  MEMFIT_INPLACE(SELU)
-  MEMFIT_INPLACE(CELU)
-  MEMFIT_INPLACE(RReLU)
-  MEMFIT_INPLACE(Hardtanh)
-  MEMFIT_INPLACE(Threshold)
-  MEMFIT_INPLACE(Dropout)
-  MEMFIT_INPLACE(Dropout2d)
-  MEMFIT_INPLACE(Dropout3d)
-  MEMFIT_INPLACE(AlphaDropout)
-  MEMFIT_INPLACE(FeatureAlphaDropout)
-#undef MEMFIT_INPLACE
-  return false;
-}
 
 } // namespace
 
@@ -513,107 +490,6 @@ Schedule solve_optimal(const ChainCosts& costs, int64_t budget, const SolverOpti
                 least, " bytes); raise the budget to at least that or lower the batch size");
   }
   return Schedule{solver.build(0, n, units.capacity, /*keep=*/true)};
-}
-
-CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential sequential,
-                                                       CheckpointedSequentialOptions options)
-    : sequential_(std::move(sequential)), options_(std::move(options)) {
-  TORCH_CHECK(!sequential_.is_empty() && sequential_->size() > 0,
-              "CheckpointedSequential needs a non-empty Sequential");
-  reset();
-}
-
-void CheckpointedSequentialImpl::reset() {
-  register_module("sequential", sequential_);
-  modules_.assign(sequential_->begin(), sequential_->end());
-  in_place_.clear();
-  for (auto& m : modules_) in_place_.push_back(module_is_in_place(m));
-  const auto n = static_cast<int64_t>(modules_.size());
-  switch (options_.kind()) {
-    case ScheduleKind::kNone:
-      schedule_ = schedule_none(n);
-      break;
-    case ScheduleKind::kEvery:
-      schedule_ = avoid_in_place_starts(schedule_every(n, options_.k()), in_place_);
-      break;
-    case ScheduleKind::kUniform:
-      schedule_ = avoid_in_place_starts(schedule_uniform(n, options_.k()), in_place_);
-      break;
-    case ScheduleKind::kSqrt:
-      schedule_ = avoid_in_place_starts(schedule_sqrt(n), in_place_);
-      break;
-    case ScheduleKind::kOptimal:
-      TORCH_CHECK(options_.budget() > 0,
-                  "CheckpointedSequential with the optimal schedule needs budget(bytes) > 0, got ",
-                  options_.budget());
-      schedule_ = Schedule{};
-      break;
-  }
-}
-
-void CheckpointedSequentialImpl::plan(const torch::Tensor& sample_input) {
-  if (options_.kind() != ScheduleKind::kOptimal) return;
-  auto costs = costs_from_profile(profile_chain(sequential_, sample_input));
-  for (size_t i = 0; i < in_place_.size(); ++i) costs.in_place[i] = costs.in_place[i] || in_place_[i];
-  schedule_ = solve_optimal(costs, options_.budget(), options_.solver());
-}
-
-void CheckpointedSequentialImpl::set_schedule(Schedule schedule) {
-  if (schedule.segments.empty() && options_.kind() == ScheduleKind::kOptimal) {
-    schedule_ = Schedule{};  // not planned yet: the next forward with grad plans
-    return;
-  }
-  schedule.validate(static_cast<int64_t>(modules_.size()));
-  schedule_ = std::move(schedule);
-}
-
-torch::Tensor CheckpointedSequentialImpl::forward(const torch::Tensor& input) {
-  if (!torch::autograd::GradMode::is_enabled()) {
-    torch::Tensor x = input;
-    for (size_t i = 0; i < modules_.size(); ++i) x = run_layer(static_cast<int64_t>(i), x);
-    return x;
-  }
-  if (schedule_.segments.empty()) plan(input);
-  return run(schedule_.segments, input);
-}
-
-torch::Tensor CheckpointedSequentialImpl::run(const std::vector<Segment>& segments,
-                                              torch::Tensor x) {
-  for (const auto& s : segments) {
-    if (!s.checkpointed) {
-      for (int64_t i = s.begin; i < s.end; ++i) x = run_layer(i, x);
-      continue;
-    }
-    // The recomputation may run after the schedule is replaced: keep a copy.
-    auto inner = std::make_shared<const std::vector<Segment>>(s.inner);
-    x = checkpoint([this, inner](const torch::Tensor& in) { return run(*inner, in); }, x,
-                   options_.checkpoint());
-  }
-  return x;
-}
-
-torch::Tensor CheckpointedSequentialImpl::run_layer(int64_t i, const torch::Tensor& x) {
-  auto& m = modules_[static_cast<size_t>(i)];
-  return runner_ ? runner_(i, m, x) : m.forward(x);
-}
-
-std::vector<FoundChain> find_chains(const torch::nn::Module& module) {
-  std::vector<FoundChain> out;
-  if (auto* self = dynamic_cast<const CheckpointedSequentialImpl*>(&module)) {
-    auto ptr = std::const_pointer_cast<CheckpointedSequentialImpl>(
-        std::dynamic_pointer_cast<const CheckpointedSequentialImpl>(self->shared_from_this()));
-    out.push_back({"", CheckpointedSequential(ptr)});
-    return out;  // every other chain is inside its layers
-  }
-  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
-    auto chain = std::dynamic_pointer_cast<CheckpointedSequentialImpl>(item.value());
-    if (!chain) continue;
-    const bool nested = std::any_of(out.begin(), out.end(), [&](const FoundChain& c) {
-      return item.key().rfind(c.name + ".", 0) == 0;
-    });
-    if (!nested) out.push_back({item.key(), CheckpointedSequential(chain)});
-  }
-  return out;
 }
 
 } // namespace memfit

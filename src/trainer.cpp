@@ -1,5 +1,6 @@
 #include "memfit/trainer.h"
 
+#include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
 
 #include "compat.h"

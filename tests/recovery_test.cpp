@@ -5,6 +5,7 @@
 #include "compat.h"
 #include "memfit/memory.h"
 #include "memfit/optim.h"
+#include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
 #include "memfit/trainer.h"
 #include "test_util.h"

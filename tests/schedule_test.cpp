@@ -1,3 +1,4 @@
+#include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
 
 #include "test_util.h"

@@ -1,6 +1,7 @@
 #include "memfit/stream.h"
 
 #include "memfit/models.h"
+#include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
 #include "memfit/trainer.h"
 

@@ -3,6 +3,7 @@
 
 #include "memfit/data.h"
 #include "memfit/models.h"
+#include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
 #include "memfit/state.h"
 #include "memfit/trainer.h"

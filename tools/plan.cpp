@@ -6,6 +6,7 @@
 #include "memfit/module_plan.h"
 #include "memfit/plan.h"
 #include "memfit/precision.h"
+#include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
 #include "memfit/state.h"
 #include "memfit/trainer.h"

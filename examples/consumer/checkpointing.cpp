@@ -2,7 +2,7 @@
 // sqrt(n) segments, and with the optimal schedule for half the activation
 // memory; gradients are equal, peaks drop.
 #include <memfit/memory.h>
-#include <memfit/schedule.h>
+#include <memfit/checkpoint.h>
 
 #include <torch/torch.h>
 

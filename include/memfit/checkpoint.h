@@ -23,6 +23,10 @@
 /// recomputation (as in PyTorch): CheckpointedSequential keeps its segment
 /// boundaries off such layers.
 ///
+/// CheckpointedSequential runs a Sequential with a checkpoint schedule
+/// (schedule.h): the chain that the planner, recovery and the parameter
+/// stream find inside a module (find_chains).
+///
 /// Thread safety: reentrant like autograd itself; the function runs again on
 /// the thread that runs backward. Sync points: none added (offloading copies
 /// are asynchronous on CUDA). Extra memory: the inputs (or, offloaded, host
@@ -31,14 +35,18 @@
 /// the recomputed activations of one checkpoint at a time.
 
 #include "memfit/memory.h"
+#include "memfit/schedule.h"
 
 #include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch//nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
 #include <functional>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -250,5 +258,106 @@ template <class M>
 bool selective_recompute(const torch::nn::ModuleHolder<M>& module) {
   return !module.is_empty() && selective_recompute(*module);
 }
+
+/// Options of CheckpointedSequential.
+struct CheckpointedSequentialOptions {
+  /// Which schedule.
+  TORCH_ARG(ScheduleKind, kind) = ScheduleKind::kNone;
+  /// kEvery: layers per segment; kUniform: number of segments.
+  TORCH_ARG(int64_t, k) = 0;
+  /// kOptimal: the budget for the chain's activations in bytes (the input and
+  /// the parameters excluded).
+  TORCH_ARG(int64_t, budget) = 0;
+  /// kOptimal: the solver's resolution.
+  TORCH_ARG(SolverOptions, solver) = SolverOptions();
+  /// Options of each checkpoint (RNG state, offload).
+  TORCH_ARG(CheckpointOptions, checkpoint) = CheckpointOptions();
+};
+
+/// Runs layer `index` of a CheckpointedSequential on `input` in place of
+/// `module.forward(input)`, as a ParameterStream (stream.h) does to bring the
+/// layer's parameters to the device around it.
+using LayerRunner = std::function<torch::Tensor(int64_t index, torch::nn::AnyModule& module,
+                                                const torch::Tensor& input)>;
+
+/// A module that runs a Sequential with a checkpoint schedule.
+///
+/// The standard kinds are built in the constructor. kOptimal profiles the chain
+/// on the first forward with grad (or when plan() is called) and solves for
+/// the budget. A segment boundary that would start a checkpoint at an in-place
+/// layer (ReLU(inplace), Dropout(inplace), ...) moves one layer later, since
+/// recomputation needs the segment's original input. Gradients equal the plain
+/// Sequential's bitwise (fp32, CPU); BatchNorm layers inside a checkpointed
+/// segment update their running statistics again when recomputed (as in
+/// PyTorch).
+///
+/// Example:
+/// \code
+///   torch::nn::Sequential chain;
+///   for (int i = 0; i < 16; ++i) chain->push_back(torch::nn::Linear(32, 32));
+///   memfit::CheckpointedSequential model(
+///       chain, memfit::CheckpointedSequentialOptions().kind(memfit::ScheduleKind::kSqrt));
+///   model->forward(torch::randn({8, 32})).sum().backward();
+/// \endcode
+class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSequentialImpl> {
+ public:
+  /// Wraps `sequential` (its layers stay shared) and builds the schedule.
+  CheckpointedSequentialImpl(torch::nn::Sequential sequential,
+                             CheckpointedSequentialOptions options = CheckpointedSequentialOptions());
+
+  /// Re-creates the wrapped Sequential's registration (Cloneable).
+  void reset() override;
+  /// Runs the layers with the schedule (plainly under no-grad).
+  torch::Tensor forward(const torch::Tensor& input);
+  /// kOptimal: profiles the chain on `sample_input` and solves; other kinds: no-op.
+  void plan(const torch::Tensor& sample_input);
+  /// Replaces the schedule (validated against the number of layers; with
+  /// kOptimal, an empty one means not planned yet).
+  void set_schedule(Schedule schedule);
+  /// The schedule in use (empty before kOptimal has been planned).
+  const Schedule& schedule() const { return schedule_; }
+  /// The wrapped Sequential.
+  const torch::nn::Sequential& sequential() const { return sequential_; }
+  /// Whether layer i modifies its input in place (as detected from its type).
+  const std::vector<bool>& in_place() const { return in_place_; }
+  /// Runs every layer through `runner` from now on, in forward and in
+  /// recomputations; nullptr: through the layers' own forward. Not thread-safe
+  /// against a running forward or backward.
+  void set_layer_runner(LayerRunner runner) { runner_ = std::move(runner); }
+  /// The runner set by set_layer_runner (nullptr: none).
+  const LayerRunner& layer_runner() const { return runner_; }
+
+ private:
+  torch::Tensor run(const std::vector<Segment>& segments, torch::Tensor x);
+  torch::Tensor run_layer(int64_t i, const torch::Tensor& x);
+
+  torch::nn::Sequential sequential_;
+  CheckpointedSequentialOptions options_;
+  std::vector<torch::nn::AnyModule> modules_;
+  std::vector<bool> in_place_;
+  Schedule schedule_;
+  LayerRunner runner_;
+};
+TORCH_MODULE(CheckpointedSequential);
+
+/// A chain found inside a module.
+struct FoundChain {
+  std::string name;              ///< Its path inside the module, as named_modules() gives it.
+  CheckpointedSequential chain;  ///< The chain (shared with the module).
+};
+
+/// Every outermost CheckpointedSequential inside `module` (the module itself
+/// included), in registration order; chains inside a chain's layers belong
+/// to those layers.
+///
+/// Example:
+/// \code
+///   torch::nn::Sequential blocks(torch::nn::Linear(8, 8), torch::nn::ReLU());
+///   auto net = std::make_shared<torch::nn::Module>();
+///   net->register_module("blocks", memfit::CheckpointedSequential(blocks));
+///   auto chains = memfit::find_chains(*net);
+///   assert(chains.size() == 1 && chains[0].name == "blocks");
+/// \endcode
+std::vector<FoundChain> find_chains(const torch::nn::Module& module);
 
 } // namespace memfit

@@ -61,6 +61,7 @@
 
 #include "memfit/batch.h"
 #include "memfit/plan.h"
+#include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
 #include "memfit/trainer.h"
 

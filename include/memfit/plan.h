@@ -26,6 +26,7 @@
 
 #include "memfit/memory.h"
 #include "memfit/precision.h"
+#include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
 #include "memfit/trainer.h"
 
