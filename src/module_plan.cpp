@@ -1139,6 +1139,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget, int64_t batch) {
   out.budget = budget;
   out.batch = batch;
   out.model = model_signature(*model.impl_->probe.module);
+  out.optimizer = optimizer_signature(model.impl_->base);
   for (const auto& f : chains) out.chains.push_back(f.name);
   const auto plain = model.predict(batch, model.impl_->plain_settings(), {});
   out.plain_peak_bytes = plain.peak_bytes;
@@ -1278,6 +1279,19 @@ std::string model_signature(const torch::nn::Module& module) {
   return fmt::format("{} tensors of {} values, shapes' CRC-32 {:08x}", tensors, values, crc);
 }
 
+std::string optimizer_signature(const TrainerOptions& options) {
+  if (options.optimizer_factory()) return "optimizer_factory's";
+  switch (options.optimizer()) {
+    case OptimizerKind::kAdam:
+      return "Adam";
+    case OptimizerKind::kAdamW:
+      return "AdamW";
+    case OptimizerKind::kSGD:
+      return options.momentum() != 0 ? "SGD with momentum" : "SGD";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled optimizer kind");
+}
+
 void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root) {
   detail::broadcast_plan_wire(
       plan, group, root,
@@ -1285,11 +1299,13 @@ void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root) {
         wire["chains"] = plan.chains;
         wire["schedules"] = detail::schedules_wire(plan.schedules);
         wire["model"] = plan.model;
+        wire["optimizer"] = plan.optimizer;
       },
       [&](const nlohmann::json& wire) {
         plan.chains = wire.at("chains").get<std::vector<std::string>>();
         plan.schedules = detail::schedules_from_wire(wire.at("schedules"));
         plan.model = wire.at("model").get<std::string>();
+        plan.optimizer = wire.at("optimizer").get<std::string>();
       });
 }
 
@@ -1303,6 +1319,7 @@ void save_plan(const ModulePlan& plan, const std::string& path) {
   wire["chains"] = plan.chains;
   wire["schedules"] = detail::schedules_wire(plan.schedules);
   if (!plan.model.empty()) wire["model"] = plan.model;
+  if (!plan.optimizer.empty()) wire["optimizer"] = plan.optimizer;
   write_file_atomically(path, wire.dump(2) + "\n");
 }
 
@@ -1341,6 +1358,11 @@ ModulePlan load_plan(const std::string& path) {
       TORCH_CHECK(wire["model"].is_string(), "\"model\" is ", wire["model"].type_name(), ", not a string");
       plan.model = wire["model"].get<std::string>();
     }
+    if (wire.contains("optimizer")) {
+      TORCH_CHECK(wire["optimizer"].is_string(), "\"optimizer\" is ", wire["optimizer"].type_name(),
+                  ", not a string");
+      plan.optimizer = wire["optimizer"].get<std::string>();
+    }
   } catch (const nlohmann::json::exception& e) {
     TORCH_CHECK(false, path, " is damaged (", json_error_text(e), "): write it again with save_plan");
   } catch (const c10::Error& e) {
@@ -1352,10 +1374,14 @@ ModulePlan load_plan(const std::string& path) {
 }
 
 std::string plan_mismatch(const ModulePlan& plan, const torch::nn::Module& module, int64_t batch, int64_t budget,
-                          const PlanOptions& options) {
+                          const PlanOptions& options, const TrainerOptions& base) {
   const auto& s = plan.settings;
   if (!plan.model.empty() && plan.model != model_signature(module)) {
     return fmt::format("it was made for another model ({}), not this one ({})", plan.model, model_signature(module));
+  }
+  if (!plan.optimizer.empty() && plan.optimizer != optimizer_signature(base)) {
+    return fmt::format("its steps were measured with the optimizer {}, not {}", plan.optimizer,
+                       optimizer_signature(base));
   }
   if (plan.budget != budget) {
     return fmt::format("it was made for a budget of {}, not {}", format_bytes(plan.budget), format_bytes(budget));

@@ -325,6 +325,9 @@ usage plan-file-other-budget 'it was made for a budget of 1.00 MiB, not 2.00 MiB
   train --model mlp --width 32 --depth 1 --batch 64 --budget 2MiB --plan "$tmp/mlp-plan.json" --steps 2 --no-eval -q
 usage plan-file-other-model 'does not suit this run: it was made for another model \([0-9]+ tensors of [0-9]+ values' \
   train --model mlp --width 48 --depth 1 --batch 64 --plan "$tmp/mlp-plan.json" --steps 2 --no-eval -q
+check plan-file-records-the-optimizer grep -q '"optimizer": "Adam"' "$tmp/mlp-plan.json"
+usage plan-file-other-optimizer 'does not suit this run: its steps were measured with the optimizer Adam, not SGD with momentum' \
+  train --model mlp --width 32 --depth 1 --batch 64 --optimizer sgd --plan "$tmp/mlp-plan.json" --steps 2 --no-eval -q
 usage plan-file-missing "--plan $tmp/none.json: neither auto, none nor a plan's file" \
   train --model mlp --plan "$tmp/none.json" --steps 2
 usage plan-file-and-knobs '--plan .* sets the micro-batch, checkpointing and offload itself' \

@@ -607,6 +607,8 @@ TEST_F(DocExamples, ModelSignature) {
   auto a = memfit::make_mlp(memfit::ModelOptions().width(16).depth(1));
   auto b = memfit::make_mlp(memfit::ModelOptions().width(24).depth(1));
   EXPECT_TRUE(memfit::model_signature(*a) != memfit::model_signature(*b));
+  EXPECT_EQ(memfit::optimizer_signature(memfit::TrainerOptions()), "Adam");  // optimizer_signature
+  EXPECT_EQ(memfit::optimizer_signature(memfit::TrainerOptions().optimizer(memfit::OptimizerKind::kSGD).momentum(0)), "SGD");
 }
 
 TEST_F(DocExamples, CheckRanksAgree) {

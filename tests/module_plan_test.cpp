@@ -874,6 +874,16 @@ TEST_F(ModulePlanTest, ASavedPlanComesBackFieldForFieldAndWhatIsNotOneIsRefusedI
   EXPECT_EQ(memfit::plan_mismatch(loaded, *wider, 256, 1 << 20, memfit::PlanOptions()),
             "it was made for another model (" + loaded.model + "), not this one (" +
                 memfit::model_signature(*wider) + ")");
+  EXPECT_EQ(loaded.optimizer, "Adam") << "a plan records the optimizer its steps were measured with";
+  EXPECT_EQ(memfit::plan_mismatch(loaded, *net, 256, 1 << 20, memfit::PlanOptions(),
+                                  memfit::TrainerOptions().optimizer(memfit::OptimizerKind::kSGD)),
+            "its steps were measured with the optimizer Adam, not SGD with momentum")
+      << "SGD keeps one buffer per parameter, Adam two: Adam's plan does not hold for it";
+  auto unrecorded = loaded;
+  unrecorded.optimizer.clear();  // a plan saved before the optimizer was recorded
+  EXPECT_EQ(memfit::plan_mismatch(unrecorded, *net, 256, 1 << 20, memfit::PlanOptions(),
+                                  memfit::TrainerOptions().optimizer(memfit::OptimizerKind::kSGD)),
+            "");
   ASSERT_EQ(loaded.schedules.size(), planned.schedules.size());
   for (size_t i = 0; i < planned.schedules.size(); ++i) {
     EXPECT_EQ(loaded.schedules[i].to_string(), planned.schedules[i].to_string());

@@ -118,11 +118,11 @@ void check_save_is_ours(const TrainArgs& a) {
 // within the timing's noise), and which its checkpoint and its math depend
 // on. nullopt where there is none, or it does not suit (the line says why).
 std::optional<memfit::ModulePlan> resumed_plan(const TrainArgs& a, const torch::nn::Module& model, int64_t budget,
-                                               const memfit::PlanOptions& options) {
+                                               const memfit::PlanOptions& options, const memfit::TrainerOptions& base) {
   const auto path = a.resume.empty() ? std::string() : saved_plan_path(a.resume);
   if (path.empty() || !std::filesystem::exists(path)) return std::nullopt;
   auto saved = memfit::tools::as_usage([&] { return memfit::load_plan(path); });
-  if (const auto why = memfit::plan_mismatch(saved, model, a.batch, budget, options); !why.empty()) {
+  if (const auto why = memfit::plan_mismatch(saved, model, a.batch, budget, options, base); !why.empty()) {
     fmt::print("plan: the saved run's plan ({}) does not suit this run: {}; planning again, and the checkpoint "
                "may refuse what the new plan changes (the saved run's options keep its plan)\n",
                path, memfit::tools::with_flag_names(why));
@@ -136,8 +136,8 @@ std::optional<memfit::ModulePlan> resumed_plan(const TrainArgs& a, const torch::
 // The plan of --plan FILE where it suits this run (plan_mismatch); a usage
 // error where it does not: the user named it.
 memfit::ModulePlan given_plan(const TrainArgs& a, const memfit::ModulePlan& given, const torch::nn::Module& model,
-                              int64_t budget, const memfit::PlanOptions& options) {
-  const auto why = memfit::plan_mismatch(given, model, a.batch, budget, options);
+                              int64_t budget, const memfit::PlanOptions& options, const memfit::TrainerOptions& base) {
+  const auto why = memfit::plan_mismatch(given, model, a.batch, budget, options, base);
   memfit::tools::usage_check(why.empty(), "--plan ", a.plan, " does not suit this run: ",
                              memfit::tools::with_flag_names(why), "; train with the flags it was planned with "
                              "(--batch ", given.batch, " and --budget ", given.budget, " or none), or plan again "
@@ -535,7 +535,8 @@ std::optional<memfit::ModulePlan> plan_run(const TrainArgs& a, const std::option
   if (planned(a)) {
     const auto measured = memfit::TrainerOptions(options).process_group(nullptr).zero_stage(0).save_dir("");
     const auto planning = plan_options(a, precisions);
-    plan = given ? given_plan(a, *given, *model, budget, planning) : resumed_plan(a, *model, budget, planning);
+    plan = given ? given_plan(a, *given, *model, budget, planning, measured)
+                 : resumed_plan(a, *model, budget, planning, measured);
     if (!plan) plan = memfit::plan(model, sample_of(data, a.batch), budget, planning, measured);
     // Data-parallel ranks planned alike but timed apart: they train with rank 0's plan.
     if (options.process_group()) memfit::broadcast_plan(*plan, *options.process_group());

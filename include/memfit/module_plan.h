@@ -205,6 +205,10 @@ struct ModulePlan : Plan {
   /// The module it was made for (model_signature); plan_mismatch refuses the
   /// plan for another. Empty in plans saved before it was recorded.
   std::string model;
+  /// The optimizer its steps were measured with (optimizer_signature);
+  /// plan_mismatch refuses the plan for another. Empty in plans saved before
+  /// it was recorded.
+  std::string optimizer;
 
   /// Sets every chain's schedule in `module` (found by name) and its
   /// selective recomputation (set_selective_recompute), and returns `base`
@@ -229,6 +233,21 @@ struct ModulePlan : Plan {
 ///   assert(memfit::model_signature(*a) != memfit::model_signature(*b));
 /// \endcode
 std::string model_signature(const torch::nn::Module& module);
+
+/// The optimizer that `options` build, in the words a plan records: "Adam",
+/// "AdamW", "SGD" or "SGD with momentum", or "optimizer_factory's" for an
+/// optimizer of the user's own (which a plan cannot tell from another).
+///
+/// Its state is in every step's bytes (Adam keeps two moments per
+/// parameter, SGD without momentum none), so a plan measured with one
+/// optimizer does not hold for another.
+///
+/// Example:
+/// \code
+///   assert(memfit::optimizer_signature(memfit::TrainerOptions()) == "Adam");
+///   assert(memfit::optimizer_signature(memfit::TrainerOptions().optimizer(memfit::OptimizerKind::kSGD).momentum(0)) == "SGD");
+/// \endcode
+std::string optimizer_signature(const TrainerOptions& options);
 
 /// Makes `plan` rank `root`'s on every rank of `group`: Plan's fields, as
 /// broadcast_plan(Plan&, ...) gives them, and each chain's name and
@@ -288,8 +307,10 @@ ModulePlan load_plan(const std::string& path);
 /// a precision options.precisions() leaves out, micro-batches of a module
 /// with batch statistics under BatchStatistics::kKeep, micro-batches where
 /// options forbid them, offload where options.offload() is false, selective
-/// recomputation that options.selective_recompute() rules out, or a chain
-/// the module lacks. It neither measures nor changes anything.
+/// recomputation that options.selective_recompute() rules out, a chain
+/// the module lacks, or another model or optimizer than the plan was measured
+/// with (`base` is the TrainerOptions the run trains with, as plan's).
+/// It neither measures nor changes anything.
 ///
 /// Example:
 /// \code
@@ -304,7 +325,7 @@ ModulePlan load_plan(const std::string& path);
 ///              .empty());
 /// \endcode
 std::string plan_mismatch(const ModulePlan& plan, const torch::nn::Module& module, int64_t batch, int64_t budget,
-                          const PlanOptions& options);
+                          const PlanOptions& options, const TrainerOptions& base = TrainerOptions());
 
 /// The fastest plan for a step of `model`'s sample batch that fits
 /// options.margin() × `budget` (see the file comment). The budget counts
