@@ -30,7 +30,12 @@ fs::path cache_root(const std::string& configured) {
   if (const char* d = std::getenv("MEMFIT_CACHE_DIR"); d && *d) return d;
   if (const char* d = std::getenv("XDG_CACHE_HOME"); d && *d) return fs::path(d) / "memfit";
   if (const char* d = std::getenv("HOME"); d && *d) return fs::path(d) / ".cache" / "memfit";
-  return fs::temp_directory_path() / "memfit";
+  // No home (a service, a container): a folder of this user's own in the
+  // temporary folder, which other users share, said once.
+  const fs::path dir = fs::temp_directory_path() / fmt::format("memfit-{}", ::getuid());
+  TORCH_WARN_ONCE("neither MEMFIT_CACHE_DIR, XDG_CACHE_HOME nor HOME is set: unzipped data goes to ", dir.string(),
+                  "; set MEMFIT_CACHE_DIR (or FashionMnistOptions::cache_dir) to keep it elsewhere");
+  return dir;
 }
 
 // Each IDX file: its magic number (2051 images, 2049 labels) and how many

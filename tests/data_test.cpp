@@ -2,12 +2,14 @@
 
 #include "memfit/memory.h"
 
+#include "compat.h"
 #include "test_util.h"
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 
 #include <ftw.h>
 #include <unistd.h>
@@ -85,6 +87,30 @@ class FashionMnist : public testing::Seeded {
   }
   fs::path cache_;
 };
+
+TEST_F(FashionMnist, WithoutAHomeTheCacheIsTheUsersOwnInTheTemporaryFolderAndSaysSo) {
+  // Saved and put back: the variables that choose the cache, and TMPDIR,
+  // pointed into this test's folder so that nothing is left in /tmp.
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved;
+  for (const char* name : {"MEMFIT_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "TMPDIR"}) {
+    const char* v = std::getenv(name);
+    saved.emplace_back(name, v ? std::optional<std::string>(v) : std::nullopt);
+    ::unsetenv(name);
+  }
+  fs::create_directories(cache_);
+  ::setenv("TMPDIR", cache_.c_str(), 1);
+  memfit::compat::WarningCapture warnings;
+  const auto ds = load_fashion_mnist(Split::kTest, FashionMnistOptions());
+  for (const auto& [name, value] : saved) {
+    if (value) ::setenv(name.c_str(), value->c_str(), 1); else ::unsetenv(name.c_str());
+  }
+  EXPECT_EQ(ds.size(), 10000);
+  const fs::path dir = cache_ / ("memfit-" + std::to_string(::getuid()));
+  EXPECT_TRUE(fs::is_directory(dir / "fashion-mnist")) << "unzipped into " << dir;
+  ASSERT_EQ(warnings.messages.size(), 1u);
+  EXPECT_NE(warnings.messages[0].find("nor HOME is set: unzipped data goes to " + dir.string()), std::string::npos)
+      << warnings.messages[0];
+}
 
 TEST_F(FashionMnist, ReadsTheRealTestSplitFromDebiansGzippedFiles) {
   const auto ds = load_fashion_mnist(Split::kTest, FashionMnistOptions().cache_dir(cache_.string()));

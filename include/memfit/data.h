@@ -31,8 +31,8 @@ struct FashionMnistOptions {
   /// Folder with the four `*-idx?-ubyte.gz` files (or unzipped ones).
   TORCH_ARG(std::string, root) = "/usr/share/datasets/fashion-mnist";
   /// Folder for the unzipped copies; empty: $MEMFIT_CACHE_DIR, else
-  /// $XDG_CACHE_HOME/memfit, else $HOME/.cache/memfit, else the system's
-  /// temporary folder.
+  /// $XDG_CACHE_HOME/memfit, else $HOME/.cache/memfit, else memfit-UID in the
+  /// system's temporary folder (with a warning, once).
   TORCH_ARG(std::string, cache_dir) = "";
   /// Subtract the training set's mean (0.2860) and divide by its standard
   /// deviation (0.3530).
