@@ -2,6 +2,7 @@
 // against a hand-written LibTorch loop, every allowed combination of the
 // step's components against the plain step, and the errors a user's code
 // can provoke.
+#include "memfit/checkpoint.h"
 #include "memfit/trainer.h"
 
 #include "test_util.h"

@@ -5,7 +5,7 @@
 // which marks where a plan may recompute. Used by own_transformer.cpp and
 // memfit's bench/plan_bench.cpp.
 #include <memfit/memory.h>
-#include <memfit/schedule.h>
+#include <memfit/checkpoint.h>
 
 #include <torch/torch.h>
 
