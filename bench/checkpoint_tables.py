@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The tables of docs/checkpointing.md from memfit_checkpoint_bench's console output.
 
-Usage: python3 bench/checkpoint_tables.py docs/checkpoint_DATE.txt
+Usage: python3 bench/checkpoint_tables.py docs/measurements/checkpoint.txt
 Prints (1) sqrt(n) and the optimal schedule at 1/2 and 1/4 of the plain
 activation peak against the best checkpoint_sequential split, per chain, and
 (2) the memory-time curve of the 64-block chains and the ResNet, with the cost

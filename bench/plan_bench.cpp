@@ -23,9 +23,9 @@
 // plan/resnet/depth3/batch128 and plan/gpt/batch16: the same at
 // bench/peers.py's budgets where the best hand-tuned PyTorch run needs
 // checkpointing and the plan missed or came closest to #21's 0.87: the CNN
-// at 19.23, 15.82 and 15.36 MiB (docs/peers_2026-11-26.txt), the GPT (width
+// at 19.23, 15.82 and 15.36 MiB (docs/measurements/peers.txt), the GPT (width
 // 64, 4 blocks, the Jargon File) at 8.83, 7.56 and 6.19 MiB
-// (docs/peers_gpt_2026-11-26.txt). Is there a faster fitting plan than the
+// (docs/measurements/peers_gpt.txt). Is there a faster fitting plan than the
 // planner's in the grid?
 //
 //   build/bench/memfit_plan_bench --benchmark_filter='plan/(resnet/depth3|gpt)'
@@ -632,13 +632,13 @@ int main(int argc, char** argv) {
   benchmark::RegisterBenchmark("plan/mlp/batch256", BM_Plan, std::string("mlp"), int64_t(256), std::vector<double>{})
       ->Unit(benchmark::kSecond)->Iterations(1);
   // bench/peers.py's CNN (batch 128, Adam) at the budgets where the best
-  // hand-tuned run needs checkpointing (docs/peers_2026-11-26.txt).
+  // hand-tuned run needs checkpointing (docs/measurements/peers.txt).
   benchmark::RegisterBenchmark("plan/resnet/depth3/batch128", BM_Plan, std::string("resnet/depth3"), int64_t(128),
                                std::vector<double>{19.23, 15.82, 15.36})
       ->Unit(benchmark::kSecond)->Iterations(1);
   // bench/peers.py's GPT (batch 16, Adam) at the budgets where the best
   // hand-tuned run needs checkpointing and the plan came closest to or
-  // missed 0.87 (docs/peers_gpt_2026-11-26.txt).
+  // missed 0.87 (docs/measurements/peers_gpt.txt).
   benchmark::RegisterBenchmark("plan/gpt/batch16", BM_Plan, std::string("gpt"), int64_t(16),
                                std::vector<double>{8.83, 7.56, 6.19})
       ->Unit(benchmark::kSecond)->Iterations(1);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Re-runs the CPU measurements that the README and docs/ quote, one after
 # another (never two at once: on 2 cores a second run slows the first many
-# times over), each into docs/NAME_DATE.txt, headed by its command, the date,
+# times over), each into docs/measurements/NAME.txt (one run file per
+# benchmark; git keeps the history), headed by its command, the date,
 # `memfit --version` (LibTorch, BLAS) and the load, and closed by its wall time.
 #
 # Usage (after `make build`): bash bench/remeasure.sh [NAME...]
@@ -9,23 +10,21 @@
 #          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
 #          peers_torch2 peers_gpt_torch2  (peers with PyTorch 2.15's tools too: after
 #          `make build LIBTORCH=pip`; not in the default list)
-#          tax_python_torch2 process_noise_torch2  (in PyTorch 2.15's Python, on build-pip: ditto)
-#          optim_step (1.13), optim_step_torch2 and tax_optim_torch2 (2.15, on build-pip): into
-#          docs/measurements/NAME.txt, one current file each (git keeps the history)
-#   BUILD=build OUT=docs bash bench/remeasure.sh ...
+#          tax_python_torch2 process_noise_torch2 optim_step_torch2 tax_optim_torch2
+#          (in PyTorch 2.15's Python, on build-pip: ditto); optim_step (1.13)
+#   BUILD=build OUT=docs/measurements bash bench/remeasure.sh ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD:-build}
 torch2=${MEMFIT_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/memfit/torch-2.15}/bin/python
-out=${OUT:-docs}
-day=$(date -u +%F)
+out=${OUT:-docs/measurements}
 mkdir -p "$out"
 
-# run NAME COMMAND...: the command's output into $out/NAME_$day.txt, written
+# run NAME COMMAND...: the command's output into $out/NAME.txt, written
 # through a temporary file so an interrupted run leaves the old file.
 run() {
   local name=$1; shift
-  local file="$out/${name}${day:+_$day}.txt" start
+  local file="$out/${name}.txt" start
   echo "remeasure: $name: $*" >&2
   start=$(date +%s)
   {
@@ -38,9 +37,6 @@ run() {
 }
 
 bench() { run "$1" "$build/bench/$2" "${@:3}"; }
-
-# current NAME COMMAND...: as run, into docs/measurements/NAME.txt (no date: git keeps the history).
-current() { out=docs/measurements day="" run "$@"; }
 
 measure() {
   case "$1" in
@@ -71,10 +67,10 @@ measure() {
       --build "${BUILD_PIP:-build-pip}" --model gpt --rounds 30 ;;
     process_noise_torch2) build=${BUILD_PIP:-build-pip} run process_noise_torch2 /usr/bin/python3 \
       bench/process_noise.py --build "${BUILD_PIP:-build-pip}" --python "$torch2" --rounds 8 ;;
-    optim_step) current optim_step /usr/bin/python3 bench/optim_step.py --build "$build" ;;
-    optim_step_torch2) build=${BUILD_PIP:-build-pip} current optim_step_torch2 "$torch2" bench/optim_step.py \
+    optim_step) run optim_step /usr/bin/python3 bench/optim_step.py --build "$build" ;;
+    optim_step_torch2) build=${BUILD_PIP:-build-pip} run optim_step_torch2 "$torch2" bench/optim_step.py \
       --build "${BUILD_PIP:-build-pip}" ;;
-    tax_optim_torch2) build=${BUILD_PIP:-build-pip} current tax_optim_torch2 bash -c "for p in default fused; do \
+    tax_optim_torch2) build=${BUILD_PIP:-build-pip} run tax_optim_torch2 bash -c "for p in default fused; do \
       '$torch2' bench/tax.py --build '${BUILD_PIP:-build-pip}' --precision fp32 --rounds 30 --python-optimizer \$p; done" ;;
     peers_gpt_torch2) run peers_gpt_torch2 /usr/bin/python3 bench/peers.py --build "$build" --model gpt --steps 8 \
       --batch 16 --repeats 3 --pairs 5 --torch2 "$torch2" --torch2-build "${BUILD_PIP:-build-pip}" ;;

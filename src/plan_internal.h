@@ -209,7 +209,7 @@ constexpr double kTimedVariants = 2 * kTimeTie;
 // measured gap moves by about 2% more from one run to the next on a quiet
 // machine (the ResNet at 15.36 MiB: micro-batches of 16 with a checkpoint
 // timed 3.8%, 3.6% and -0.6% ahead of 8 without in three runs,
-// docs/plan_stability_tight_2026-11-27c.txt), so what a plan computes
+// tests/data/plan_stability_tight_runs.txt), so what a plan computes
 // follows the times only beyond this wider band.
 constexpr double kMathTie = 0.05;
 
@@ -720,7 +720,7 @@ inline Measured choose_measured(const std::vector<Ranked>& candidates, const std
 // cores would stop LibTorch's threads taking turns with them ("": no
 // fewer would). With one core of two busy, planning the GPT took 111 s
 // with two threads and 18 s with one, its steps 2.5-3.3 s against 0.24 s
-// (docs/plan_busy_threads_2026-11-27.txt).
+// (docs/measurements/plan_busy_threads.txt).
 inline std::string threads_advice(double free_cores, int threads) {
   if (free_cores < 0) return {};
   const int fit = std::max(1, static_cast<int>(std::lround(free_cores)));

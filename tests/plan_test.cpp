@@ -243,7 +243,7 @@ TEST(PlanChoice, OnABusyMachineWhatThePlansDoDecidesSoFivePlansAgree) {
 // A busy machine's plan says how many threads would have cores of their own:
 // with one core of two busy, LibTorch's two threads took turns with the other
 // process and planning the GPT took 111 s, against 18 s with one thread
-// (docs/plan_busy_threads_2026-11-27.txt).
+// (docs/measurements/plan_busy_threads.txt).
 TEST(PlanChoice, ABusyMachinesPlanSaysHowManyThreadsWouldHaveCoresOfTheirOwn) {
   EXPECT_NE(detail::threads_advice(1.1, 2).find("at::set_num_threads(1)"), std::string::npos);
   EXPECT_NE(detail::threads_advice(2.4, 4).find("at::set_num_threads(2)"), std::string::npos);
@@ -265,7 +265,7 @@ TEST(PlanChoice, ABusyMachinesPlanSaysHowManyThreadsWouldHaveCoresOfTheirOwn) {
 // step (its family) faster beyond the tie band, the smaller offload's time
 // stands for it, and the tie goes to the one that offloads less. On a quiet
 // machine the module planner's plans flipped between such offloads
-// (docs/plan_stability_2026-11-26.txt). Another step that offloads more
+// (CHANGELOG.md, 2026-11-26). Another step that offloads more
 // still wins by its own time.
 TEST(PlanChoice, NoiseCannotTimeALargerOffloadOfTheSameStepAhead) {
   auto make = [](int offload, int64_t micro_batches, int64_t family) {
@@ -319,7 +319,7 @@ TEST(PlanChoice, APlanThatDoesLessLosesOnlyOnceAThirdPassConfirmsIt) {
 // with batch statistics per micro-batch timed micro-batches of 16 with a
 // checkpoint 3.8%, 3.6% and -0.6% ahead of 8 without in three runs of the
 // planner, and one 3% band for all took 16 in two of them
-// (docs/plan_stability_tight_2026-11-27c.txt). How a plan of one size
+// (tests/data/plan_stability_tight_runs.txt). How a plan of one size
 // recomputes or offloads, which leaves its gradients as they were, still
 // follows the 3% band.
 TEST(PlanChoice, WhatAPlanComputesFollowsTheTimesOnlyBeyondAWiderBand) {

@@ -31,10 +31,9 @@
 /// plan() searches precision × offload (none; the optimizer state; the state
 /// and the gradients) × micro-batch (the batch, halved down to 1), and for
 /// each solves every chain's optimal schedule for the memory its windows
-/// leave; it keeps the fastest plan whose predicted peak fits (plans within
-/// 3% of the fastest are a tie, won by the plan without recomputation, then
-/// with less offload, then with fewer micro-batches, then in fp32), after running the best
-/// candidates under the budget (PlanOptions::verify). find_batch() bisects
+/// leave; it times the closest plans predicted to fit with real steps under
+/// the budget and keeps the fastest by docs/planner.md's "The tie rule"
+/// (PlanOptions::verify, PlanOptions::measure_candidates). find_batch() bisects
 /// the same predictions for the largest batch one pass fits, and profile()
 /// reports the plain step, predicted and measured. In fp32, with the
 /// optimizer state and gradients on the host, the chains' parameters may also

@@ -7,19 +7,11 @@
 /// them into TrainerOptions and text. The planner itself, which measures any
 /// module's step and searches these knobs, is module_plan.h.
 ///
-/// How a plan is chosen: candidates predicted to fit are ranked by predicted
-/// time (plans within 3% of the fastest are a tie, won by the plan without
-/// recomputation (checkpointed or selective), then with less offload, then
-/// with fewer micro-batches, then in fp32: what a plan does settles it, not
-/// which of them timing noise put ahead).
-/// The prediction errs most between micro-batch sizes, by more than the tie
-/// band, so the closest candidates (PlanOptions::measure_candidates, one per
-/// micro-batch and precision) then run real steps under the budget in
-/// passes, every other one in reverse order (two, and up to five while the
-/// contenders' fastest steps disagree by more than 3%), and the measured
-/// fastest wins, with the same tie band and rule, as autotuners choose.
-/// Those steps cost a few seconds, need no memory beyond the budget, and
-/// also verify that the plan fits.
+/// How a plan is chosen: the closest candidates predicted to fit run real
+/// steps under the budget, and the measured fastest wins, a tie going to the
+/// plan that does least. The rule, its bands and its busy-machine case are
+/// stated once, in docs/planner.md ("The tie rule"). Those steps cost a few
+/// seconds, need no memory beyond the budget, and verify that the plan fits.
 ///
 /// Thread safety: these are values. Sync points and extra memory: none; the
 /// functions here compute on the host.
@@ -99,16 +91,8 @@ struct PlanOptions {
   /// one (see measure_candidates), and the chosen plan's where none was timed.
   TORCH_ARG(bool, verify) = true;
   /// How many candidates plan() times with real steps before choosing, as
-  /// autotuners do (with verify): the prediction's choice and the
-  /// variants of its micro-batch and precision predicted within 6% of them,
-  /// then the fastest predicted of each other micro-batch and precision,
-  /// fastest predicted first, then their variants within 6%; only those
-  /// within measure_within of the fastest prediction. The measured fastest
-  /// is chosen (times within 3% of it are a tie, settled as predictions'
-  /// are). On a busy machine (other processes leave fewer free cores than
-  /// LibTorch has threads, CpuLoad) times cannot tell plans apart: of all
-  /// the plans predicted to fit, the one that does least is chosen, so the
-  /// plan does not follow the noise. 0: choose by prediction alone.
+  /// autotuners do (with verify); which ones, and how their times decide, is
+  /// docs/planner.md's "The tie rule". 0: choose by prediction alone.
   TORCH_ARG(int64_t, measure_candidates) = 4;
   /// Candidates predicted to take at most (1 + measure_within) times the
   /// fastest prediction are timed (the time model errs most between micro-batch sizes).
@@ -204,15 +188,10 @@ struct Plan {
   std::vector<TimedCandidate> timed; ///< Those timed with real steps, fastest predicted first.
   double measured_seconds = 0;       ///< The chosen plan's measured time (0: not timed).
   int64_t measured_peak_bytes = 0;   ///< The chosen plan's real steps' peak under the budget (0: not run).
-  /// Measured times within this fraction of the fastest were a tie, settled by
-  /// what the plans do: 0.03, or the timing's own noise where its passes did
-  /// not settle; 0 when nothing was timed. Between plans that compute
-  /// differently (another micro-batch size or precision) the band is at
-  /// least 0.05, so what a plan computes does not follow a few percent of
-  /// noise from one run to the next. On a busy machine (other
-  /// processes left fewer free cores than LibTorch has threads, CpuLoad)
-  /// times decide nothing: of all the plans predicted to fit, the one that
-  /// does least is chosen, and the reasons say so.
+  /// The tie band that settled the measured choice (docs/planner.md, "The
+  /// tie rule"): 0.03, or the timing's own noise where its passes did not
+  /// settle; 0 when nothing was timed or times decided nothing (a busy
+  /// machine).
   double measured_tie = 0;
   std::vector<std::string> why;      ///< One line per choice.
 
