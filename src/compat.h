@@ -23,6 +23,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -309,37 +310,43 @@ constexpr bool kHasFusedOptimizers = MEMFIT_TORCH_AT_LEAST(2, 4);
 
 /// at::_fused_adam_ (AdamW's decay when `decoupled`) over one device and
 /// dtype; `steps` hold each parameter's step count after this step, as
-/// float32 on the parameters' device, and are only read. Where
-/// kHasFusedOptimizers is false it is never called.
+/// float32 on the parameters' device, and are only read. A defined
+/// `grad_scale` (one float32 element on that device) divides the gradients
+/// inside the kernel, as PyTorch's fused optimizers take GradScaler's scale.
+/// Where kHasFusedOptimizers is false it is never called.
 inline void fused_adam_(bool decoupled, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
-                        double beta1, double beta2, double weight_decay, double eps, bool amsgrad) {
+                        double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
+                        const at::Tensor& grad_scale) {
 #if MEMFIT_TORCH_AT_LEAST(2, 4)
+  const auto scale = grad_scale.defined() ? std::optional<at::Tensor>(grad_scale) : std::nullopt;
   if (decoupled) {
     at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
-                      eps, amsgrad, /*maximize=*/false);
+                      eps, amsgrad, /*maximize=*/false, scale);
   } else {
     at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
-                     eps, amsgrad, /*maximize=*/false);
+                     eps, amsgrad, /*maximize=*/false, scale);
   }
 #else
   (void)decoupled, (void)params, (void)grads, (void)exp_avgs, (void)exp_avg_sqs, (void)max_exp_avg_sqs, (void)steps;
-  (void)lr, (void)beta1, (void)beta2, (void)weight_decay, (void)eps, (void)amsgrad;
+  (void)lr, (void)beta1, (void)beta2, (void)weight_decay, (void)eps, (void)amsgrad, (void)grad_scale;
   TORCH_INTERNAL_ASSERT(false, "fused optimizer kernels need LibTorch 2.4 or later");
 #endif
 }
 
 /// at::_fused_sgd_ over one device and dtype; `is_first_step` fills the
-/// (empty) momentum buffers with the first gradient, as LibTorch's SGD does.
+/// (empty) momentum buffers with the first gradient, as LibTorch's SGD does;
+/// a defined `grad_scale` divides the gradients inside the kernel.
 inline void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                        double weight_decay, double momentum, double lr, double dampening, bool nesterov,
-                       bool is_first_step) {
+                       bool is_first_step, const at::Tensor& grad_scale) {
 #if MEMFIT_TORCH_AT_LEAST(2, 4)
+  const auto scale = grad_scale.defined() ? std::optional<at::Tensor>(grad_scale) : std::nullopt;
   at::_fused_sgd_(params, grads, momentum_buffers, weight_decay, momentum, lr, dampening, nesterov,
-                  /*maximize=*/false, is_first_step);
+                  /*maximize=*/false, is_first_step, scale);
 #else
   (void)params, (void)grads, (void)momentum_buffers, (void)weight_decay, (void)momentum, (void)lr;
-  (void)dampening, (void)nesterov, (void)is_first_step;
+  (void)dampening, (void)nesterov, (void)is_first_step, (void)grad_scale;
   TORCH_INTERNAL_ASSERT(false, "fused optimizer kernels need LibTorch 2.4 or later");
 #endif
 }

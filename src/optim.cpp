@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Type.h>
 
+#include <array>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -119,7 +120,64 @@ struct FusedBucket {
   const Options* options = nullptr;
   std::vector<torch::Tensor> params, grads, first, second, third, steps;
   std::vector<State*> states;
+  torch::Tensor grad_scale;  // step_unscaling's scale on the bucket's device; undefined otherwise
 };
+
+// Refuses step_unscaling for a parameter the fused kernel cannot take
+// (`why` says why; empty: it can), before anything changes.
+void check_unscaling(const std::string& why, const char* optimizer) {
+  TORCH_CHECK(why.empty(), "memfit::optim::", optimizer, "::step_unscaling: the fused kernel cannot take ", why,
+              ", so it cannot unscale its gradient: call GradScaler::unscale_ and then step() (can_unscale_in_kernel "
+              "says which applies)");
+}
+
+// The loss scale of step_unscaling as float32 on `p`'s device.
+torch::Tensor scale_on(const torch::Tensor& grad_scale, const torch::Tensor& p) {
+  if (grad_scale.device() == p.device() && grad_scale.scalar_type() == torch::kFloat) return grad_scale.reshape({});
+  return grad_scale.to(p.device(), torch::kFloat).reshape({});
+}
+
+// Sets the scale for the next step and clears it when the step returns or throws.
+class ScaleForStep {
+ public:
+  ScaleForStep(torch::Tensor& slot, const torch::Tensor& scale) : slot_(slot) {
+    TORCH_CHECK(scale.defined() && scale.numel() == 1, "step_unscaling needs a one-element scale tensor, got ",
+                scale.defined() ? std::to_string(scale.numel()) + " elements" : std::string("an undefined tensor"));
+    slot_ = scale;
+  }
+  ~ScaleForStep() { slot_ = torch::Tensor(); }
+  ScaleForStep(const ScaleForStep&) = delete;
+  ScaleForStep& operator=(const ScaleForStep&) = delete;
+
+ private:
+  torch::Tensor& slot_;
+};
+
+// Whether every parameter of `self` with a gradient would take the fused
+// kernel; `state_of` gives a parameter's state tensors (empty before its first step).
+template <class Base, class StateTensors>
+bool all_fused(const Base& self, const std::function<bool(const torch::Tensor&)>& wants_fused,
+               StateTensors state_of) {
+  for (const auto& group : self.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      if (!wants_fused(p)) return false;
+      const auto state = state_of(p);
+      if (!fused_refusal(p, p.grad(), {state[0], state[1], state[2]}).empty()) return false;
+    }
+  }
+  return true;
+}
+
+// An Adam or AdamW parameter's state tensors (undefined before its first step).
+template <class Base, class State>
+std::array<torch::Tensor, 3> adam_state_tensors(const Base& self, const torch::Tensor& p) {
+  const auto& st = self.state();
+  const auto found = st.find(compat::optimizer_state_key<Base>(p));
+  if (found == st.end()) return {};
+  const auto& s = static_cast<const State&>(*found->second);
+  return {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()};
+}
 using BucketKey = std::tuple<size_t, std::string, int, bool>;
 BucketKey bucket_key(size_t group, const torch::Tensor& p, bool fresh = false) {
   return {group, p.device().str(), static_cast<int>(p.scalar_type()), fresh};
@@ -131,7 +189,7 @@ BucketKey bucket_key(size_t group, const torch::Tensor& p, bool fresh = false) {
 template <class Base, class Options, class State, bool decoupled>
 torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const torch::Tensor&)>& wants_fused,
                         const std::function<void(const std::string&)>& fell_back,
-                        const torch::optim::Optimizer::LossClosure& closure) {
+                        const torch::optim::Optimizer::LossClosure& closure, const torch::Tensor& grad_scale) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = closure_loss(closure);
   using Key = decltype(compat::optimizer_state_key<Base>(std::declval<torch::Tensor>()));
@@ -172,11 +230,14 @@ torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const 
         }
         auto* s = static_cast<State*>(state[key].get());
         const int64_t step = s->step() + 1;
+        const auto why = wants_fused(p) ? fused_refusal(p, p.grad(), {s->exp_avg(), s->exp_avg_sq(), s->max_exp_avg_sq()})
+                                        : "a parameter on " + p.device().str() + " under Kernel::kLoop or a LibTorch without fused kernels";
+        if (grad_scale.defined()) check_unscaling(why, decoupled ? "AdamW" : "Adam");
         if (wants_fused(p)) {
-          const auto why = fused_refusal(p, p.grad(), {s->exp_avg(), s->exp_avg_sq(), s->max_exp_avg_sq()});
           if (why.empty()) {
             auto& b = fused[bucket_key(group_index, p)];
             b.options = &o;
+            if (grad_scale.defined() && !b.grad_scale.defined()) b.grad_scale = scale_on(grad_scale, p);
             b.states.push_back(s);
             b.params.push_back(p);
             b.grads.push_back(p.grad());
@@ -222,7 +283,8 @@ torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const 
     const Options& o = *b.options;
     for (auto* s : b.states) s->step(s->step() + 1);
     compat::fused_adam_(decoupled, b.params, b.grads, b.first, b.second, b.third, b.steps, o.lr(),
-                        std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(), o.amsgrad());
+                        std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(), o.amsgrad(),
+                        b.grad_scale);
   }
   for (auto& it : items) {
     const Options& o = *it.options;
@@ -317,14 +379,17 @@ torch::Tensor SGD::step(LossClosure closure) {
         const auto key = compat::optimizer_state_key<torch::optim::SGD>(p);
         const auto found = o.momentum() != 0 ? st.find(key) : st.end();
         const bool fresh = o.momentum() != 0 && found == st.end();
+        const auto buf = o.momentum() != 0 && !fresh
+                             ? static_cast<torch::optim::SGDParamState&>(*found->second).momentum_buffer()
+                             : torch::Tensor();
+        const auto why = wants_fused(p.device().type()) ? fused_refusal(p, p.grad(), {buf})
+                                                        : "a parameter on " + p.device().str() + " under Kernel::kLoop or a LibTorch without fused kernels";
+        if (grad_scale_.defined()) check_unscaling(why, "SGD");
         if (wants_fused(p.device().type())) {
-          const auto buf = o.momentum() != 0 && !fresh
-                               ? static_cast<torch::optim::SGDParamState&>(*found->second).momentum_buffer()
-                               : torch::Tensor();
-          const auto why = fused_refusal(p, p.grad(), {buf});
           if (why.empty()) {
             auto& b = fused[bucket_key(group_index, p, fresh)];
             b.options = &o;
+            if (grad_scale_.defined() && !b.grad_scale.defined()) b.grad_scale = scale_on(grad_scale_, p);
             b.params.push_back(p);
             b.grads.push_back(p.grad());
             if (fresh) {
@@ -373,7 +438,7 @@ torch::Tensor SGD::step(LossClosure closure) {
     auto& b = kv.second;
     const auto& o = *b.options;
     compat::fused_sgd_(b.params, b.grads, b.first, o.weight_decay(), o.momentum(), o.lr(), o.dampening(),
-                       o.nesterov(), /*is_first_step=*/std::get<3>(kv.first));
+                       o.nesterov(), /*is_first_step=*/std::get<3>(kv.first), b.grad_scale);
   }
   for (auto& it : items) {
     const auto& o = *it.options;
@@ -402,13 +467,49 @@ torch::Tensor SGD::step(LossClosure closure) {
 torch::Tensor Adam::step(LossClosure closure) {
   return adam_step<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState, false>(
       *this, ran_, [this](const torch::Tensor& p) { return wants_fused(p.device().type()); },
-      [this](const std::string& why) { fell_back("Adam", why); }, closure);
+      [this](const std::string& why) { fell_back("Adam", why); }, closure, grad_scale_);
+}
+
+bool Adam::can_unscale_in_kernel() const {
+  return all_fused(*this, [this](const torch::Tensor& p) { return wants_fused(p.device().type()); },
+                   [this](const torch::Tensor& p) { return adam_state_tensors<torch::optim::Adam, torch::optim::AdamParamState>(*this, p); });
+}
+
+torch::Tensor Adam::step_unscaling(const torch::Tensor& grad_scale) {
+  ScaleForStep scale(grad_scale_, grad_scale);
+  return step();
 }
 
 torch::Tensor AdamW::step(LossClosure closure) {
   return adam_step<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState, true>(
       *this, ran_, [this](const torch::Tensor& p) { return wants_fused(p.device().type()); },
-      [this](const std::string& why) { fell_back("AdamW", why); }, closure);
+      [this](const std::string& why) { fell_back("AdamW", why); }, closure, grad_scale_);
+}
+
+bool AdamW::can_unscale_in_kernel() const {
+  return all_fused(*this, [this](const torch::Tensor& p) { return wants_fused(p.device().type()); },
+                   [this](const torch::Tensor& p) { return adam_state_tensors<torch::optim::AdamW, torch::optim::AdamWParamState>(*this, p); });
+}
+
+torch::Tensor AdamW::step_unscaling(const torch::Tensor& grad_scale) {
+  ScaleForStep scale(grad_scale_, grad_scale);
+  return step();
+}
+
+bool SGD::can_unscale_in_kernel() const {
+  return all_fused(*this, [this](const torch::Tensor& p) { return wants_fused(p.device().type()); },
+                   [this](const torch::Tensor& p) -> std::array<torch::Tensor, 3> {
+                     const auto& st = state();
+                     const auto found = st.find(compat::optimizer_state_key<torch::optim::SGD>(p));
+                     if (found == st.end()) return {};
+                     return {static_cast<const torch::optim::SGDParamState&>(*found->second).momentum_buffer(),
+                             torch::Tensor(), torch::Tensor()};
+                   });
+}
+
+torch::Tensor SGD::step_unscaling(const torch::Tensor& grad_scale) {
+  ScaleForStep scale(grad_scale_, grad_scale);
+  return step();
 }
 
 namespace {

@@ -1,6 +1,7 @@
 #include "memfit/precision.h"
 
 #include "compat.h"
+#include "memfit/optim.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -148,14 +149,14 @@ std::vector<torch::Tensor> GradScaler::scale(const std::vector<torch::Tensor>& o
 }
 
 std::vector<torch::Tensor> GradScaler::unscale_grads(torch::optim::Optimizer& optimizer,
-                                                     const torch::Tensor& inv_scale) {
+                                                     const torch::Tensor& inv_scale, bool unscale) {
   // Gradients grouped by device and dtype, as in PyTorch's _unscale_grads_.
   std::map<std::pair<std::string, at::ScalarType>, std::vector<torch::Tensor>> groups;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       auto g = p.grad();
-      TORCH_CHECK(g.scalar_type() != at::kHalf,
+      TORCH_CHECK(!unscale || g.scalar_type() != at::kHalf,
                   "Attempting to unscale FP16 gradients: keep the optimizer's parameters in "
                   "fp32 (memfit::MasterWeights) and unscale their fp32 gradients");
       if (g.is_sparse()) {
@@ -182,10 +183,11 @@ std::vector<torch::Tensor> GradScaler::unscale_grads(torch::optim::Optimizer& op
     }
     // Where the fused kernel is missing (the CPU in LibTorch 1.13; bfloat16
     // gradients on CUDA): the same check and scaling with ordinary ops, and no sync.
+    const auto inv = dev.second.reshape({});  // 0-dim, so that a 0-dim gradient multiplies in place too
     for (auto& g : grads) {
       auto nonfinite = torch::isfinite(g).all().logical_not();
       dev.first.masked_fill_(nonfinite, 1.0);
-      g.mul_(dev.second);
+      if (unscale) g.mul_(inv);
     }
   }
   std::vector<torch::Tensor> found;
@@ -216,6 +218,16 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   auto& state = per_optimizer_[&optimizer];
   TORCH_CHECK(state.stage != Stage::kStepped,
               "step() has already been called since the last update()");
+  // memfit's optimizers on the fused kernel divide the scale out as they
+  // update (PyTorch's fused=True): only the inf check runs here.
+  auto* in_kernel = dynamic_cast<optim::KernelChoice*>(&optimizer);
+  if (state.stage != Stage::kReady || in_kernel == nullptr || !in_kernel->can_unscale_in_kernel()) in_kernel = nullptr;
+  if (in_kernel != nullptr) {
+    TORCH_CHECK(scale_.defined(), "GradScaler::step before any scale(): scale the loss with scaler.scale(loss) "
+                                  "before backward");
+    state.found_inf_per_device = unscale_grads(optimizer, torch::ones({}, scale_.options()), /*unscale=*/false);
+    state.stage = Stage::kUnscaled;
+  }
   if (state.stage == Stage::kReady) unscale_(optimizer);
   TORCH_CHECK(!state.found_inf_per_device.empty(),
               "No inf checks were recorded for this optimizer: none of its parameters has a "
@@ -224,7 +236,11 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   for (const auto& f : state.found_inf_per_device) found += f.item<double>();
   state.stage = Stage::kStepped;
   if (found != 0) return false;
-  optimizer.step();
+  if (in_kernel != nullptr) {
+    in_kernel->step_unscaling(scale_);
+  } else {
+    optimizer.step();
+  }
   return true;
 }
 

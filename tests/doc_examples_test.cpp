@@ -121,6 +121,13 @@ TEST_F(DocExamples, OptimHeader) {
     bool fused = memfit::optim::has_fused_kernels(torch::kCPU);  // false on LibTorch 1.13
     EXPECT_EQ(fused, TORCH_VERSION_MAJOR >= 2);
   }
+  {  // KernelChoice::step_unscaling
+    auto lin = torch::nn::Linear(4, 2);
+    memfit::optim::SGD sgd(lin->parameters(), torch::optim::SGDOptions(0.1));
+    (lin(torch::ones({3, 4})).sum() * 1024).backward();
+    if (sgd.can_unscale_in_kernel()) sgd.step_unscaling(torch::full({}, 1024.f));
+    EXPECT_EQ(sgd.can_unscale_in_kernel(), memfit::optim::has_fused_kernels(torch::kCPU));
+  }
   {  // KernelChoice
     auto lin = torch::nn::Linear(4, 2);
     memfit::optim::Adam adam(lin->parameters(), torch::optim::AdamOptions(1e-3), memfit::optim::Kernel::kLoop);

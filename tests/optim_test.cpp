@@ -4,14 +4,19 @@
 #include "compat.h"
 #include "memfit/memory.h"
 #include "memfit/optim.h"
+#include "memfit/precision.h"
 #include "memory_internal.h"
 #include "test_util.h"
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -327,6 +332,92 @@ TEST(Optim, TheStepNeedsAtMostTwoLargestParametersOfWorkMemory) {
       EXPECT_EQ(meter.peak_delta(), expected) << "weight decay " << wd << kernel_text(kernel);
     }
   }
+}
+
+// Counts the ATen calls named `name` on this thread while alive.
+class OpCount {
+ public:
+  explicit OpCount(const char* name)
+      : handle_(at::addThreadLocalCallback(at::RecordFunctionCallback(&OpCount::seen))) {
+    name_ = name;
+    count = 0;
+  }
+  ~OpCount() { at::removeCallback(handle_); }
+  static std::atomic<int64_t> count;
+
+ private:
+  static std::unique_ptr<at::ObserverContext> seen(const at::RecordFunction& fn) {
+    if (std::strcmp(fn.name(), name_) == 0) ++count;
+    return nullptr;
+  }
+  static const char* name_;
+  at::CallbackHandle handle_;
+};
+std::atomic<int64_t> OpCount::count{0};
+const char* OpCount::name_ = "";
+
+// GradScaler hands its scale to memfit's fused kernel, which divides it out
+// as it updates (PyTorch's fused=True): the parameters, state and scale are
+// bitwise those of unscaling first and stepping, with no unscaling multiply
+// of its own; a step whose gradients overflow is skipped by both.
+TEST(Optim, GradScalerHandsItsScaleToTheFusedKernelWhichStepsAsUnscalingFirstDoes) {
+  if (!optim::has_fused_kernels(torch::kCPU)) {
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no fused CPU kernels (2.4 and later have)";
+  }
+  for (const auto& c : cases()) {
+    auto in_kernel = make_params();
+    auto first = copies(in_kernel);
+    for (auto& t : first) t.requires_grad_();
+    auto a = c.memfit(in_kernel, optim::Kernel::kFused);
+    auto b = c.memfit(first, optim::Kernel::kFused);
+    GradScaler scaler_a(GradScalerOptions().init_scale(1024.).growth_interval(2));
+    GradScaler scaler_b(GradScalerOptions().init_scale(1024.).growth_interval(2));
+    for (int64_t i = 0; i < 6; ++i) {
+      const double scale = scaler_a.get_scale();
+      scaler_a.scale(torch::ones({}));
+      scaler_b.scale(torch::ones({}));
+      set_grads(in_kernel, i);
+      set_grads(first, i);
+      for (auto* params : {&in_kernel, &first}) {
+        for (auto& p : *params) {
+          if (p.grad().defined()) p.mutable_grad().mul_(scale);  // a power of two: exact
+        }
+        if (i == 3) (*params)[0].mutable_grad()[0][0] = std::numeric_limits<float>::infinity();
+      }
+      ASSERT_TRUE(dynamic_cast<optim::KernelChoice&>(*a).can_unscale_in_kernel()) << c.name;
+      bool stepped_a = false;
+      {
+        OpCount muls("aten::mul_");
+        stepped_a = scaler_a.step(*a);
+        EXPECT_EQ(OpCount::count.load(), 0) << c.name << ": the kernel unscales, not a multiply of its own";
+      }
+      scaler_b.unscale_(*b);
+      const bool stepped_b = scaler_b.step(*b);
+      EXPECT_EQ(stepped_a, i != 3) << c.name << " step " << i;
+      EXPECT_EQ(stepped_a, stepped_b) << c.name << " step " << i;
+      scaler_a.update();
+      scaler_b.update();
+      expect_bitwise(in_kernel, first, c.name + " step " + std::to_string(i));
+      EXPECT_EQ(scaler_a.get_scale(), scaler_b.get_scale()) << c.name;
+    }
+    expect_bitwise(optimizer_state_of(*a, in_kernel), optimizer_state_of(*b, first), c.name + ": state");
+  }
+}
+
+// step_unscaling refuses, before anything changes, a parameter that the
+// fused kernel cannot take, and can_unscale_in_kernel says so beforehand.
+TEST(Optim, StepUnscalingRefusesWhatTheFusedKernelCannotTakeBeforeAnythingChanges) {
+  auto params = make_params();
+  set_grads(params, 0);
+  optim::Adam loop(params, torch::optim::AdamOptions(1e-2), optim::Kernel::kLoop);
+  EXPECT_FALSE(loop.can_unscale_in_kernel());
+  const auto before = copies(params);
+  expect_error([&] { loop.step_unscaling(torch::full({}, 4.f)); }, "GradScaler::unscale_");
+  expect_bitwise(params, before, "a refused step_unscaling");
+  EXPECT_TRUE(loop.state().empty()) << "no state made";
+  const bool fused = optim::has_fused_kernels(torch::kCPU);
+  optim::SGD sgd(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  EXPECT_EQ(sgd.can_unscale_in_kernel(), fused);
 }
 
 TEST(Optim, TellsItsStateTypeAndWhetherItsStepIsTransactional) {

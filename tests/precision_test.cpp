@@ -193,6 +193,19 @@ TEST_F(GradScaling, UnscaleDividesByScaleAndFindsInfAndNaN) {
   }
 }
 
+// A 0-dim parameter's gradient unscales in place like any other (on the CPU
+// it failed to broadcast against the one-element inverse scale).
+TEST_F(GradScaling, UnscalesAZeroDimensionalGradientInPlace) {
+  auto p = torch::ones({}, torch::requires_grad());
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.1));
+  GradScaler scaler(GradScalerOptions().init_scale(8.));
+  scaler.scale(p * 3).backward();
+  scaler.unscale_(opt);
+  EXPECT_EQ(p.grad().dim(), 0);
+  EXPECT_EQ(p.grad().item<float>(), 3.f);
+  EXPECT_TRUE(scaler.step(opt));
+}
+
 TEST_F(GradScaling, RejectsFp16GradientsLikePyTorch) {
   GradScaler scaler;
   scaler.scale(torch::ones({}));

@@ -142,6 +142,28 @@ TEST_F(TrainerTest, TheOptimizerRunsTheFusedKernelWhereLibTorchHasItAlsoOnTheHos
   }
 }
 
+// fp16 on the CPU (LibTorch 2.x): the GradScaler hands its scale to the
+// fused kernel, which unscales as it updates, and the run stays within
+// rounding of the loop kernel's, which unscales first.
+TEST_F(TrainerTest, Fp16StepsUnscaleInsideTheFusedKernelWithinRoundingOfTheLoop) {
+  if (!compat::kCpuAutocastHalf || !optim::has_fused_kernels(torch::kCPU)) {
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no fp16 CPU autocast or no fused CPU kernels";
+  }
+  auto run = [&](optim::Kernel kernel) {
+    torch::manual_seed(7);
+    Trainer t(make_mlp(ModelOptions().width(16).depth(1)),
+              TrainerOptions().batch_size(32).steps(6).precision(Precision::kFP16).optimizer_kernel(kernel));
+    const auto report = t.fit(small_real_data());
+    EXPECT_GT(report.final_scale, 0) << "fp16 runs with a GradScaler";
+    return std::make_pair(parameters_of(t), report);
+  };
+  const auto [loop, loop_report] = run(optim::Kernel::kLoop);
+  const auto [fused, fused_report] = run(optim::Kernel::kFused);
+  EXPECT_EQ(fused_report.optimizer_kernel, "fused");
+  EXPECT_EQ(fused_report.skipped_steps, loop_report.skipped_steps);
+  EXPECT_LT(testing::max_relative_difference(fused, loop), 1e-5);
+}
+
 // Counts the values read back to the host on this thread while alive:
 // aten::_local_scalar_dense, which item() and every tensor-to-number
 // conversion run (on CUDA, a device synchronisation each).

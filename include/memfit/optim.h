@@ -93,12 +93,35 @@ bool has_fused_kernels(c10::DeviceType device);
 /// \endcode
 class KernelChoice {
  public:
+  virtual ~KernelChoice() = default;
   /// The kernel asked for.
   Kernel kernel() const { return kernel_; }
   /// The kernel the last step ran: kFused when every parameter it updated
   /// took the fused kernel, kLoop when any took the loop, kAuto before the
   /// first step.
   Kernel kernel_ran() const { return ran_; }
+
+  /// Whether the next step can divide the loss scale out of the gradients
+  /// inside the fused kernel (step_unscaling): every parameter with a
+  /// gradient takes the fused kernel. GradScaler::step asks this.
+  virtual bool can_unscale_in_kernel() const = 0;
+
+  /// One step on gradients still multiplied by `grad_scale` (one float32
+  /// element; copied to the parameters' devices where it lies elsewhere),
+  /// which the fused kernel divides out as it updates, as PyTorch's fused
+  /// optimizers take GradScaler's scale: no separate unscaling pass. Refused
+  /// before anything changes unless can_unscale_in_kernel(). The result
+  /// equals unscaling by the reciprocal and then step() bitwise where the
+  /// scale is a power of two (GradScaler's are, unless set otherwise).
+  ///
+  /// Example:
+  /// \code
+  ///   auto lin = torch::nn::Linear(4, 2);
+  ///   memfit::optim::SGD sgd(lin->parameters(), torch::optim::SGDOptions(0.1));
+  ///   (lin(torch::ones({3, 4})).sum() * 1024).backward();
+  ///   if (sgd.can_unscale_in_kernel()) sgd.step_unscaling(torch::full({}, 1024.f));
+  /// \endcode
+  virtual torch::Tensor step_unscaling(const torch::Tensor& grad_scale) = 0;
 
  protected:
   explicit KernelChoice(Kernel kernel = Kernel::kAuto);
@@ -109,6 +132,8 @@ class KernelChoice {
   void fell_back(const std::string& optimizer, const std::string& why);
   Kernel kernel_;
   Kernel ran_ = Kernel::kAuto;
+  /// The scale step_unscaling hands the next step; undefined otherwise.
+  torch::Tensor grad_scale_;
 
  private:
   bool warned_ = false;
@@ -133,6 +158,8 @@ class SGD : public torch::optim::SGD, public KernelChoice {
   /// One step over every parameter with a gradient; throws before changing
   /// anything when an allocation fails.
   torch::Tensor step(LossClosure closure = nullptr) override;
+  bool can_unscale_in_kernel() const override;
+  torch::Tensor step_unscaling(const torch::Tensor& grad_scale) override;
 };
 
 /// torch::optim::Adam whose step completes or changes nothing, on the fastest
@@ -154,6 +181,8 @@ class Adam : public torch::optim::Adam, public KernelChoice {
   /// One step over every parameter with a gradient; throws before changing
   /// anything when an allocation fails.
   torch::Tensor step(LossClosure closure = nullptr) override;
+  bool can_unscale_in_kernel() const override;
+  torch::Tensor step_unscaling(const torch::Tensor& grad_scale) override;
 };
 
 /// torch::optim::AdamW whose step completes or changes nothing, on the
@@ -175,6 +204,8 @@ class AdamW : public torch::optim::AdamW, public KernelChoice {
   /// One step over every parameter with a gradient; throws before changing
   /// anything when an allocation fails.
   torch::Tensor step(LossClosure closure = nullptr) override;
+  bool can_unscale_in_kernel() const override;
+  torch::Tensor step_unscaling(const torch::Tensor& grad_scale) override;
 };
 
 /// The kernel `optimizer`'s last step ran, as the report names it: "fused"

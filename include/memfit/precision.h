@@ -184,7 +184,10 @@ class GradScaler {
 
   /// Unscales `optimizer`'s gradients unless unscale_ was called, then steps it
   /// unless a gradient holds inf or NaN. Returns whether it stepped. Reads
-  /// found_inf: one sync per call.
+  /// found_inf: one sync per call. A memfit::optim optimizer whose parameters
+  /// all take the fused kernel (can_unscale_in_kernel) divides the scale out
+  /// inside its kernel instead (step_unscaling), as PyTorch's fused
+  /// optimizers do: the gradients are only checked, not rewritten.
   bool step(torch::optim::Optimizer& optimizer);
 
   /// Updates the scale from the inf checks of every optimizer stepped since
@@ -238,8 +241,10 @@ class GradScaler {
     std::vector<torch::Tensor> found_inf_per_device;
   };
   void lazy_init(const torch::Device& device);
+  // Records inf and NaN among the gradients per device and, with `unscale`,
+  // multiplies them by inv_scale.
   std::vector<torch::Tensor> unscale_grads(torch::optim::Optimizer& optimizer,
-                                           const torch::Tensor& inv_scale);
+                                           const torch::Tensor& inv_scale, bool unscale = true);
 
   GradScalerOptions options_;
   torch::Tensor scale_;           // float32, one element, on the device of the first loss
