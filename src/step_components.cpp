@@ -192,7 +192,9 @@ void NonfiniteCheck::check(StepState& s, double value, const char* where) const 
   s.skip = true;
 }
 
-void NonfiniteCheck::finish_backward(StepState& s) { check(s, s.loss_value, ranks_ > 1 ? across_ : ""); }
+void NonfiniteCheck::finish_backward(StepState& s) {
+  if (mode_ != NonfiniteLoss::kUnchecked) check(s, s.loss_value, ranks_ > 1 ? across_ : "");
+}
 
 void MasterWeightsStep::finish_backward(StepState& s) {
   if (!s.skip) master_.grads_to_master();

@@ -169,6 +169,7 @@ class NonfiniteCheck final : public StepComponent {
   // `across` qualifies the loss of several ranks in the message.
   NonfiniteCheck(NonfiniteLoss mode, int64_t ranks, const char* across)
       : mode_(mode), ranks_(ranks), across_(across) {}
+  void begin_step(StepState& s) override { s.read_loss = mode_ != NonfiniteLoss::kUnchecked; }
   void finish_backward(StepState& s) override;  // the step's loss, read once after its micro-batches
 
  private:

@@ -229,6 +229,9 @@ void Trainer::check_options() const {
                 "and pipeline parallelism are not supported with streamed parameters; drop the process "
                 "group, or keep the parameters on the device (offload optimizer and gradients still apply)");
   }
+  TORCH_CHECK(options_.nonfinite_loss() != NonfiniteLoss::kUnchecked || options_.process_group() == nullptr,
+              "nonfinite_loss kUnchecked leaves each step's loss unread, but the ranks of a process group "
+              "average it on the host: use NonfiniteLoss::kError or kSkip with a process group");
   TORCH_CHECK(options_.zero_stage() == 0 || options_.zero_stage() == 1, "zero_stage must be 0 (no "
               "sharding) or 1 (optimizer state sharded over the ranks), got ", options_.zero_stage(),
               "; stages 2 and 3 are not implemented");
@@ -435,7 +438,7 @@ void Trainer::build_components() {
     components_.push_back(std::make_shared<PipelineStep>(*pipeline_, options_.device(), options_.precision()));
   }
   components_.push_back(std::make_shared<PrecisionStep>(options_.device(), options_.precision(), *scaler_));
-  if (!scaler_->is_enabled()) {
+  if (!scaler_->is_enabled() || options_.nonfinite_loss() == NonfiniteLoss::kUnchecked) {
     components_.push_back(std::make_shared<NonfiniteCheck>(options_.nonfinite_loss(), world_size(),
                                                            pipeline_ ? "" : " (summed over the ranks)"));
   }
@@ -754,7 +757,11 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
     s.phase = "backward " + k;
     call_all(cs, [&](StepComponent& c) { c.after_backward(s); });
   }
-  if (!taken) s.loss_value = s.loss_sum.item<double>();  // the step's one read of a device value
+  torch::Tensor loss_tensor = taken ? torch::Tensor() : s.loss_sum;
+  if (!taken) {
+    // The step's one read of a device value, unless no component needs it.
+    s.loss_value = s.read_loss ? s.loss_sum.item<double>() : std::numeric_limits<double>::quiet_NaN();
+  }
   s.loss_sum = torch::Tensor();
   call_all(cs, [&](StepComponent& c) { c.finish_backward(s); });
   if (!s.skip) {
@@ -777,6 +784,7 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
   rec.step = s.step;
   rec.epoch = s.epoch;
   rec.loss = s.loss_value;
+  rec.loss_tensor = loss_tensor.defined() ? loss_tensor : torch::tensor(s.loss_value, torch::kDouble);
   rec.skipped = !s.stepped;
   rec.peak_bytes = meter.peak();
   for (const auto& m : timeline_->timeline()) rec.peak_bytes = std::max(rec.peak_bytes, m.peak_bytes);
@@ -870,7 +878,7 @@ std::string rank_settings(const torch::nn::Module& model, const TrainerOptions& 
   s.emplace_back("TrainerOptions::precision", to_string(o.precision()));
   s.emplace_back("TrainerOptions::master_weights", name(o.master_weights(), {"kNone", "kHost", "kDevice"}));
   s.emplace_back("TrainerOptions::max_grad_norm", fmt::format("{}", o.max_grad_norm()));
-  s.emplace_back("TrainerOptions::nonfinite_loss", name(o.nonfinite_loss(), {"kError", "kSkip"}));
+  s.emplace_back("TrainerOptions::nonfinite_loss", name(o.nonfinite_loss(), {"kError", "kSkip", "kUnchecked"}));
   s.emplace_back("TrainerOptions::micro_batch_size", std::to_string(o.micro_batch_size()));
   s.emplace_back("TrainerOptions::freeze", c10::Join(", ", o.freeze()));
   s.emplace_back("TrainerOptions::offload_optimizer", offload(o.offload_optimizer()));
@@ -940,6 +948,9 @@ void Trainer::check_save_dir_is_ours() const {
 
 TrainReport Trainer::run_fit(int64_t n, const BatchReader& read, const BatchView& view, const StepCallback& on_step) {
   TORCH_CHECK(n > 0, "Trainer::fit needs a non-empty data set");
+  TORCH_CHECK(options_.nonfinite_loss() != NonfiniteLoss::kUnchecked,
+              "Trainer::fit reports every step's loss, but nonfinite_loss kUnchecked leaves it unread: use "
+              "NonfiniteLoss::kError or kSkip, or call train_step in a loop of your own");
   check_save_dir_is_ours();
   const int64_t total = total_steps_of(n);
   if (step_ >= total) {  // a finished run: start a new one (the generator goes on)

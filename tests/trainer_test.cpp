@@ -215,6 +215,48 @@ TEST_F(TrainerTest, AStepReadsOneValueToTheHostWhateverItsMicroBatches) {
   }
 }
 
+// NonfiniteLoss::kUnchecked: a step reads nothing back to the host, with
+// or without micro-batches; its record keeps the loss on the device, equal
+// to what a checked step reads, and the parameters are the checked run's
+// bitwise. fit and a process group refuse it, naming what works.
+TEST_F(TrainerTest, AnUncheckedStepReadsNothingAndKeepsItsLossOnTheDevice) {
+  const auto data = small_real_data();
+  for (int64_t micro : {0, 8}) {
+    auto run = [&](NonfiniteLoss mode) {
+      torch::manual_seed(3);
+      Trainer t(make_mlp(ModelOptions().width(16).depth(1)),
+                TrainerOptions().batch_size(32).micro_batch_size(micro).nonfinite_loss(mode)
+                    .optimizer_kernel(optim::Kernel::kLoop));
+      std::vector<double> losses;
+      for (int64_t i = 0; i < 3; ++i) {
+        const torch::data::Example<> batch(data.images.narrow(0, 32 * i, 32), data.labels.narrow(0, 32 * i, 32));
+        int64_t reads = 0;
+        StepRecord record;
+        {
+          HostReads counted;
+          record = t.train_step(batch);
+          reads = HostReads::count.load();
+        }
+        EXPECT_EQ(reads, mode == NonfiniteLoss::kUnchecked ? 0 : 1) << "micro-batch " << micro << ", step " << i + 1;
+        losses.push_back(record.loss_tensor.item<double>());
+        if (mode == NonfiniteLoss::kUnchecked) {
+          EXPECT_TRUE(std::isnan(record.loss)) << "left unread";
+        } else {
+          EXPECT_EQ(record.loss, losses.back());
+        }
+      }
+      return std::make_pair(parameters_of(t), losses);
+    };
+    const auto [checked, checked_losses] = run(NonfiniteLoss::kError);
+    const auto [unchecked, unchecked_losses] = run(NonfiniteLoss::kUnchecked);
+    EXPECT_EQ(unchecked_losses, checked_losses) << "micro-batch " << micro;
+    testing::expect_bitwise(unchecked, checked, "micro-batch " + std::to_string(micro));
+  }
+  Trainer t(make_mlp(ModelOptions().width(16).depth(1)),
+            TrainerOptions().batch_size(32).steps(1).nonfinite_loss(NonfiniteLoss::kUnchecked));
+  testing::expect_error([&] { t.fit(small_real_data()); }, "call train_step in a loop of your own");
+}
+
 TEST_F(TrainerTest, BadOptionsAreRejectedInTheConstructor) {
   auto model = make_mlp(ModelOptions().width(8).depth(1));
   EXPECT_THROW(Trainer(model, TrainerOptions().batch_size(0)), c10::Error);

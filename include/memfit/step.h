@@ -55,6 +55,8 @@ struct StepState {
   double loss_value = 0;      ///< The step's mean loss, read once after the last micro-batch (the
                               ///< step's sync); components may replace it (data parallelism averages
                               ///< it over ranks).
+  bool read_loss = true;      ///< Whether loss_value is read after the last micro-batch (a component
+                              ///< that neither needs nor checks it may clear it: the step reads nothing).
   bool skip = false;          ///< Set to skip the rest of the step (no backward, no optimizer step).
   bool stepped = false;       ///< Whether the optimizer stepped (false when a GradScaler skipped it).
   torch::optim::Optimizer* optimizer = nullptr;  ///< The optimizer the step steps.

@@ -13,9 +13,9 @@
 ///
 /// Thread safety: a Trainer is used from one thread at a time. Sync points:
 /// one per step (the micro-batches' losses are summed on the device and read
-/// once, after the last backward, for the record and the non-finite check);
-/// one more with fp16 (the GradScaler's inf check) and with clipping (the
-/// norm); recovery adds none in one process unless a step fails, and with a
+/// once, after the last backward, for the record and the non-finite check;
+/// none with NonfiniteLoss::kUnchecked); one more with fp16 (the
+/// GradScaler's inf check) and with clipping (the norm); recovery adds none in one process unless a step fails, and with a
 /// process group two votes (docs/recovery.md). Extra memory:
 /// the micro-batch being trained on (copied to the device from host memory,
 /// memfit::to_device), and the optimizer's state (none on the device with
@@ -103,6 +103,13 @@ enum class NonfiniteLoss {
   kError,  ///< Stop with a c10::Error naming the step.
   kSkip,   ///< Skip the step: no backward, no optimizer step (BatchNorm's running
            ///< statistics keep what the skipped forward put in them, as in PyTorch).
+  /// Neither read nor check the loss: a step reads nothing back to the host
+  /// (without fp16's GradScaler and clipping, which read their own values).
+  /// StepRecord::loss is NaN and StepRecord::loss_tensor holds the step's
+  /// loss on its device, for a loop of one's own that logs every N steps, as
+  /// PyTorch users do; a NaN loss then updates the parameters, as in a
+  /// PyTorch loop without a check. train_step only: fit reports every loss.
+  kUnchecked,
 };
 
 /// How the ranks of a Trainer's process group share the work.
@@ -328,7 +335,11 @@ struct Recovery {
 struct StepRecord {
   int64_t step = 0;        ///< 1-based step number.
   int64_t epoch = 0;       ///< 0-based epoch of the step.
-  double loss = 0;         ///< Mean loss of the batch.
+  double loss = 0;         ///< Mean loss of the batch (NaN where NonfiniteLoss::kUnchecked left it unread).
+  /// The same, as a one-element float64 tensor where it was computed (on the
+  /// CPU, host memory not counted by the budget): reading it is the sync
+  /// NonfiniteLoss::kUnchecked spares the step.
+  torch::Tensor loss_tensor;
   double seconds = 0;      ///< Wall time of the step.
   int64_t peak_bytes = 0;  ///< Peak memory_allocated(device) during the step.
   int64_t current_bytes = 0;  ///< memory_allocated(device) after the step.
@@ -459,7 +470,8 @@ class EvalScope {
 /// optimizer state. With master weights the parameters are held in the low
 /// dtype and the optimizer steps fp32 masters (on the host for
 /// MasterWeightsMode::kHost, where the step then runs). Sync points: one per
-/// step for the loss, one more with fp16 (the GradScaler's inf check).
+/// step for the loss (none with NonfiniteLoss::kUnchecked), one more with
+/// fp16 (the GradScaler's inf check).
 /// A NaN or infinite loss without a GradScaler stops the run with an error
 /// naming the step, or skips the step (NonfiniteLoss::kSkip, recorded as
 /// skipped).
