@@ -1211,13 +1211,22 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget, int64_t batch) {
                                            checkpoint_text(out.chains, best->schedules, ""))) {
     out.why.push_back(std::move(line));
   }
-  out.why.push_back(fmt::format("predicted peak {} of {} ({} phase), {:.4f} s per batch ({:.2f}x plain){}",
-                                format_bytes(best->predicted.peak_bytes), format_bytes(budget),
-                                best->predicted.phase, best->predicted.seconds,
-                                plain.seconds > 0 ? best->predicted.seconds / plain.seconds : 0.0,
-                                out.measured_peak_bytes > 0
-                                    ? "; its steps peaked at " + format_bytes(out.measured_peak_bytes)
-                                    : std::string()));
+  // A time is shown as measured where the plan's steps were timed; a
+  // prediction alone (extrapolated from small steps) is labelled as one.
+  const std::string peak = fmt::format("predicted peak {} of {} ({} phase)", format_bytes(best->predicted.peak_bytes),
+                                       format_bytes(budget), best->predicted.phase);
+  const std::string ran =
+      out.measured_peak_bytes > 0 ? "; its steps peaked at " + format_bytes(out.measured_peak_bytes) : std::string();
+  if (out.measured_seconds > 0) {
+    out.why.push_back(fmt::format("{}{}{} {:.1f} ms per batch (predicted {:.1f} ms)", peak, ran,
+                                  ran.empty() ? "; its steps took" : " and took", 1e3 * out.measured_seconds,
+                                  1e3 * best->predicted.seconds));
+  } else {
+    out.why.push_back(fmt::format("{}{}; its time was not measured: {:.1f} ms per batch by extrapolation from the "
+                                  "measured micro-batches ({:.2f}x plain's, likewise), which may be far off",
+                                  peak, ran, 1e3 * best->predicted.seconds,
+                                  plain.seconds > 0 ? best->predicted.seconds / plain.seconds : 0.0));
+  }
   out.why.push_back(detail::micro_batch_text(o, model.impl_->batch_statistics, best->settings.micro_batch(),
                                      best->predicted.accumulation_steps, batch));
   return out;
