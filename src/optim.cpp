@@ -124,9 +124,13 @@ struct FusedBucket {
 };
 
 // Refuses step_unscaling for a parameter the fused kernel cannot take
-// (`why` says why; empty: it can), before anything changes.
-void check_unscaling(const std::string& why, const char* optimizer) {
-  TORCH_CHECK(why.empty(), "memfit::optim::", optimizer, "::step_unscaling: the fused kernel cannot take ", why,
+// (`fusable`: the kernel choice lets it; `why`: fused_refusal's reason),
+// before anything changes.
+void check_unscaling(bool fusable, const std::string& why, const torch::Tensor& p, const char* optimizer) {
+  if (fusable && why.empty()) return;
+  TORCH_CHECK(false, "memfit::optim::", optimizer, "::step_unscaling: the fused kernel cannot take ",
+              fusable ? why : "a parameter on " + p.device().str() + " under Kernel::kLoop or a LibTorch without "
+                                                                      "fused kernels",
               ", so it cannot unscale its gradient: call GradScaler::unscale_ and then step() (can_unscale_in_kernel "
               "says which applies)");
 }
@@ -169,14 +173,16 @@ bool all_fused(const Base& self, const std::function<bool(const torch::Tensor&)>
   return true;
 }
 
-// An Adam or AdamW parameter's state tensors (undefined before its first step).
+// What gives an Adam or AdamW parameter's state tensors (undefined before its first step).
 template <class Base, class State>
-std::array<torch::Tensor, 3> adam_state_tensors(const Base& self, const torch::Tensor& p) {
-  const auto& st = self.state();
-  const auto found = st.find(compat::optimizer_state_key<Base>(p));
-  if (found == st.end()) return {};
-  const auto& s = static_cast<const State&>(*found->second);
-  return {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()};
+auto adam_state_tensors(const Base& self) {
+  return [&self](const torch::Tensor& p) -> std::array<torch::Tensor, 3> {
+    const auto& st = self.state();
+    const auto found = st.find(compat::optimizer_state_key<Base>(p));
+    if (found == st.end()) return {};
+    const auto& s = static_cast<const State&>(*found->second);
+    return {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()};
+  };
 }
 using BucketKey = std::tuple<size_t, std::string, int, bool>;
 BucketKey bucket_key(size_t group, const torch::Tensor& p, bool fresh = false) {
@@ -230,10 +236,11 @@ torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const 
         }
         auto* s = static_cast<State*>(state[key].get());
         const int64_t step = s->step() + 1;
-        const auto why = wants_fused(p) ? fused_refusal(p, p.grad(), {s->exp_avg(), s->exp_avg_sq(), s->max_exp_avg_sq()})
-                                        : "a parameter on " + p.device().str() + " under Kernel::kLoop or a LibTorch without fused kernels";
-        if (grad_scale.defined()) check_unscaling(why, decoupled ? "AdamW" : "Adam");
-        if (wants_fused(p)) {
+        const bool fusable = wants_fused(p);
+        const auto why =
+            fusable ? fused_refusal(p, p.grad(), {s->exp_avg(), s->exp_avg_sq(), s->max_exp_avg_sq()}) : std::string();
+        if (grad_scale.defined()) check_unscaling(fusable, why, p, decoupled ? "AdamW" : "Adam");
+        if (fusable) {
           if (why.empty()) {
             auto& b = fused[bucket_key(group_index, p)];
             b.options = &o;
@@ -382,10 +389,10 @@ torch::Tensor SGD::step(LossClosure closure) {
         const auto buf = o.momentum() != 0 && !fresh
                              ? static_cast<torch::optim::SGDParamState&>(*found->second).momentum_buffer()
                              : torch::Tensor();
-        const auto why = wants_fused(p.device().type()) ? fused_refusal(p, p.grad(), {buf})
-                                                        : "a parameter on " + p.device().str() + " under Kernel::kLoop or a LibTorch without fused kernels";
-        if (grad_scale_.defined()) check_unscaling(why, "SGD");
-        if (wants_fused(p.device().type())) {
+        const bool fusable = wants_fused(p.device().type());
+        const auto why = fusable ? fused_refusal(p, p.grad(), {buf}) : std::string();
+        if (grad_scale_.defined()) check_unscaling(fusable, why, p, "SGD");
+        if (fusable) {
           if (why.empty()) {
             auto& b = fused[bucket_key(group_index, p, fresh)];
             b.options = &o;
@@ -472,7 +479,7 @@ torch::Tensor Adam::step(LossClosure closure) {
 
 bool Adam::can_unscale_in_kernel() const {
   return all_fused(*this, [this](const torch::Tensor& p) { return wants_fused(p.device().type()); },
-                   [this](const torch::Tensor& p) { return adam_state_tensors<torch::optim::Adam, torch::optim::AdamParamState>(*this, p); });
+                   adam_state_tensors<torch::optim::Adam, torch::optim::AdamParamState>(*this));
 }
 
 torch::Tensor Adam::step_unscaling(const torch::Tensor& grad_scale) {
@@ -488,7 +495,7 @@ torch::Tensor AdamW::step(LossClosure closure) {
 
 bool AdamW::can_unscale_in_kernel() const {
   return all_fused(*this, [this](const torch::Tensor& p) { return wants_fused(p.device().type()); },
-                   [this](const torch::Tensor& p) { return adam_state_tensors<torch::optim::AdamW, torch::optim::AdamWParamState>(*this, p); });
+                   adam_state_tensors<torch::optim::AdamW, torch::optim::AdamWParamState>(*this));
 }
 
 torch::Tensor AdamW::step_unscaling(const torch::Tensor& grad_scale) {
