@@ -404,6 +404,53 @@ TEST(Optim, GradScalerHandsItsScaleToTheFusedKernelWhichStepsAsUnscalingFirstDoe
   }
 }
 
+// The scaler's step on the fused kernel fails any allocation without a
+// trace: parameters, gradients and state stay bitwise as they were, and
+// after GradScaler::discard_step (what the Trainer's transaction calls) the
+// retried step equals the uninterrupted one.
+TEST(Optim, AScaledFusedStepThatFailsAnyAllocationChangesNothing) {
+  if (!optim::has_fused_kernels(torch::kCPU)) {
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no fused CPU kernels (2.4 and later have)";
+  }
+  for (const auto& c : cases()) {
+    SCOPED_TRACE(c.name);
+    auto ref = make_params(), p = make_params();
+    auto reference = c.memfit(ref, optim::Kernel::kFused);
+    auto o = c.memfit(p, optim::Kernel::kFused);
+    GradScaler ref_scaler(GradScalerOptions().init_scale(64.)), scaler(GradScalerOptions().init_scale(64.));
+    ref_scaler.scale(torch::ones({}));
+    scaler.scale(torch::ones({}));
+    set_grads(ref, 0);
+    set_grads(p, 0);
+    int64_t allocations = 0;
+    {
+      AllocationFault count(0);
+      ref_scaler.step(*reference);
+      allocations = count.allocations();
+    }
+    EXPECT_GT(allocations, 0) << "the inf check allocates";
+    for (int64_t k = 1; k <= allocations; ++k) {
+      const auto params_before = copies(p);
+      std::vector<torch::Tensor> grads_before;
+      for (const auto& t : p) grads_before.push_back(t.grad().defined() ? t.grad().clone() : torch::Tensor());
+      const auto state_before = optimizer_state_of(*o, p);
+      {
+        AllocationFault fail(k);
+        EXPECT_THROW(scaler.step(*o), c10::OutOfMemoryError) << "allocation " << k << " of " << allocations;
+      }
+      scaler.discard_step();
+      std::vector<torch::Tensor> grads_after;
+      for (const auto& t : p) grads_after.push_back(t.grad());
+      expect_bitwise(copies(p), params_before, "parameters after failing allocation " + std::to_string(k));
+      expect_bitwise(grads_after, grads_before, "gradients after failing allocation " + std::to_string(k));
+      expect_bitwise(optimizer_state_of(*o, p), state_before, "state after failing allocation " + std::to_string(k));
+    }
+    EXPECT_TRUE(scaler.step(*o));
+    expect_bitwise(copies(p), copies(ref), "parameters after the retried step");
+    expect_bitwise(optimizer_state_of(*o, p), optimizer_state_of(*reference, ref), "state after the retried step");
+  }
+}
+
 // step_unscaling refuses, before anything changes, a parameter that the
 // fused kernel cannot take, and can_unscale_in_kernel says so beforehand.
 TEST(Optim, StepUnscalingRefusesWhatTheFusedKernelCannotTakeBeforeAnythingChanges) {
