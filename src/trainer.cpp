@@ -784,7 +784,11 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
   rec.step = s.step;
   rec.epoch = s.epoch;
   rec.loss = s.loss_value;
-  rec.loss_tensor = loss_tensor.defined() ? loss_tensor : torch::tensor(s.loss_value, torch::kDouble);
+  if (!loss_tensor.defined()) {  // a pipeline's loss, read already: host memory the budget does not count
+    UntrackedGuard host;
+    loss_tensor = torch::tensor(s.loss_value, torch::kDouble);
+  }
+  rec.loss_tensor = loss_tensor;
   rec.skipped = !s.stepped;
   rec.peak_bytes = meter.peak();
   for (const auto& m : timeline_->timeline()) rec.peak_bytes = std::max(rec.peak_bytes, m.peak_bytes);
