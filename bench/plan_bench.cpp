@@ -135,13 +135,20 @@ torch::nn::Sequential make(const std::string& kind) {
   return memfit::make_model(memfit::parse_model_kind(kind.substr(0, at)), options);
 }
 
+// A step's settings with the checkpoint schedule of its model's one chain.
+struct Setting : memfit::StepSettings {
+  Setting(memfit::StepSettings s = {}, memfit::Schedule chain = {})  // NOLINT: a StepSettings is one without a schedule
+      : memfit::StepSettings(std::move(s)), schedule(std::move(chain)) {}
+  memfit::Schedule schedule;  // empty: plain
+};
+
 // The model as `memfit train` trains and plans it: its layers one chain,
 // with `s`'s checkpoint schedule and selective recomputation.
-torch::nn::Sequential planned(const std::string& kind, const memfit::StepSettings& s = memfit::StepSettings()) {
+torch::nn::Sequential planned(const std::string& kind, const Setting& s = Setting()) {
   auto chain = make(kind);
   memfit::set_selective_recompute(chain, s.selective_recompute());
   memfit::CheckpointedSequential model(chain);
-  if (!s.schedule().segments.empty()) model->set_schedule(s.schedule());
+  if (!s.schedule.segments.empty()) model->set_schedule(s.schedule);
   return torch::nn::Sequential(model);
 }
 
@@ -152,7 +159,7 @@ struct Run {
 };
 
 // Three steps of `s` under `budget` (0: none); fits is false on out-of-memory.
-Run run(const std::string& kind, int64_t batch, const memfit::StepSettings& s, int64_t budget) {
+Run run(const std::string& kind, int64_t batch, const Setting& s, int64_t budget) {
   const int64_t base = memfit::memory_allocated();
   memfit::Trainer t(planned(kind, s), memfit::trainer_options(s, memfit::TrainerOptions().batch_size(batch).steps(3)));
   memfit::set_memory_budget(torch::kCPU, budget > 0 ? base + budget : 0);
@@ -170,9 +177,8 @@ Run run(const std::string& kind, int64_t batch, const memfit::StepSettings& s, i
 
 // Median over 6 rounds of time(a) / time(b), one step each, alternating
 // which runs first.
-double side_by_side_ratio(const std::string& kind, int64_t batch, const memfit::StepSettings& a,
-                          const memfit::StepSettings& b) {
-  auto trainer = [&](const memfit::StepSettings& s) {
+double side_by_side_ratio(const std::string& kind, int64_t batch, const Setting& a, const Setting& b) {
+  auto trainer = [&](const Setting& s) {
     return std::make_unique<memfit::Trainer>(
         planned(kind, s), memfit::trainer_options(s, memfit::TrainerOptions().batch_size(batch).steps(1)));
   };
@@ -196,11 +202,11 @@ double side_by_side_ratio(const std::string& kind, int64_t batch, const memfit::
   return 0.5 * (ratios[2] + ratios[3]);
 }
 
-bool same(const memfit::StepSettings& a, const memfit::StepSettings& b) {
+bool same(const Setting& a, const Setting& b) {
   return a.micro_batch() == b.micro_batch() && a.offload_optimizer() == b.offload_optimizer() &&
          a.offload_gradients() == b.offload_gradients() &&
          a.offload_parameters() == b.offload_parameters() && a.tile_bytes() == b.tile_bytes() &&
-         a.selective_recompute() == b.selective_recompute() && a.schedule().to_string() == b.schedule().to_string();
+         a.selective_recompute() == b.selective_recompute() && a.schedule.to_string() == b.schedule.to_string();
 }
 
 // The first `n` examples of `kind`'s data set: the batch `memfit plan --batch n` plans for.
@@ -213,8 +219,8 @@ torch::data::Example<> sample(const std::string& kind, int64_t n) {
 // the cost model leaves room, with the optimal schedule for it (run where the
 // first overruns the budget); their predicted times.
 struct Combination {
-  memfit::StepSettings plain;
-  std::optional<memfit::StepSettings> scheduled;
+  Setting plain;
+  std::optional<Setting> scheduled;
   double plain_seconds = 0;
   double scheduled_seconds = 0;
 };
@@ -233,7 +239,7 @@ std::vector<Combination> grid_of(const memfit::ModuleStepModel& model, int64_t b
   for (const auto& measured : model.measured_settings()) {
     for (int64_t m : micro) {
       Combination c;
-      c.plain = memfit::StepSettings(measured).micro_batch(m == batch ? 0 : m);
+      c.plain = Setting(memfit::StepSettings(measured).micro_batch(m == batch ? 0 : m));
       const auto pred = model.predict(batch, c.plain, {memfit::Schedule()});
       c.plain_seconds = pred.seconds;
       const int64_t room = static_cast<int64_t>(model.options().margin() * double(budget)) -
@@ -241,8 +247,8 @@ std::vector<Combination> grid_of(const memfit::ModuleStepModel& model, int64_t b
       if (room > 0) {
         try {
           auto s = c.plain;
-          s.schedule(memfit::solve_optimal(model.costs(0, s.precision(), m, s.selective_recompute()), room));
-          c.scheduled_seconds = model.predict(batch, s, {s.schedule()}).seconds;
+          s.schedule = memfit::solve_optimal(model.costs(0, s.precision(), m, s.selective_recompute()), room);
+          c.scheduled_seconds = model.predict(batch, s, {s.schedule}).seconds;
           c.scheduled = s;
         } catch (const c10::Error&) {
         }
@@ -253,11 +259,11 @@ std::vector<Combination> grid_of(const memfit::ModuleStepModel& model, int64_t b
   return grid;
 }
 
-std::string describe(const memfit::StepSettings& s, int64_t batch) {
+std::string describe(const Setting& s, int64_t batch) {
   return fmt::format("micro {} offload {}{} checkpoint {}{}", s.micro_batch() > 0 ? s.micro_batch() : batch,
                      memfit::offload_text(s),
                      s.tile_bytes() > 0 ? fmt::format(" (tiles of {})", memfit::format_bytes(s.tile_bytes())) : "",
-                     s.schedule().segments.empty() ? "none" : s.schedule().to_string(),
+                     s.schedule.segments.empty() ? "none" : s.schedule.to_string(),
                      s.selective_recompute() ? ", selective recompute" : "");
 }
 
@@ -301,16 +307,15 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch, std::vect
         fmt::print(stderr, "{} at {}: {}\n", kind, name, e.msg());
         continue;
       }
-      auto chosen = p->settings;  // its one chain's schedule with it
-      chosen.schedule(p->schedules.empty() ? memfit::Schedule() : p->schedules.front());
+      const Setting chosen(p->settings, p->schedules.empty() ? memfit::Schedule() : p->schedules.front());
       // The grid, each combination measured under the budget.
       double best = std::numeric_limits<double>::infinity(), best_predicted = 0;
-      std::optional<memfit::StepSettings> best_settings;
+      std::optional<Setting> best_settings;
       double planned = 0;
       int64_t planned_peak = 0;
       bool plan_fit = false;
       for (const auto& c : grids[b]) {
-        memfit::StepSettings s = c.plain;
+        Setting s = c.plain;
         double predicted = c.plain_seconds;
         Run r = run(kind, batch, s, budget);
         if (!r.fits && c.scheduled) {
@@ -346,7 +351,7 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch, std::vect
       }
       if (plan_fit) {
         state.counters[key + "plan_vs_plain_side_by_side"] =
-            side_by_side_ratio(kind, batch, chosen, memfit::StepSettings());
+            side_by_side_ratio(kind, batch, chosen, Setting());
       }
       state.counters[key + "fits"] = plan_fit ? 1 : 0;
       state.counters[key + "plan_peak_MiB"] = double(planned_peak) / (1 << 20);
@@ -400,15 +405,15 @@ void BM_Accuracy(benchmark::State& state, std::string kind) {
             if (offload == 2 && precision != memfit::Precision::kFP32) continue;
             for (bool checkpointed : {false, true}) {
               if (offload == 2 && checkpointed) continue;  // a streamed chain's layers run one at a time as measured
-              auto s = memfit::StepSettings().micro_batch(micro).precision(precision);
+              Setting s(memfit::StepSettings().micro_batch(micro).precision(precision));
               if (offload >= 1) s.offload_optimizer(memfit::Offload::kHost);
               if (offload == 2) {
                 s.offload_gradients(memfit::Offload::kHost)
                     .offload_parameters(memfit::Offload::kHost)
                     .tile_bytes(largest_linear_bytes(kind) / 16 >= 1024 ? largest_linear_bytes(kind) / 16 : 0);
               }
-              if (checkpointed) s.schedule(memfit::schedule_sqrt(static_cast<int64_t>(chain_size)));
-              const auto predicted = model.predict(batch, s, {s.schedule()});
+              if (checkpointed) s.schedule = memfit::schedule_sqrt(static_cast<int64_t>(chain_size));
+              const auto predicted = model.predict(batch, s, {s.schedule});
               const int64_t measured = run(kind, batch, s, 0).peak;
               const double error = double(predicted.peak_bytes - measured) / double(measured);
               errors.push_back(error);

@@ -1,6 +1,9 @@
 #include "memfit/plan.h"
 
-#include "plan_internal.h"
+#include "memfit/module_plan.h"
+
+#include "plan_wire.h"
+#include "plan_choice.h"
 
 #include "compat.h"
 
@@ -33,66 +36,6 @@ std::string offload_text(const StepSettings& s) {
   if (s.offload_optimizer() != Offload::kHost) return "none";
   if (s.offload_parameters() == Offload::kHost) return "optimizer, gradients, parameters";
   return s.offload_gradients() == Offload::kHost ? "optimizer, gradients" : "optimizer";
-}
-
-namespace {
-
-std::string schedule_text(const StepSettings& s) {
-  return s.schedule().segments.empty() ? "none" : s.schedule().to_string();
-}
-
-} // namespace
-
-namespace {
-// Each chain's schedule, "; "-separated ("none" for a plain one).
-std::string chains_text(const std::vector<Schedule>& schedules) {
-  std::vector<std::string> out;
-  for (const auto& s : schedules) out.push_back(detail::recomputes(s) ? s.to_string() : std::string("none"));
-  return fmt::format("{}", fmt::join(out, "; "));
-}
-} // namespace
-
-std::string Plan::to_json() const {
-  nlohmann::json timed_json = nlohmann::json::array();
-  for (const auto& t : timed) {
-    timed_json.push_back({{"micro_batch", t.settings.micro_batch() > 0 ? t.settings.micro_batch() : batch},
-                          {"precision", to_string(t.settings.precision())},
-                          {"offload", offload_text(t.settings)},
-                          {"checkpoint", t.schedules.empty() ? schedule_text(t.settings) : chains_text(t.schedules)},
-                          {"predicted_seconds", t.predicted_seconds},
-                          {"measured_seconds", t.measured_seconds},
-                          {"measured_peak_bytes", t.measured_peak_bytes}});
-  }
-  nlohmann::json j = {{"fits", fits},
-                      {"budget_bytes", budget},
-                      {"batch", batch},
-                      {"micro_batch", settings.micro_batch() > 0 ? settings.micro_batch() : batch},
-                      {"accumulation_steps", predicted.accumulation_steps},
-                      {"precision", to_string(settings.precision())},
-                      {"checkpoint", schedule_text(settings)},
-                      {"selective_recompute", settings.selective_recompute()},
-                      {"offload", offload_text(settings)},
-                      {"tile_bytes", settings.tile_bytes()},
-                      {"predicted_peak_bytes", predicted.peak_bytes},
-                      {"predicted_seconds", predicted.seconds},
-                      {"predicted_phase", predicted.phase},
-                      {"plain_peak_bytes", plain_peak_bytes},
-                      {"plain_seconds", plain_seconds},
-                      {"candidates", candidates},
-                      {"measured_seconds", measured_seconds},
-                      {"measured_peak_bytes", measured_peak_bytes},
-                      {"measured_tie", measured_tie},
-                      {"timed", timed_json},
-                      {"predicted_memory", nlohmann::json::parse(predicted.memory.to_json())},
-                      {"why", why}};
-  return j.dump(2);
-}
-
-std::string Plan::explain() const {
-  std::string out = fmt::format("plan for a batch of {} under {}: {}\n", batch, format_bytes(budget),
-                                fits ? "fits" : "does not fit");
-  for (const auto& line : why) out += "  - " + line + "\n";
-  return out;
 }
 
 // ---------------------------------------------------------------------------
@@ -165,7 +108,6 @@ int64_t non_negative(const nlohmann::json& j, const char* name) {
 nlohmann::json settings_wire(const StepSettings& s) {
   return {{"micro_batch", s.micro_batch()},
           {"precision", static_cast<int>(s.precision())},
-          {"schedule", segments_wire(s.schedule().segments)},
           {"offload_optimizer", static_cast<int>(s.offload_optimizer())},
           {"offload_gradients", static_cast<int>(s.offload_gradients())},
           {"offload_parameters", static_cast<int>(s.offload_parameters())},
@@ -173,12 +115,13 @@ nlohmann::json settings_wire(const StepSettings& s) {
           {"selective_recompute", s.selective_recompute()}};
 }
 
+// Plans saved before a plan held its schedules only per chain also carry a
+// "schedule" here, which is not read.
 StepSettings settings_from_wire(const nlohmann::json& j) {
   TORCH_CHECK(j.is_object(), "\"settings\" must be an object");
   return StepSettings()
       .micro_batch(non_negative(j, "micro_batch"))
       .precision(enum_from_wire<Precision>(j, "precision", 3, "0 fp32, 1 bf16, 2 fp16"))
-      .schedule(Schedule{segments_from_wire(j.at("schedule"))})
       .offload_optimizer(enum_from_wire<Offload>(j, "offload_optimizer", 2, "0 none, 1 host"))
       .offload_gradients(enum_from_wire<Offload>(j, "offload_gradients", 2, "0 none, 1 host"))
       .offload_parameters(enum_from_wire<Offload>(j, "offload_parameters", 2, "0 none, 1 host"))
@@ -238,9 +181,7 @@ std::vector<Schedule> schedules_from_wire(const nlohmann::json& wire) {
   return out;
 }
 
-// A plan as JSON that gives every field back exactly (not Plan::to_json,
-// which reports), and back.
-nlohmann::json plan_wire(const Plan& plan) {
+nlohmann::json plan_wire(const ModulePlan& plan) {
   auto timed = nlohmann::json::array();
   for (const auto& t : plan.timed) {
     timed.push_back({{"settings", settings_wire(t.settings)},
@@ -249,26 +190,35 @@ nlohmann::json plan_wire(const Plan& plan) {
                      {"measured_seconds", t.measured_seconds},
                      {"measured_peak_bytes", t.measured_peak_bytes}});
   }
-  return {{"fits", plan.fits},
-          {"budget", plan.budget},
-          {"batch", plan.batch},
-          {"settings", settings_wire(plan.settings)},
-          {"predicted", prediction_wire(plan.predicted)},
-          {"plain_seconds", plan.plain_seconds},
-          {"plain_peak_bytes", plan.plain_peak_bytes},
-          {"candidates", plan.candidates},
-          {"timed", timed},
-          {"measured_seconds", plan.measured_seconds},
-          {"measured_peak_bytes", plan.measured_peak_bytes},
-          {"measured_tie", plan.measured_tie},
-          {"why", plan.why}};
+  nlohmann::json j = {{"fits", plan.fits},
+                      {"budget", plan.budget},
+                      {"batch", plan.batch},
+                      {"settings", settings_wire(plan.settings)},
+                      {"chains", plan.chains},
+                      {"schedules", schedules_wire(plan.schedules)},
+                      {"predicted", prediction_wire(plan.predicted)},
+                      {"plain_seconds", plan.plain_seconds},
+                      {"plain_peak_bytes", plan.plain_peak_bytes},
+                      {"candidates", plan.candidates},
+                      {"timed", timed},
+                      {"measured_seconds", plan.measured_seconds},
+                      {"measured_peak_bytes", plan.measured_peak_bytes},
+                      {"measured_tie", plan.measured_tie},
+                      {"why", plan.why}};
+  if (!plan.model.empty()) j["model"] = plan.model;
+  if (!plan.optimizer.empty()) j["optimizer"] = plan.optimizer;
+  return j;
 }
 
-void plan_from_wire(const nlohmann::json& j, Plan& plan) {
+void plan_from_wire(const nlohmann::json& j, ModulePlan& plan) {
   plan.fits = field<bool>(j, "fits");
   plan.budget = non_negative(j, "budget");
   plan.batch = non_negative(j, "batch");
   plan.settings = settings_from_wire(j.at("settings"));
+  plan.chains = field<std::vector<std::string>>(j, "chains");
+  plan.schedules = schedules_from_wire(j.at("schedules"));
+  TORCH_CHECK(plan.chains.size() == plan.schedules.size(), plan.chains.size(), " chain(s) but ",
+              plan.schedules.size(), " schedule(s)");
   plan.predicted = prediction_from_wire(j.at("predicted"));
   plan.plain_seconds = field<double>(j, "plain_seconds");
   plan.plain_peak_bytes = field<int64_t>(j, "plain_peak_bytes");
@@ -287,26 +237,18 @@ void plan_from_wire(const nlohmann::json& j, Plan& plan) {
   plan.measured_peak_bytes = field<int64_t>(j, "measured_peak_bytes");
   plan.measured_tie = field<double>(j, "measured_tie");
   plan.why = field<std::vector<std::string>>(j, "why");
+  plan.model = j.contains("model") ? field<std::string>(j, "model") : std::string();
+  plan.optimizer = j.contains("optimizer") ? field<std::string>(j, "optimizer") : std::string();
 }
 
-void broadcast_plan_wire(Plan& plan, ProcessGroup& group, int64_t root,
-                         const std::function<void(nlohmann::json&)>& add,
-                         const std::function<void(const nlohmann::json&)>& take) {
+} // namespace detail
+
+void broadcast_plan(ModulePlan& plan, ProcessGroup& group, int64_t root) {
   TORCH_CHECK(root >= 0 && root < group.size(), "broadcast_plan: root ", root, " is not a rank of the group of ",
               group.size(), "; use 0 to ", group.size() - 1);
   const bool mine = group.rank() == root;
-  std::string text;
-  if (mine) {
-    auto wire = plan_wire(plan);
-    add(wire);
-    text = wire.dump();
-  }
-  text = broadcast_text(group, text, root);
-  if (!mine) {
-    const auto wire = nlohmann::json::parse(text);
-    plan_from_wire(wire, plan);
-    take(wire);
-  }
+  const auto text = detail::broadcast_text(group, mine ? detail::plan_wire(plan).dump() : std::string(), root);
+  if (!mine) detail::plan_from_wire(nlohmann::json::parse(text), plan);
   const auto line = fmt::format("rank {}'s plan, broadcast to all {} ranks (broadcast_plan): every rank trains "
                                 "with it, whatever its own timings said", root, group.size());
   // Once: a plan loaded from a saved run's (save_plan) may say it already.
@@ -314,7 +256,5 @@ void broadcast_plan_wire(Plan& plan, ProcessGroup& group, int64_t root,
     plan.why.push_back(line);
   }
 }
-
-} // namespace detail
 
 } // namespace memfit

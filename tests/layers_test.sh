@@ -6,11 +6,11 @@ set -u
 root=${1:?usage: layers_test.sh SOURCE_DIR}
 cd "$root" || exit 2
 status=0
-# The planner: plan.h, module_plan.h and their sources.
-planner='^(src/(plan|module_plan)\.cpp|src/plan_internal\.h|include/memfit/(plan|module_plan)\.h)$'
+# The planner: plan.h, module_plan.h, the step model, the choice, the report and the wire format.
+planner='^(src/(plan|module_plan|plan_model|plan_choice|plan_report)\.cpp|src/plan_(model|choice|report|wire)\.h|include/memfit/(plan|module_plan)\.h)$'
 for f in src/*.cpp src/*.h include/memfit/*.h; do
   [[ $f =~ $planner ]] && continue
-  if grep -nE '#include "(memfit/)?(plan|module_plan|plan_internal)\.h"' "$f"; then
+  if grep -nE '#include "(memfit/)?(plan|module_plan|plan_model|plan_choice|plan_report|plan_wire)\.h"' "$f"; then
     echo "$f: below the planner, it includes a planner header" >&2
     status=1
   fi

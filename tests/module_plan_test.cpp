@@ -3,10 +3,13 @@
 // plans that fit budgets below the plain peak without changing the math,
 // and the errors a module without chains gets.
 #include "memfit/module_plan.h"
-#include "plan_internal.h"
+#include "plan_report.h"
+#include "plan_wire.h"
 
 #include "test_util.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 #include <unistd.h>

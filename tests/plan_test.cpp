@@ -1,11 +1,13 @@
 #include "memfit/plan.h"
-#include "plan_internal.h"
+#include "plan_report.h"
 
 #include "memfit/models.h"
 #include "memfit/module_plan.h"
 #include "ranks.h"
 #include "test_util.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>

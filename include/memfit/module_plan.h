@@ -185,7 +185,7 @@ class ModuleStepModel {
   /// The base TrainerOptions the step was measured with.
   const TrainerOptions& base() const;
 
-  struct Impl;  ///< The measurements (module_plan.cpp).
+  struct Impl;  ///< The measurements (src/plan_model.h).
 
  private:
   friend ModulePlan plan(const ModuleStepModel& model, int64_t budget, int64_t batch);
@@ -195,12 +195,30 @@ class ModuleStepModel {
   std::unique_ptr<Impl> impl_;
 };
 
-/// A plan for a user's module: Plan's fields (its settings' schedule unused;
-/// measured_peak_bytes from its real steps on the sample, PlanOptions::verify)
-/// and one schedule per chain.
-struct ModulePlan : Plan {
-  std::vector<std::string> chains;  ///< The chains' names, in the module's order.
-  std::vector<Schedule> schedules;  ///< One per chain (empty: plain).
+/// A plan for a user's module: the knobs and each chain's schedule, what
+/// they are predicted to cost and measured at, and why.
+struct ModulePlan {
+  bool fits = false;                 ///< Whether a combination fits the budget.
+  int64_t budget = 0;                ///< The budget planned for.
+  int64_t batch = 0;                 ///< The logical batch.
+  StepSettings settings;             ///< The chosen knobs.
+  std::vector<std::string> chains;   ///< The chains' names, in the module's order.
+  std::vector<Schedule> schedules;   ///< One per chain (empty: plain).
+  StepPrediction predicted;          ///< Its predicted peak and time.
+  double plain_seconds = 0;          ///< The plain step's predicted time.
+  int64_t plain_peak_bytes = 0;      ///< The plain step's predicted peak.
+  int64_t candidates = 0;            ///< Combinations considered.
+  std::vector<TimedCandidate> timed; ///< Those timed with real steps, in the order timed.
+  double measured_seconds = 0;       ///< The chosen plan's measured time (0: not timed).
+  /// The chosen plan's real steps' peak under the budget on the sample
+  /// (PlanOptions::verify; 0: not run).
+  int64_t measured_peak_bytes = 0;
+  /// The tie band that settled the measured choice (docs/planner.md, "The
+  /// tie rule"): 0.03, or the timing's own noise where its passes did not
+  /// settle; 0 when nothing was timed (a busy machine's choice, which times
+  /// did not decide, records it too).
+  double measured_tie = 0;
+  std::vector<std::string> why;      ///< One line per choice.
   /// The module it was made for (model_signature); plan_mismatch refuses the
   /// plan for another. Empty in plans saved before it was recorded.
   std::string model;
@@ -213,9 +231,16 @@ struct ModulePlan : Plan {
   /// selective recomputation (set_selective_recompute), and returns `base`
   /// with the plan's micro-batch, precision and offloads.
   TrainerOptions apply(torch::nn::Module& module, TrainerOptions base = TrainerOptions()) const;
-  /// Plan::to_json() with "checkpoint" naming every chain's schedule
-  /// ("name: schedule; ...", or "none" where no chain recomputes), and
-  /// "chains": [{"name", "checkpoint"}].
+  /// {"fits", "budget_bytes", "predicted_peak_bytes", "predicted_seconds",
+  /// "predicted_phase", "predicted_memory", "plain_peak_bytes",
+  /// "plain_seconds", "candidates", "batch", "micro_batch",
+  /// "accumulation_steps", "precision", "checkpoint" (every chain's schedule,
+  /// "name: schedule; ...", or "none" where no chain recomputes), "chains"
+  /// ([{"name", "checkpoint"}]), "selective_recompute", "offload",
+  /// "tile_bytes", "measured_seconds", "measured_peak_bytes",
+  /// "measured_tie", "timed" (each candidate's "micro_batch", "precision",
+  /// "offload", "checkpoint", "predicted_seconds", "measured_seconds",
+  /// "measured_peak_bytes"), "why"}.
   std::string to_json() const;
   /// The plan and its reasons as text.
   std::string explain() const;
@@ -248,10 +273,10 @@ std::string model_signature(const torch::nn::Module& module);
 /// \endcode
 std::string optimizer_signature(const TrainerOptions& options);
 
-/// Makes `plan` rank `root`'s on every rank of `group`: Plan's fields, as
-/// broadcast_plan(Plan&, ...) gives them, and each chain's name and
-/// schedule. Every rank calls it, after planning the same module or with a
-/// default ModulePlan. Sync points and extra memory: as for a Plan.
+/// Makes `plan` rank `root`'s on every rank of `group`, field for field (as
+/// save_plan writes it). Every rank calls it, after planning the same module
+/// or with a default ModulePlan. Sync points: one broadcast of the plan's
+/// JSON over `group`; extra memory: that text.
 ///
 /// Example:
 /// \code
@@ -486,10 +511,15 @@ ModuleProfile profile(std::shared_ptr<M> module, Loss loss, const typename detai
 ModuleProfile profile(torch::nn::Sequential model, const torch::data::Example<>& sample,
                       PlanOptions options = PlanOptions().offload(false), TrainerOptions base = TrainerOptions());
 
-/// A batch size found for a user's module: BatchFound's fields (its
-/// settings' schedule unused) and one schedule per chain.
-struct ModuleBatchFound : BatchFound {
-  std::vector<Schedule> schedules;  ///< One per chain (empty: plain).
+/// A batch size found for a user's module, how it runs, and how it was checked.
+struct ModuleBatchFound {
+  int64_t batch = 0;                  ///< Examples per pass (0: not even 1 fits).
+  StepSettings settings;              ///< The knobs it runs with (no micro-batching).
+  std::vector<Schedule> schedules;    ///< One per chain (empty: plain).
+  int64_t predicted_peak_bytes = 0;   ///< The model's prediction.
+  int64_t measured_peak_bytes = 0;    ///< The verification's peak (0 unverified).
+  bool verified = false;              ///< Two real steps ran under the budget.
+  int64_t attempts = 0;               ///< Verification runs (out-of-memory ones included).
 };
 
 /// The largest batches of a user's module that fit a budget in one pass

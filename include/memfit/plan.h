@@ -2,10 +2,10 @@
 /// \file plan.h
 /// What the planner (module_plan.h) is asked, what it chooses among, and what
 /// it answers: PlanOptions, the knobs of one step (StepSettings), a step's
-/// prediction (StepPrediction) and the plan (Plan: the knobs, their
-/// predicted and measured cost, and why), with the few functions that turn
-/// them into TrainerOptions and text. The planner itself, which measures any
-/// module's step and searches these knobs, is module_plan.h.
+/// prediction (StepPrediction) and the candidates a plan timed
+/// (TimedCandidate), with the few functions that turn them into
+/// TrainerOptions and text. The planner itself, which measures any module's
+/// step, searches these knobs and answers with a ModulePlan, is module_plan.h.
 ///
 /// How a plan is chosen: the closest candidates predicted to fit run real
 /// steps under the budget, and the measured fastest wins, a tie going to the
@@ -113,8 +113,6 @@ struct StepSettings {
   TORCH_ARG(int64_t, micro_batch) = 0;
   /// Compute precision (autocast).
   TORCH_ARG(Precision, precision) = Precision::kFP32;
-  /// The checkpoint schedule; empty: none.
-  TORCH_ARG(Schedule, schedule) = Schedule();
   /// Where the optimizer state lives.
   TORCH_ARG(Offload, offload_optimizer) = Offload::kNone;
   /// Where gradients accumulate (kHost needs offload_optimizer kHost): moved
@@ -132,8 +130,8 @@ struct StepSettings {
 };
 
 /// TrainerOptions that run a step with `settings`' knobs over `base`:
-/// micro-batch, precision, the offloads and the stream's tiles. The schedule
-/// and selective recomputation belong to the model
+/// micro-batch, precision, the offloads and the stream's tiles. Checkpoint
+/// schedules and selective recomputation belong to the model
 /// (CheckpointedSequential::set_schedule, set_selective_recompute).
 ///
 /// Example:
@@ -145,7 +143,7 @@ struct StepSettings {
 TrainerOptions trainer_options(const StepSettings& settings, TrainerOptions base = TrainerOptions());
 
 /// What a step keeps on the host: "none", "optimizer", "optimizer, gradients"
-/// or "optimizer, gradients, parameters" (the "offload" of Plan::to_json).
+/// or "optimizer, gradients, parameters" (the "offload" of ModulePlan::to_json).
 ///
 /// Example:
 /// \code
@@ -175,37 +173,6 @@ struct TimedCandidate {
   int64_t measured_peak_bytes = 0;    ///< The timed steps' peak.
 };
 
-/// A plan: the knobs, what they are predicted to cost, and why.
-struct Plan {
-  bool fits = false;                 ///< Whether a combination fits the budget.
-  int64_t budget = 0;                ///< The budget planned for.
-  int64_t batch = 0;                 ///< The logical batch.
-  StepSettings settings;             ///< The chosen knobs.
-  StepPrediction predicted;          ///< Its predicted peak and time.
-  double plain_seconds = 0;          ///< The plain step's predicted time.
-  int64_t plain_peak_bytes = 0;      ///< The plain step's predicted peak.
-  int64_t candidates = 0;            ///< Combinations considered.
-  std::vector<TimedCandidate> timed; ///< Those timed with real steps, fastest predicted first.
-  double measured_seconds = 0;       ///< The chosen plan's measured time (0: not timed).
-  int64_t measured_peak_bytes = 0;   ///< The chosen plan's real steps' peak under the budget (0: not run).
-  /// The tie band that settled the measured choice (docs/planner.md, "The
-  /// tie rule"): 0.03, or the timing's own noise where its passes did not
-  /// settle; 0 when nothing was timed or times decided nothing (a busy
-  /// machine).
-  double measured_tie = 0;
-  std::vector<std::string> why;      ///< One line per choice.
-
-  /// {"fits", "budget_bytes", "predicted_peak_bytes", "predicted_seconds",
-  /// "plain_peak_bytes", "plain_seconds", "batch", "micro_batch",
-  /// "accumulation_steps", "precision", "checkpoint", "selective_recompute",
-  /// "offload", "tile_bytes", "measured_seconds", "measured_peak_bytes",
-  /// "measured_tie", "timed" (each candidate's "micro_batch", "precision",
-  /// "offload", "checkpoint", "predicted_seconds", "measured_seconds",
-  /// "measured_peak_bytes"), "why"}.
-  std::string to_json() const;
-  /// The plan and its reasons as text.
-  std::string explain() const;
-};
 
 /// How find_batch searches.
 struct FindBatchOptions {
@@ -224,14 +191,5 @@ struct FindBatchOptions {
   TORCH_ARG(int64_t, largest_example) = -1;
 };
 
-/// A batch size found, how it runs, and how it was checked.
-struct BatchFound {
-  int64_t batch = 0;                  ///< Examples per pass (0: not even 1 fits).
-  StepSettings settings;              ///< The knobs it runs with (no micro-batching).
-  int64_t predicted_peak_bytes = 0;   ///< The model's prediction.
-  int64_t measured_peak_bytes = 0;    ///< The verification's peak (0 unverified).
-  bool verified = false;              ///< Two real steps ran under the budget.
-  int64_t attempts = 0;               ///< Verification runs (out-of-memory ones included).
-};
 
 } // namespace memfit
