@@ -1,0 +1,227 @@
+#include "memfit/trainer.h"
+
+#include "trainer_internal.h"
+
+#include "memfit/checkpoint.h"
+#include "memfit/schedule.h"
+
+#include "compat.h"
+#include "memfit/freeze.h"
+#include "memfit/optim.h"
+#include "memfit/state.h"
+#include "memory_internal.h"
+#include "read_ahead.h"
+#include "step_components.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/optim.h>
+#include <torch/torch.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <mutex>
+#include <optional>
+#include <sstream>
+
+namespace memfit {
+
+using detail::kCheckpointFile;
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainerOptions& o,
+                                                        std::vector<torch::Tensor> params) {
+  if (o.optimizer_factory()) {
+    auto optimizer = o.optimizer_factory()(std::move(params));
+    TORCH_CHECK(optimizer != nullptr, "optimizer_factory returned nullptr: return the optimizer it builds, "
+                "for example std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1))");
+    return optimizer;
+  }
+  // memfit's optimizers: LibTorch's, with a step that completes or changes nothing (optim.h).
+  switch (o.optimizer()) {
+    case OptimizerKind::kSGD:
+      return std::make_unique<optim::SGD>(
+          std::move(params),
+          torch::optim::SGDOptions(o.lr()).momentum(o.momentum()).weight_decay(o.weight_decay()),
+          o.optimizer_kernel());
+    case OptimizerKind::kAdam:
+      return std::make_unique<optim::Adam>(
+          std::move(params), torch::optim::AdamOptions(o.lr()).weight_decay(o.weight_decay()), o.optimizer_kernel());
+    case OptimizerKind::kAdamW:
+      return std::make_unique<optim::AdamW>(
+          std::move(params), torch::optim::AdamWOptions(o.lr()).weight_decay(o.weight_decay()),
+          o.optimizer_kernel());
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled optimizer kind");
+}
+
+MasterWeightsMode parse_master_weights_mode(const std::string& name) {
+  if (name == "none") return MasterWeightsMode::kNone;
+  if (name == "device") return MasterWeightsMode::kDevice;
+  if (name == "host") return MasterWeightsMode::kHost;
+  TORCH_CHECK(false, "unknown master weights mode '", name, "': expected none, device or host");
+}
+
+OnOutOfMemory parse_on_out_of_memory(const std::string& name) {
+  if (name == "throw") return OnOutOfMemory::kThrow;
+  if (name == "replan") return OnOutOfMemory::kReplan;
+  TORCH_CHECK(false, "unknown out-of-memory action '", name, "': expected throw or replan");
+}
+
+std::optional<std::string> batch_statistics_layer(const torch::nn::Module& module) {
+  for (const auto& item : module.named_modules()) {
+    if (item.value()->name().find("BatchNorm") != std::string::npos) return item.key();
+  }
+  return std::nullopt;
+}
+
+namespace {
+bool recomputes(const std::vector<Segment>& segments) {
+  return std::any_of(segments.begin(), segments.end(), [](const Segment& s) { return s.checkpointed; });
+}
+} // namespace
+
+OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch_statistics_may_change) {
+  const bool keep_micro_batch = !batch_statistics_may_change && batch_statistics_layer(module).has_value();
+  const auto chains = find_chains(module);  // the chains' handles, shared with the module
+  return [keep_micro_batch, chains](const OutOfMemoryEvent& e) -> std::optional<Replan> {
+    const int64_t micro = e.micro_batch_size > 0 ? std::min(e.micro_batch_size, e.examples) : e.examples;
+    Replan r;
+    if (!keep_micro_batch && micro > 1) {
+      r.micro_batch_size = (micro + 1) / 2;
+      r.description = "micro-batches of " + std::to_string(r.micro_batch_size);
+      return r;
+    }
+    // Then the chains that recompute nothing recompute sqrt(n) segments.
+    std::vector<FoundChain> plain;
+    for (const auto& c : chains) {
+      if (c.chain->sequential()->size() > 1 && !recomputes(c.chain->schedule().segments)) plain.push_back(c);
+    }
+    if (plain.empty()) return std::nullopt;
+    r.micro_batch_size = e.micro_batch_size;
+    std::vector<std::string> what;
+    std::vector<Schedule> schedules;
+    for (const auto& c : plain) {
+      const auto n = static_cast<int64_t>(c.chain->sequential()->size());
+      schedules.push_back(avoid_in_place_starts(schedule_sqrt(n), c.chain->in_place()));
+      what.push_back("'" + c.name + "' " + schedules.back().to_string());
+    }
+    r.apply = [plain, schedules]() mutable {
+      for (size_t i = 0; i < plain.size(); ++i) plain[i].chain->set_schedule(schedules[i]);
+    };
+    r.description = (micro < e.examples ? "micro-batches of " + std::to_string(micro) + ", " : std::string()) +
+                    "recomputing " + c10::Join(", ", what);
+    return r;
+  };
+}
+
+OptimizerKind parse_optimizer_kind(const std::string& name) {
+  if (name == "sgd") return OptimizerKind::kSGD;
+  if (name == "adam") return OptimizerKind::kAdam;
+  if (name == "adamw") return OptimizerKind::kAdamW;
+  TORCH_CHECK(false, "unknown optimizer '", name, "': expected sgd, adam or adamw");
+}
+
+void Trainer::check_options() const {
+  TORCH_CHECK(options_.batch_size() > 0, "batch_size must be positive, got ",
+              options_.batch_size());
+  TORCH_CHECK(options_.steps() >= 0, "steps must be >= 0 (0: run `epochs` epochs), got ",
+              options_.steps());
+  TORCH_CHECK(options_.steps() > 0 || options_.epochs() > 0,
+              "epochs must be positive when steps is 0, got ", options_.epochs());
+  TORCH_CHECK(std::isfinite(options_.lr()) && options_.lr() > 0, "lr must be a positive finite number, got ",
+              options_.lr());
+  TORCH_CHECK(options_.max_grad_norm() >= 0 && std::isfinite(options_.max_grad_norm()),
+              "max_grad_norm must be >= 0 (0: no clipping), got ", options_.max_grad_norm());
+  TORCH_CHECK(options_.eval_batch_size() > 0, "eval_batch_size must be positive, got ",
+              options_.eval_batch_size());
+  TORCH_CHECK(options_.micro_batch_size() >= 0,
+              "micro_batch_size must be >= 0 (0: the whole batch at once), got ",
+              options_.micro_batch_size());
+  TORCH_CHECK(options_.prefetch_factor() >= 0,
+              "prefetch_factor must be >= 0 (0: each batch is read when its step starts), got ",
+              options_.prefetch_factor());
+  TORCH_CHECK(options_.save_every() >= 0, "save_every must be >= 0 (0: save at the end only), got ",
+              options_.save_every());
+  if (!options_.save_dir().empty()) {  // a run never fails at its end for its folder
+    check_output_folder(options_.save_dir());
+    if (std::filesystem::is_directory(options_.save_dir())) {
+      check_output_file((std::filesystem::path(options_.save_dir()) / kCheckpointFile).string());
+    }
+  }
+  TORCH_CHECK(options_.master_weights() == MasterWeightsMode::kNone ||
+                  options_.precision() != Precision::kFP32,
+              "master weights hold parameters in bf16 or fp16: set precision to bf16 or fp16, "
+              "or master_weights to none");
+  TORCH_CHECK(!(options_.master_weights() == MasterWeightsMode::kDevice &&
+                options_.offload_optimizer() == Offload::kHost),
+              "master_weights device keeps the fp32 masters and optimizer state on the device, "
+              "offload_optimizer host moves them to the host: use master_weights host, or "
+              "offload_optimizer none");
+  TORCH_CHECK(options_.offload_gradients() == Offload::kNone || options_.offload_optimizer() == Offload::kHost,
+              "offload_gradients host moves gradients to the host masters that offload_optimizer "
+              "host keeps: set offload_optimizer to Offload::kHost too");
+  if (options_.offload_parameters() == Offload::kHost) {
+    TORCH_CHECK(options_.offload_optimizer() == Offload::kHost && options_.offload_gradients() == Offload::kHost,
+                "offload_parameters host streams the parameters from the host masters that also take the "
+                "gradients and the optimizer state: set offload_optimizer and offload_gradients to "
+                "Offload::kHost too");
+    TORCH_CHECK(options_.precision() == Precision::kFP32 && options_.master_weights() == MasterWeightsMode::kNone,
+                "offload_parameters host runs in fp32 (got precision ", to_string(options_.precision()),
+                "): set precision fp32 and master_weights none, or keep the parameters on the device");
+    TORCH_CHECK(options_.process_group() == nullptr, "offload_parameters host runs in one process: data "
+                "and pipeline parallelism are not supported with streamed parameters; drop the process "
+                "group, or keep the parameters on the device (offload optimizer and gradients still apply)");
+  }
+  TORCH_CHECK(options_.nonfinite_loss() != NonfiniteLoss::kUnchecked || options_.process_group() == nullptr,
+              "nonfinite_loss kUnchecked leaves each step's loss unread, but the ranks of a process group "
+              "average it on the host: use NonfiniteLoss::kError or kSkip with a process group");
+  TORCH_CHECK(options_.zero_stage() == 0 || options_.zero_stage() == 1, "zero_stage must be 0 (no "
+              "sharding) or 1 (optimizer state sharded over the ranks), got ", options_.zero_stage(),
+              "; stages 2 and 3 are not implemented");
+  TORCH_CHECK(options_.zero_stage() == 0 || options_.process_group() != nullptr,
+              "zero_stage 1 shards the optimizer state over the ranks of a process group: set "
+              "process_group (memfit launch), or zero_stage 0");
+  if (options_.parallel() == ParallelMode::kPipeline) {
+    TORCH_CHECK(options_.process_group() != nullptr, "a pipeline splits the model over the ranks of a "
+                "process group: set process_group (memfit launch), or parallel data");
+    TORCH_CHECK(classifier_, "a pipeline splits the layers of a torch::nn::Sequential trained with "
+                "cross-entropy: construct the Trainer from the Sequential without a loss, or use "
+                "ParallelMode::kData");
+    TORCH_CHECK(options_.precision() != Precision::kFP16, "pipeline parallel training does not support fp16 "
+                "precision yet (its loss scaler would need the stages to agree on the steps to skip): use bf16, "
+                "which needs no scaler, or fp32");
+    TORCH_CHECK(options_.zero_stage() == 0, "zero_stage 1 shards the optimizer state over data-parallel "
+                "ranks, but a pipeline's ranks hold different layers, each stage already keeping only its "
+                "own optimizer state: set zero_stage 0 (offload_optimizer host moves that state to the host)");
+    TORCH_CHECK(options_.micro_batch_size() == 0, "a pipeline cuts each batch into pipeline().chunks() "
+                "chunks: set micro_batch_size 0 and the chunks instead (got micro_batch_size ",
+                options_.micro_batch_size(), ")");
+  }
+  TORCH_CHECK(options_.max_replans() >= 0, "max_replans must be >= 0, got ", options_.max_replans());
+  TORCH_CHECK(options_.restore_after() >= 0, "restore_after must be >= 0 (0: keep the re-planned settings), got ",
+              options_.restore_after());
+  if (options_.on_out_of_memory() == OnOutOfMemory::kReplan) {
+    TORCH_CHECK(options_.parallel() != ParallelMode::kPipeline && options_.zero_stage() == 0,
+                "on_out_of_memory kReplan re-plans data-parallel ranks together, but not a pipeline's stages or "
+                "a sharded optimizer's step (which broadcasts as it steps): use parallel data with zero_stage 0, "
+                "or OnOutOfMemory::kThrow");
+    TORCH_CHECK(options_.replan() || !batch_statistics_layer(*module_).has_value() || !find_chains(*module_).empty(),
+                "on_out_of_memory kReplan re-plans with more micro-batches, which changes the math of a module "
+                "with batch statistics (BatchNorm '", batch_statistics_layer(*module_).value_or(""), "'), and the "
+                "module has no chain (CheckpointedSequential) to recompute: allow micro-batches with replan("
+                "memfit::more_micro_batches(module, true)), hold its repeated blocks in a CheckpointedSequential, "
+                "or use OnOutOfMemory::kThrow");
+  }
+  check_precision_supported(options_.precision(), options_.device());
+}
+
+ParallelMode parse_parallel_mode(const std::string& name) {
+  if (name == "data") return ParallelMode::kData;
+  if (name == "pipeline") return ParallelMode::kPipeline;
+  TORCH_CHECK(false, "unknown parallel mode '", name, "': expected data or pipeline");
+}
+
+} // namespace memfit
