@@ -357,11 +357,19 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch, std::vect
       state.counters[key + "plan_peak_MiB"] = double(planned_peak) / (1 << 20);
       state.counters[key + "predicted_MiB"] = double(p->predicted.peak_bytes) / (1 << 20);
       state.counters[key + "plan_ms"] = 1e3 * planned;
+      state.counters[key + "predicted_ms"] = 1e3 * p->predicted.seconds;
       state.counters[key + "best_ms"] = 1e3 * best;
       state.counters[key + "plan_vs_best"] = planned / best;
       state.counters[key + "plan_vs_plain"] = planned / plain.seconds;
       fmt::print(stderr, "{} at {} ({:.2f} MiB): {}\n", kind, name, double(budget) / (1 << 20),
                  describe(chosen, batch));
+      // The prediction table (docs/planner.md, "Prediction error"): the plan's predicted and measured peak and time.
+      fmt::print(stderr, "  predicted peak {:.2f} MiB, measured {:.2f} MiB ({:+.1f}%); predicted time {:.1f} ms, "
+                 "measured {:.1f} ms ({:+.0f}%)\n", double(p->predicted.peak_bytes) / (1 << 20),
+                 double(planned_peak) / (1 << 20),
+                 planned_peak > 0 ? 100.0 * double(p->predicted.peak_bytes - planned_peak) / double(planned_peak) : 0.0,
+                 1e3 * p->predicted.seconds, 1e3 * planned,
+                 planned > 0 ? 100.0 * (p->predicted.seconds / planned - 1) : 0.0);
       // How the plan chose: its candidates, predicted and measured.
       std::istringstream lines(p->explain());
       for (std::string line; std::getline(lines, line);) {
@@ -635,6 +643,11 @@ int main(int argc, char** argv) {
                                std::vector<double>{})
       ->Unit(benchmark::kSecond)->Iterations(1);
   benchmark::RegisterBenchmark("plan/mlp/batch256", BM_Plan, std::string("mlp"), int64_t(256), std::vector<double>{})
+      ->Unit(benchmark::kSecond)->Iterations(1);
+  benchmark::RegisterBenchmark("plan/resnet/batch64", BM_Plan, std::string("resnet"), int64_t(64),
+                               std::vector<double>{})
+      ->Unit(benchmark::kSecond)->Iterations(1);
+  benchmark::RegisterBenchmark("plan/mlp/batch64", BM_Plan, std::string("mlp"), int64_t(64), std::vector<double>{})
       ->Unit(benchmark::kSecond)->Iterations(1);
   // bench/peers.py's CNN (batch 128, Adam) at the budgets where the best
   // hand-tuned run needs checkpointing (docs/measurements/peers.txt).

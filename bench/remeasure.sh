@@ -47,7 +47,7 @@ measure() {
     trainer) bench trainer memfit_trainer_bench --benchmark_filter='micro|techniques' ;;
     tax) bench trainer_tax memfit_trainer_bench --benchmark_filter=tax ;;
     tax_python) run tax_python /usr/bin/python3 bench/tax.py --build "$build" --rounds 30 ;;
-    plan) bench plan memfit_plan_bench --benchmark_filter='plan/(resnet|mlp)/batch256' ;;
+    plan) bench plan memfit_plan_bench --benchmark_filter='plan/(resnet|mlp)/batch(64|256)' ;;
     plan_peers) bench plan_peers memfit_plan_bench --benchmark_filter='plan/(resnet/depth3|gpt)' ;;
     accuracy) bench plan_accuracy memfit_plan_bench --benchmark_filter=accuracy ;;
     own) bench plan_own memfit_plan_bench --benchmark_filter=own ;;

@@ -176,6 +176,11 @@ class ChainTaps {
           if (rec->active && x.requires_grad()) {
             x.register_hook([rec, index](const torch::Tensor&) { rec->mark(Mark::kGradOut, index); });
           }
+        } else if (grad) {
+          rec->mark(Mark::kLayerIn, index);
+          if (rec->active && x.requires_grad()) {
+            x.register_hook([rec, index](const torch::Tensor&) { rec->mark(Mark::kLayerGrad, index); });
+          }
         }
         auto y = inner ? inner(i, m, x) : m.forward(x);
         if (i + 1 == n && grad) {

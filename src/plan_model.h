@@ -102,8 +102,13 @@ int offload_rank(const StepSettings& s);
 } // namespace detail
 
 // The fixed points at which a measured step is cut into windows.
-enum class Mark { kBegin, kMicroStart, kChainIn, kChainOut, kForwardEnd, kGradIn, kGradOut, kParameterGrad,
-                  kMicroEnd, kOptimizerStart, kOptimizerEnd, kEnd };
+// kLayerIn and kLayerGrad: a chain's layer after its first starts forward,
+// and its backward ends (its input's gradient is made), so that each window
+// of a chain holds one layer's moments (a streamed layer's weights beside
+// the activations) and its peak stays a line in the micro-batch, not a
+// maximum whose largest term changes with it.
+enum class Mark { kBegin, kMicroStart, kChainIn, kLayerIn, kChainOut, kForwardEnd, kGradIn, kLayerGrad, kGradOut,
+                  kParameterGrad, kMicroEnd, kOptimizerStart, kOptimizerEnd, kEnd };
 
 // One mark: the window that it closes (since the previous mark) had this peak and took this long.
 struct Event {

@@ -10,9 +10,10 @@
 /// PlanOptions::profile_batch and half of it (and of 1, for times), and fits
 /// every byte figure as an affine function of the micro-batch. The step is
 /// cut into windows at fixed points: each micro-batch's start, its loss,
-/// each parameter's gradient and its end, the optimizer step, and each
-/// chain's forward entry and exit and backward entry and exit (hooks on the
-/// chain's output and input). The rest of the model is measured as a whole
+/// each parameter's gradient and its end, the optimizer step, each chain's
+/// forward entry and exit and backward entry and exit (hooks on the chain's
+/// output and input), and each of its layers' forward start and backward
+/// end, so that a window holds one layer's moments. The rest of the model is measured as a whole
 /// inside those windows; each chain's layers are profiled one by one
 /// (profile_chain, on the input the chain received), with the bytes each
 /// keeps read from the module's own run.
