@@ -362,6 +362,9 @@ AdamW::AdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defau
 AdamW::AdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults, Kernel kernel)
     : torch::optim::AdamW(std::move(groups), std::move(defaults)), KernelChoice(kernel) {}
 
+// One function (about 110 lines): its two phases, everything allocated inside
+// prepare_or_undo and then the update that allocates nothing, stay in view
+// together, since that boundary is what makes the step a transaction.
 torch::Tensor SGD::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = closure_loss(closure);

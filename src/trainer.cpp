@@ -385,6 +385,42 @@ class AbortGuard {
   bool done_ = false;
 };
 
+// Micro-batch `s.micro` (of `micro` examples at most) of the step's forward
+// and backward, each component called at its points; false when a component
+// skipped the step after the forward (no backward ran). `world`: the
+// data-parallel ranks whose gradients are averaged.
+bool micro_batch(const std::vector<std::shared_ptr<StepComponent>>& cs, StepState& s, const detail::StepInput& in,
+                 int64_t micro, int64_t world) {
+  const int64_t start = s.micro * micro;
+  s.micro_examples = std::min(micro, in.examples - start);
+  const std::string k = std::to_string(s.micro + 1);
+  call_all(cs, [&](StepComponent& c) { c.before_forward(s); });
+  std::shared_ptr<void> staged;  // the micro-batch, alive until its backward has run
+  torch::Tensor loss = in.loss(start, s.micro_examples, staged);
+  check_loss(loss);
+  // Each micro-batch's mean loss weighted by its share of the step's
+  // examples (times the ranks, whose gradients are averaged): the
+  // gradients add up to the mean-loss gradient over all of them.
+  if (s.micro_examples * world != s.global_examples) {
+    loss = loss * (double(s.micro_examples * world) / double(s.global_examples));
+  }
+  s.loss = loss;
+  s.loss_sum.add_(loss.detach());
+  s.phase = "forward " + k;
+  call_all(cs, [&](StepComponent& c) { c.after_forward(s); });
+  if (s.skip) return false;
+  call_all(cs, [&](StepComponent& c) { c.before_backward(s); });
+  torch::Tensor scaled = loss;
+  for (const auto& c : cs) scaled = c->scale_loss(scaled);
+  s.loss = torch::Tensor();
+  loss = torch::Tensor();
+  scaled.backward();
+  scaled = torch::Tensor();
+  s.phase = "backward " + k;
+  call_all(cs, [&](StepComponent& c) { c.after_backward(s); });
+  return true;
+}
+
 } // namespace
 
 // One step, retried under a new plan while it runs out of memory and the
@@ -537,33 +573,7 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
     s.loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(options_.device()));
   }
   for (s.micro = 0; !taken && s.micro < s.micro_batches && !s.skip; ++s.micro) {
-    const int64_t start = s.micro * micro;
-    s.micro_examples = std::min(micro, in.examples - start);
-    const std::string k = std::to_string(s.micro + 1);
-    call_all(cs, [&](StepComponent& c) { c.before_forward(s); });
-    std::shared_ptr<void> staged;  // the micro-batch, alive until its backward has run
-    torch::Tensor loss = in.loss(start, s.micro_examples, staged);
-    check_loss(loss);
-    // Each micro-batch's mean loss weighted by its share of the step's
-    // examples (times the ranks, whose gradients are averaged): the
-    // gradients add up to the mean-loss gradient over all of them.
-    if (s.micro_examples * world != s.global_examples) {
-      loss = loss * (double(s.micro_examples * world) / double(s.global_examples));
-    }
-    s.loss = loss;
-    s.loss_sum.add_(loss.detach());
-    s.phase = "forward " + k;
-    call_all(cs, [&](StepComponent& c) { c.after_forward(s); });
-    if (s.skip) break;
-    call_all(cs, [&](StepComponent& c) { c.before_backward(s); });
-    torch::Tensor scaled = loss;
-    for (const auto& c : cs) scaled = c->scale_loss(scaled);
-    s.loss = torch::Tensor();
-    loss = torch::Tensor();
-    scaled.backward();
-    scaled = torch::Tensor();
-    s.phase = "backward " + k;
-    call_all(cs, [&](StepComponent& c) { c.after_backward(s); });
+    if (!micro_batch(cs, s, in, micro, world)) break;
   }
   torch::Tensor loss_tensor = taken ? torch::Tensor() : s.loss_sum;
   if (!taken) {

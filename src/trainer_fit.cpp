@@ -62,6 +62,54 @@ bool next_epoch(torch::Tensor& order, int64_t& cursor, int64_t n, at::Generator&
   cursor = 0;
   return true;
 }
+
+// Batches read ahead of the steps (TrainerOptions::prefetch_factor): the
+// sampler's walk repeated from the run's position with a copy of its
+// generator, so that the position itself moves only with the steps taken.
+class ReadAheadWalk {
+ public:
+  // `depth` 0: nothing is read ahead.
+  ReadAheadWalk(int64_t depth, torch::Tensor order, int64_t cursor, int64_t step, const at::Generator& generator)
+      : order_(std::move(order)), cursor_(cursor), step_(step) {
+    if (depth <= 0) return;
+    ahead_ = std::make_unique<detail::ReadAhead>(static_cast<size_t>(depth));
+    generator_ = generator.clone();
+  }
+  bool active() const { return ahead_ != nullptr; }
+  // Queues reads of the next batches of `n` examples, up to step `total`,
+  // while there is room: `share` gives a step's indices as Trainer::share_of
+  // does, `read` reads them (pinned where `pin`); `read` outlives this walk.
+  template <class Share, class Read>
+  void fill(int64_t total, int64_t n, const Share& share, const Read& read, bool pin) {
+    while (ahead_ && step_ < total && ahead_->has_room()) {
+      next_epoch(order_, cursor_, n, generator_);
+      int64_t global = 0;
+      auto indices = share(order_, cursor_, global);
+      cursor_ += global;
+      ++step_;
+      ahead_->push(indices, [&read, indices, pin] { return read(indices, pin); });
+    }
+  }
+  // The batch of `indices`, read ahead.
+  std::shared_ptr<void> pop(const std::vector<size_t>& indices) { return ahead_->pop(indices); }
+
+ private:
+  std::unique_ptr<detail::ReadAhead> ahead_;
+  torch::Tensor order_;
+  int64_t cursor_ = 0, step_ = 0;
+  at::Generator generator_;
+};
+
+// The run's figures from its steps: time and throughput (saves excluded),
+// the last loss, and the peak (on CUDA each step's meter resets the device's
+// one peak statistic, so the run's is also taken as the largest step's).
+void finish_figures(TrainReport& report, double seconds, int64_t samples, int64_t run_peak) {
+  report.seconds = seconds;
+  report.samples_per_second = seconds > 0 ? double(samples) / seconds : 0.0;
+  report.final_loss = report.steps.empty() ? 0.0 : report.steps.back().loss;
+  report.peak_bytes = run_peak;
+  for (const auto& r : report.steps) report.peak_bytes = std::max(report.peak_bytes, r.peak_bytes);
+}
 } // namespace
 
 std::vector<size_t> Trainer::share_of(const torch::Tensor& order, int64_t cursor, int64_t& global) const {
@@ -185,6 +233,9 @@ void Trainer::check_save_dir_is_ours() const {
               "continue that run with Trainer::resume(\"", options_.save_dir(), "\"), or save to another folder");
 }
 
+// The run's loop, whole (about 95 lines): the order of its parts is the
+// contract (position taken, batches read ahead, the step, the position put
+// back when it throws, the record, saves, the stop request), kept in view.
 TrainReport Trainer::run_fit(int64_t n, const BatchReader& read, const BatchView& view, const StepCallback& on_step) {
   TORCH_CHECK(n > 0, "Trainer::fit needs a non-empty data set");
   TORCH_CHECK(options_.nonfinite_loss() != NonfiniteLoss::kUnchecked,
@@ -210,28 +261,10 @@ TrainReport Trainer::run_fit(int64_t n, const BatchReader& read, const BatchView
   int64_t samples = 0;
   double save_seconds = 0;
   int64_t last_saved = -1;
-  // Reading ahead: the sampler's walk is repeated from the run's position
-  // with a copy of its generator, so the position itself moves only with
-  // the steps taken.
-  const bool pin = options_.device().is_cuda();
-  std::unique_ptr<detail::ReadAhead> ahead;
-  torch::Tensor ahead_order = order_;
-  int64_t ahead_cursor = cursor_;
-  int64_t ahead_step = step_;
-  at::Generator ahead_generator;
-  if (options_.prefetch_factor() > 0) {
-    ahead = std::make_unique<detail::ReadAhead>(static_cast<size_t>(options_.prefetch_factor()));
-    ahead_generator = generator_.clone();
-  }
-  auto read_ahead = [&] {
-    while (ahead && ahead_step < total && ahead->has_room()) {
-      next_epoch(ahead_order, ahead_cursor, n, ahead_generator);
-      int64_t global = 0;
-      auto indices = share_of(ahead_order, ahead_cursor, global);
-      ahead_cursor += global;
-      ++ahead_step;
-      ahead->push(indices, [&read, indices, pin] { return read(indices, pin); });
-    }
+  ReadAheadWalk ahead(options_.prefetch_factor(), order_, cursor_, step_, generator_);
+  const auto read_ahead = [&] {
+    const auto share = [this](const torch::Tensor& o, int64_t c, int64_t& g) { return share_of(o, c, g); };
+    ahead.fill(total, n, share, read, options_.device().is_cuda());
   };
   while (step_ < total) {
     // The run's position before the step: a step that throws leaves it so.
@@ -242,7 +275,7 @@ TrainReport Trainer::run_fit(int64_t n, const BatchReader& read, const BatchView
     int64_t global = 0;
     const auto indices = share_of(order_, cursor_, global);
     read_ahead();
-    const std::shared_ptr<void> batch = ahead ? ahead->pop(indices) : read(indices, false);
+    const std::shared_ptr<void> batch = ahead.active() ? ahead.pop(indices) : read(indices, false);
     read_ahead();  // the next batches are read while this step runs
     detail::StepInput in = view(batch);
     in.global_examples = global;
@@ -293,13 +326,7 @@ TrainReport Trainer::run_fit(int64_t n, const BatchReader& read, const BatchView
     save(options_.save_dir());
     save_seconds += seconds_since(save_start);
   }
-  report.seconds = seconds_since(run_start) - save_seconds;
-  report.samples_per_second = report.seconds > 0 ? double(samples) / report.seconds : 0.0;
-  report.final_loss = report.steps.empty() ? 0.0 : report.steps.back().loss;
-  // On CUDA each step's meter resets the device's one peak statistic, so the
-  // run's peak is also taken as the largest step peak.
-  report.peak_bytes = run_meter.peak();
-  for (const auto& r : report.steps) report.peak_bytes = std::max(report.peak_bytes, r.peak_bytes);
+  finish_figures(report, seconds_since(run_start) - save_seconds, samples, run_meter.peak());
   report.precision = to_string(options_.precision());
   if (state_optimizer() != nullptr) report.optimizer_kernel = optim::kernel_ran(*state_optimizer());
   report.final_scale = scaler_->is_enabled() ? scaler_->get_scale() : 0.0;

@@ -124,97 +124,122 @@ OptimizerKind parse_optimizer_kind(const std::string& name) {
   TORCH_CHECK(false, "unknown optimizer '", name, "': expected sgd, adam or adamw");
 }
 
-void Trainer::check_options() const {
-  TORCH_CHECK(options_.batch_size() > 0, "batch_size must be positive, got ",
-              options_.batch_size());
-  TORCH_CHECK(options_.steps() >= 0, "steps must be >= 0 (0: run `epochs` epochs), got ",
-              options_.steps());
-  TORCH_CHECK(options_.steps() > 0 || options_.epochs() > 0,
-              "epochs must be positive when steps is 0, got ", options_.epochs());
-  TORCH_CHECK(std::isfinite(options_.lr()) && options_.lr() > 0, "lr must be a positive finite number, got ",
-              options_.lr());
-  TORCH_CHECK(options_.max_grad_norm() >= 0 && std::isfinite(options_.max_grad_norm()),
-              "max_grad_norm must be >= 0 (0: no clipping), got ", options_.max_grad_norm());
-  TORCH_CHECK(options_.eval_batch_size() > 0, "eval_batch_size must be positive, got ",
-              options_.eval_batch_size());
-  TORCH_CHECK(options_.micro_batch_size() >= 0,
+namespace {
+
+// Sizes and counts, and the folder a run saves to.
+void check_counts(const TrainerOptions& o) {
+  TORCH_CHECK(o.batch_size() > 0, "batch_size must be positive, got ",
+              o.batch_size());
+  TORCH_CHECK(o.steps() >= 0, "steps must be >= 0 (0: run `epochs` epochs), got ",
+              o.steps());
+  TORCH_CHECK(o.steps() > 0 || o.epochs() > 0,
+              "epochs must be positive when steps is 0, got ", o.epochs());
+  TORCH_CHECK(std::isfinite(o.lr()) && o.lr() > 0, "lr must be a positive finite number, got ",
+              o.lr());
+  TORCH_CHECK(o.max_grad_norm() >= 0 && std::isfinite(o.max_grad_norm()),
+              "max_grad_norm must be >= 0 (0: no clipping), got ", o.max_grad_norm());
+  TORCH_CHECK(o.eval_batch_size() > 0, "eval_batch_size must be positive, got ",
+              o.eval_batch_size());
+  TORCH_CHECK(o.micro_batch_size() >= 0,
               "micro_batch_size must be >= 0 (0: the whole batch at once), got ",
-              options_.micro_batch_size());
-  TORCH_CHECK(options_.prefetch_factor() >= 0,
+              o.micro_batch_size());
+  TORCH_CHECK(o.prefetch_factor() >= 0,
               "prefetch_factor must be >= 0 (0: each batch is read when its step starts), got ",
-              options_.prefetch_factor());
-  TORCH_CHECK(options_.save_every() >= 0, "save_every must be >= 0 (0: save at the end only), got ",
-              options_.save_every());
-  if (!options_.save_dir().empty()) {  // a run never fails at its end for its folder
-    check_output_folder(options_.save_dir());
-    if (std::filesystem::is_directory(options_.save_dir())) {
-      check_output_file((std::filesystem::path(options_.save_dir()) / kCheckpointFile).string());
+              o.prefetch_factor());
+  TORCH_CHECK(o.save_every() >= 0, "save_every must be >= 0 (0: save at the end only), got ",
+              o.save_every());
+  if (!o.save_dir().empty()) {  // a run never fails at its end for its folder
+    check_output_folder(o.save_dir());
+    if (std::filesystem::is_directory(o.save_dir())) {
+      check_output_file((std::filesystem::path(o.save_dir()) / kCheckpointFile).string());
     }
   }
-  TORCH_CHECK(options_.master_weights() == MasterWeightsMode::kNone ||
-                  options_.precision() != Precision::kFP32,
+}
+
+// Master weights, offloads and precision: which combinations hold together.
+void check_placement(const TrainerOptions& o) {
+  TORCH_CHECK(o.master_weights() == MasterWeightsMode::kNone ||
+                  o.precision() != Precision::kFP32,
               "master weights hold parameters in bf16 or fp16: set precision to bf16 or fp16, "
               "or master_weights to none");
-  TORCH_CHECK(!(options_.master_weights() == MasterWeightsMode::kDevice &&
-                options_.offload_optimizer() == Offload::kHost),
+  TORCH_CHECK(!(o.master_weights() == MasterWeightsMode::kDevice &&
+                o.offload_optimizer() == Offload::kHost),
               "master_weights device keeps the fp32 masters and optimizer state on the device, "
               "offload_optimizer host moves them to the host: use master_weights host, or "
               "offload_optimizer none");
-  TORCH_CHECK(options_.offload_gradients() == Offload::kNone || options_.offload_optimizer() == Offload::kHost,
+  TORCH_CHECK(o.offload_gradients() == Offload::kNone || o.offload_optimizer() == Offload::kHost,
               "offload_gradients host moves gradients to the host masters that offload_optimizer "
               "host keeps: set offload_optimizer to Offload::kHost too");
-  if (options_.offload_parameters() == Offload::kHost) {
-    TORCH_CHECK(options_.offload_optimizer() == Offload::kHost && options_.offload_gradients() == Offload::kHost,
+  if (o.offload_parameters() == Offload::kHost) {
+    TORCH_CHECK(o.offload_optimizer() == Offload::kHost && o.offload_gradients() == Offload::kHost,
                 "offload_parameters host streams the parameters from the host masters that also take the "
                 "gradients and the optimizer state: set offload_optimizer and offload_gradients to "
                 "Offload::kHost too");
-    TORCH_CHECK(options_.precision() == Precision::kFP32 && options_.master_weights() == MasterWeightsMode::kNone,
-                "offload_parameters host runs in fp32 (got precision ", to_string(options_.precision()),
+    TORCH_CHECK(o.precision() == Precision::kFP32 && o.master_weights() == MasterWeightsMode::kNone,
+                "offload_parameters host runs in fp32 (got precision ", to_string(o.precision()),
                 "): set precision fp32 and master_weights none, or keep the parameters on the device");
-    TORCH_CHECK(options_.process_group() == nullptr, "offload_parameters host runs in one process: data "
+    TORCH_CHECK(o.process_group() == nullptr, "offload_parameters host runs in one process: data "
                 "and pipeline parallelism are not supported with streamed parameters; drop the process "
                 "group, or keep the parameters on the device (offload optimizer and gradients still apply)");
   }
-  TORCH_CHECK(options_.nonfinite_loss() != NonfiniteLoss::kUnchecked || options_.process_group() == nullptr,
+}
+
+// A process group's modes: the unchecked loss, ZeRO and a pipeline
+// (`sequential`: the Trainer was built from a Sequential without a loss).
+void check_parallel(const TrainerOptions& o, bool sequential) {
+  TORCH_CHECK(o.nonfinite_loss() != NonfiniteLoss::kUnchecked || o.process_group() == nullptr,
               "nonfinite_loss kUnchecked leaves each step's loss unread, but the ranks of a process group "
               "average it on the host: use NonfiniteLoss::kError or kSkip with a process group");
-  TORCH_CHECK(options_.zero_stage() == 0 || options_.zero_stage() == 1, "zero_stage must be 0 (no "
-              "sharding) or 1 (optimizer state sharded over the ranks), got ", options_.zero_stage(),
+  TORCH_CHECK(o.zero_stage() == 0 || o.zero_stage() == 1, "zero_stage must be 0 (no "
+              "sharding) or 1 (optimizer state sharded over the ranks), got ", o.zero_stage(),
               "; stages 2 and 3 are not implemented");
-  TORCH_CHECK(options_.zero_stage() == 0 || options_.process_group() != nullptr,
+  TORCH_CHECK(o.zero_stage() == 0 || o.process_group() != nullptr,
               "zero_stage 1 shards the optimizer state over the ranks of a process group: set "
               "process_group (memfit launch), or zero_stage 0");
-  if (options_.parallel() == ParallelMode::kPipeline) {
-    TORCH_CHECK(options_.process_group() != nullptr, "a pipeline splits the model over the ranks of a "
+  if (o.parallel() == ParallelMode::kPipeline) {
+    TORCH_CHECK(o.process_group() != nullptr, "a pipeline splits the model over the ranks of a "
                 "process group: set process_group (memfit launch), or parallel data");
-    TORCH_CHECK(classifier_, "a pipeline splits the layers of a torch::nn::Sequential trained with "
+    TORCH_CHECK(sequential, "a pipeline splits the layers of a torch::nn::Sequential trained with "
                 "cross-entropy: construct the Trainer from the Sequential without a loss, or use "
                 "ParallelMode::kData");
-    TORCH_CHECK(options_.precision() != Precision::kFP16, "pipeline parallel training does not support fp16 "
+    TORCH_CHECK(o.precision() != Precision::kFP16, "pipeline parallel training does not support fp16 "
                 "precision yet (its loss scaler would need the stages to agree on the steps to skip): use bf16, "
                 "which needs no scaler, or fp32");
-    TORCH_CHECK(options_.zero_stage() == 0, "zero_stage 1 shards the optimizer state over data-parallel "
+    TORCH_CHECK(o.zero_stage() == 0, "zero_stage 1 shards the optimizer state over data-parallel "
                 "ranks, but a pipeline's ranks hold different layers, each stage already keeping only its "
                 "own optimizer state: set zero_stage 0 (offload_optimizer host moves that state to the host)");
-    TORCH_CHECK(options_.micro_batch_size() == 0, "a pipeline cuts each batch into pipeline().chunks() "
+    TORCH_CHECK(o.micro_batch_size() == 0, "a pipeline cuts each batch into pipeline().chunks() "
                 "chunks: set micro_batch_size 0 and the chunks instead (got micro_batch_size ",
-                options_.micro_batch_size(), ")");
+                o.micro_batch_size(), ")");
   }
-  TORCH_CHECK(options_.max_replans() >= 0, "max_replans must be >= 0, got ", options_.max_replans());
-  TORCH_CHECK(options_.restore_after() >= 0, "restore_after must be >= 0 (0: keep the re-planned settings), got ",
-              options_.restore_after());
-  if (options_.on_out_of_memory() == OnOutOfMemory::kReplan) {
-    TORCH_CHECK(options_.parallel() != ParallelMode::kPipeline && options_.zero_stage() == 0,
+}
+
+// Out-of-memory recovery: what re-planning can change for `module`.
+void check_recovery(const TrainerOptions& o, const torch::nn::Module& module) {
+  TORCH_CHECK(o.max_replans() >= 0, "max_replans must be >= 0, got ", o.max_replans());
+  TORCH_CHECK(o.restore_after() >= 0, "restore_after must be >= 0 (0: keep the re-planned settings), got ",
+              o.restore_after());
+  if (o.on_out_of_memory() == OnOutOfMemory::kReplan) {
+    TORCH_CHECK(o.parallel() != ParallelMode::kPipeline && o.zero_stage() == 0,
                 "on_out_of_memory kReplan re-plans data-parallel ranks together, but not a pipeline's stages or "
                 "a sharded optimizer's step (which broadcasts as it steps): use parallel data with zero_stage 0, "
                 "or OnOutOfMemory::kThrow");
-    TORCH_CHECK(options_.replan() || !batch_statistics_layer(*module_).has_value() || !find_chains(*module_).empty(),
+    TORCH_CHECK(o.replan() || !batch_statistics_layer(module).has_value() || !find_chains(module).empty(),
                 "on_out_of_memory kReplan re-plans with more micro-batches, which changes the math of a module "
-                "with batch statistics (BatchNorm '", batch_statistics_layer(*module_).value_or(""), "'), and the "
+                "with batch statistics (BatchNorm '", batch_statistics_layer(module).value_or(""), "'), and the "
                 "module has no chain (CheckpointedSequential) to recompute: allow micro-batches with replan("
                 "memfit::more_micro_batches(module, true)), hold its repeated blocks in a CheckpointedSequential, "
                 "or use OnOutOfMemory::kThrow");
   }
+}
+
+} // namespace
+
+void Trainer::check_options() const {
+  check_counts(options_);
+  check_placement(options_);
+  check_parallel(options_, !classifier_.is_empty());
+  check_recovery(options_, *module_);
   check_precision_supported(options_.precision(), options_.device());
 }
 
