@@ -148,7 +148,8 @@ memfit::ModulePlan given_plan(const TrainArgs& a, const memfit::ModulePlan& give
 
 } // namespace
 
-
+// Every flag of `memfit train`, in the order --help lists them: one flat list
+// (about 170 lines) that a reader scans, rather than pieces to put together.
 void add_train_command(CLI::App& app, TrainArgs& a) {
   auto* train = app.add_subcommand(
       "train", "Train a model on Fashion-MNIST or the Jargon File and report loss, test accuracy and peak memory");
@@ -319,9 +320,11 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
 }
 
-std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
+namespace {
+
+// The flags' combinations that cannot run together, each refused with what would.
+void check_flag_combinations(const TrainArgs& a) {
   using memfit::tools::usage_check;
-  namespace fs = std::filesystem;
   usage_check(a.checkpoint != "optimal" || !a.checkpoint_budget.empty(),
               "--checkpoint optimal needs --checkpoint-budget SIZE, the memory for activations, e.g. "
               "--checkpoint-budget 24MiB");
@@ -357,10 +360,13 @@ std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
   usage_check(!plans_knobs(a) || a.batch >= 4, "--batch ", a.batch, " under --budget: the planner measures the "
               "step in micro-batches of two sizes, so it plans batches of 4 examples or more; use --batch 4 or "
               "more, or set the knobs by hand (--plan none)");
-  check_device_and_precision(a.device, a.precision);
-  const std::string resumed = a.resume.empty() ? "" : resumed_checkpoint(a.resume);
-  usage_check(resumed.empty() || fs::is_regular_file(resumed), "--resume ", a.resume, ": no checkpoint file at ",
-              resumed, "; give the folder that --save wrote");
+}
+
+// The plan the run is given (--plan FILE), and the one a resumed run saved:
+// both read before any work. `resumed`: --resume's checkpoint file, or "".
+std::optional<memfit::ModulePlan> given_plan(const TrainArgs& a, const std::string& resumed) {
+  using memfit::tools::usage_check;
+  namespace fs = std::filesystem;
   std::optional<memfit::ModulePlan> given;
   if (plan_file(a)) {
     usage_check(!knobs_by_hand(a), "--plan ", a.plan, " sets the micro-batch, checkpointing and offload itself: "
@@ -377,7 +383,13 @@ std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
       usage_check(false, "--resume ", a.resume, ": ", e.msg(), "; or delete it, and the resumed run plans again");
     }
   }
-  // No output replaces an input or another output (compared by resolved path).
+  return given;
+}
+
+// No output replaces an input or another output (compared by resolved path).
+// `resumed`: --resume's checkpoint file, or "".
+void check_outputs(const TrainArgs& a, const std::string& resumed) {
+  namespace fs = std::filesystem;
   std::vector<std::string> inputs = {a.torchscript, a.text, plan_file(a) ? a.plan : ""};
   std::error_code ec;
   if (fs::is_directory(a.data, ec)) {
@@ -417,6 +429,20 @@ std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
       }
     }
   }
+}
+
+} // namespace
+
+std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
+  using memfit::tools::usage_check;
+  namespace fs = std::filesystem;
+  check_flag_combinations(a);
+  check_device_and_precision(a.device, a.precision);
+  const std::string resumed = a.resume.empty() ? "" : resumed_checkpoint(a.resume);
+  usage_check(resumed.empty() || fs::is_regular_file(resumed), "--resume ", a.resume, ": no checkpoint file at ",
+              resumed, "; give the folder that --save wrote");
+  auto given = given_plan(a, resumed);
+  check_outputs(a, resumed);
   // One run per folder, and a new run does not replace another's checkpoint
   // (the Trainer holds the folder from its start; only rank 0 writes).
   if (!a.save.empty() && fs::is_directory(a.save) && memfit::world_from_env().rank == 0) {
