@@ -15,9 +15,10 @@
 # MODES: "quiet busy" (the default), or either alone.
 # bench/stability_rules.py replays a tight run's timed choices under the
 # one-band and the two-band tie rule.
-# CASES: "default" (the cases below), "gpt" (its GPT case alone) or "tight": the CNN of bench/peers.py's
+# CASES: "default" (the cases below), "gpt" (its GPT case alone), "tight": the CNN of bench/peers.py's
 # table at the budgets where hand-tuned PyTorch runs stop fitting, where the
-# best candidates lie within a few percent of each other.
+# best candidates lie within a few percent of each other, or "peers_gpt":
+# bench/peers.py's GPT at the two budgets of its table where plans varied.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -38,7 +39,12 @@ case ${3:-default} in
     for budget in 19.23MiB 15.82MiB 15.36MiB; do
       cases+=("--model resnet --depth 3 --batch 128 --budget $budget --batch-statistics per-micro-batch")
     done ;;
-  *) echo "plan_stability.sh: CASES is default, gpt or tight, got '$3'" >&2; exit 2 ;;
+  peers_gpt)
+    cases=()
+    for budget in 28.66MiB 11.59MiB; do
+      cases+=("--model gpt --width 64 --depth 4 --heads 4 --context 128 --batch 16 --threads 2 --budget $budget")
+    done ;;
+  *) echo "plan_stability.sh: CASES is default, gpt, tight or peers_gpt, got '$3'" >&2; exit 2 ;;
 esac
 json=$(mktemp)
 keys=$(mktemp)
