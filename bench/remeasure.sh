@@ -56,7 +56,7 @@ measure() {
     cost) bench plan_cost memfit_plan_bench --benchmark_filter=cost ;;
     stability) run plan_stability bash bench/plan_stability.sh "$build" ;;
     stability_tight) run plan_stability_tight bash bench/plan_stability.sh "$build" 5 tight ;;
-    stability_gpt) MODES=quiet run plan_stability_gpt bash bench/plan_stability.sh "$build" 5 peers_gpt ;;
+    stability_gpt) MODES=quiet run plan_stability_peers_gpt bash bench/plan_stability.sh "$build" 5 peers_gpt ;;
     distributed) bench distributed memfit_distributed_bench --steps 60 --pairs 5 ;;
     gpt_train) run gpt_train "$build/memfit" train --model gpt --width 64 --depth 2 --context 64 --batch 32 --steps 100 ;;
     gpt_budget) run gpt_budget python3 bench/gpt_budget.py --build "$build" ;;
@@ -81,7 +81,7 @@ measure() {
 
 all=(main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed gpt_train gpt_budget
   peers peers_gpt)
-known=("${all[@]}" peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2 optim_step optim_step_torch2
+known=("${all[@]}" stability_gpt peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2 optim_step optim_step_torch2
   tax_optim_torch2)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${all[@]}")
