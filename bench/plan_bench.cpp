@@ -363,17 +363,28 @@ void BM_Plan(benchmark::State& state, std::string kind, int64_t batch, std::vect
       state.counters[key + "plan_vs_plain"] = planned / plain.seconds;
       fmt::print(stderr, "{} at {} ({:.2f} MiB): {}\n", kind, name, double(budget) / (1 << 20),
                  describe(chosen, batch));
-      // The prediction table (docs/planner.md, "Prediction error"): the plan's predicted and measured peak and time.
-      fmt::print(stderr, "  predicted peak {:.2f} MiB, measured {:.2f} MiB ({:+.1f}%); predicted time {:.1f} ms, "
-                 "measured {:.1f} ms ({:+.0f}%)\n", double(p->predicted.peak_bytes) / (1 << 20),
+      // The prediction table (docs/planner.md, "Plans under ½, ¼ and ⅛"): the
+      // plan's predicted and measured peak, its time as it tells it (its
+      // timed steps', else the model's where predictable) and the model's.
+      const auto told = [&](double seconds) {
+        return seconds > 0 && planned > 0 ? fmt::format("{:.1f} ms ({:+.0f}%)", 1e3 * seconds,
+                                                        100.0 * (seconds / planned - 1))
+                                          : std::string("none");
+      };
+      state.counters[key + "step_ms"] = 1e3 * p->step_seconds;
+      fmt::print(stderr, "  predicted peak {:.2f} MiB, measured {:.2f} MiB ({:+.1f}%); time measured {:.1f} ms, "
+                 "the plan's {} ({}), the model's {}\n", double(p->predicted.peak_bytes) / (1 << 20),
                  double(planned_peak) / (1 << 20),
                  planned_peak > 0 ? 100.0 * double(p->predicted.peak_bytes - planned_peak) / double(planned_peak) : 0.0,
-                 1e3 * p->predicted.seconds, 1e3 * planned,
-                 planned > 0 ? 100.0 * (p->predicted.seconds / planned - 1) : 0.0);
+                 1e3 * planned, told(p->step_seconds),
+                 p->measured_seconds > 0 ? "its timed steps" : p->step_seconds > 0 ? "predicted" : "not told",
+                 told(p->predicted.seconds));
       // How the plan chose: its candidates, predicted and measured.
       std::istringstream lines(p->explain());
       for (std::string line; std::getline(lines, line);) {
-        if (line.find("timed the") != std::string::npos) fmt::print(stderr, "  plan: {}\n", line.substr(4));
+        if (line.find("timed the") != std::string::npos || line.find("measured the module's step") != std::string::npos) {
+          fmt::print(stderr, "  plan: {}\n", line.substr(4));
+        }
       }
       if (best_settings && !same(*best_settings, chosen)) {
         fmt::print(stderr, "  the grid's fastest: {}: {:.1f} ms measured, {:.1f} ms predicted at the whole batch; "
@@ -486,6 +497,10 @@ void run_own(benchmark::State& state, const std::function<std::shared_ptr<M>()>&
   state.counters["predicted_MiB"] = double(p.predicted.peak_bytes) / (1 << 20);
   state.counters["error_pct"] = 100.0 * double(p.predicted.peak_bytes - peak) / double(peak);
   state.counters["fits"] = peak <= budget ? 1 : 0;
+  // Its time as the plan tells it (its timed steps', else the model's where
+  // predictable; 0: not told) and the model's, beside planned_ms.
+  state.counters["step_ms"] = 1e3 * p.step_seconds;
+  state.counters["predicted_ms"] = 1e3 * p.predicted.seconds;
   auto plain = plain_trainer();
   memfit::bench::side_by_side(state, {{"plain", [&] { plain.train_step(batch); }},
                                       {"planned", [&] { planned.train_step(batch); }}});

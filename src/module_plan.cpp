@@ -22,7 +22,6 @@
 #include <fstream>
 #include <limits>
 #include <map>
-#include <numeric>
 #include <optional>
 #include <set>
 #include <utility>
@@ -54,6 +53,7 @@ ModulePlan plan(const ModuleStepModel& model, int64_t budget, int64_t batch) {
     }
   }
   out.measured_seconds = d.measured_seconds;
+  out.step_seconds = d.step_seconds;
   out.measured_peak_bytes = d.measured_peak_bytes;
   out.measured_tie = d.measured_tie;
   const auto& best = d.candidates[static_cast<size_t>(d.chosen)];
@@ -136,6 +136,7 @@ std::string ModulePlan::to_json() const {
                       {"plain_seconds", plain_seconds},
                       {"candidates", candidates},
                       {"measured_seconds", measured_seconds},
+                      {"step_seconds", step_seconds},
                       {"measured_peak_bytes", measured_peak_bytes},
                       {"measured_tie", measured_tie},
                       {"timed", timed_json},
@@ -311,9 +312,7 @@ ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget, const
   });
   run(out.techniques, [&](int64_t b) -> std::optional<Candidate> {
     auto found = search(model, im, b, budget, /*micro_batching=*/false);
-    std::vector<size_t> all(found.fitting.size());
-    std::iota(all.begin(), all.end(), size_t{0});
-    const auto best = best_fitting(found.fitting, all, 1.0, limit);
+    const auto best = best_fitting(found.fitting, 1.0, limit);
     if (!best) return std::nullopt;
     return found.fitting[*best];
   });

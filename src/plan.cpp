@@ -202,6 +202,7 @@ nlohmann::json plan_wire(const ModulePlan& plan) {
                       {"candidates", plan.candidates},
                       {"timed", timed},
                       {"measured_seconds", plan.measured_seconds},
+                      {"step_seconds", plan.step_seconds},
                       {"measured_peak_bytes", plan.measured_peak_bytes},
                       {"measured_tie", plan.measured_tie},
                       {"why", plan.why}};
@@ -234,6 +235,8 @@ void plan_from_wire(const nlohmann::json& j, ModulePlan& plan) {
     plan.timed.push_back(std::move(c));
   }
   plan.measured_seconds = field<double>(j, "measured_seconds");
+  // Plans saved before step_seconds was recorded tell their timed steps' time only.
+  plan.step_seconds = j.contains("step_seconds") ? field<double>(j, "step_seconds") : plan.measured_seconds;
   plan.measured_peak_bytes = field<int64_t>(j, "measured_peak_bytes");
   plan.measured_tie = field<double>(j, "measured_tie");
   plan.why = field<std::vector<std::string>>(j, "why");

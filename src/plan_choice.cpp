@@ -11,6 +11,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <set>
 
 namespace memfit {
@@ -29,6 +30,10 @@ int64_t largest_fitting(int64_t top, const std::function<bool(int64_t)>& fits) {
 
 bool may_micro_batch(const PlanOptions& o, const std::optional<std::string>& layer) {
   return o.micro_batching() && (!layer || o.batch_statistics() == BatchStatistics::kPerMicroBatch);
+}
+
+bool time_predictable(const ModuleStepModel::Impl& im, int64_t micro) {
+  return micro <= kTimeExtrapolation * im.m_large;
 }
 
 bool is_edge(const PlanOptions& o, bool can_time, int64_t peak, int64_t limit, int64_t budget) {
@@ -340,12 +345,14 @@ int64_t timed_examples(const StepSettings& s, int64_t batch) {
 
 } // namespace
 
-bool same_candidate(const Candidate& a, const Candidate& b) {
+namespace {
+// Whether `a` and `b` run the same step, whatever they offload: micro-batch,
+// precision, selective recomputation and every chain's schedule (a family
+// whose members differ only in their copies).
+bool same_step(const Candidate& a, const Candidate& b) {
   const auto& s = a.settings;
   const auto& t = b.settings;
   if (s.micro_batch() != t.micro_batch() || s.precision() != t.precision() ||
-      s.offload_optimizer() != t.offload_optimizer() || s.offload_gradients() != t.offload_gradients() ||
-      s.offload_parameters() != t.offload_parameters() || s.tile_bytes() != t.tile_bytes() ||
       s.selective_recompute() != t.selective_recompute() || a.schedules.size() != b.schedules.size()) {
     return false;
   }
@@ -355,6 +362,15 @@ bool same_candidate(const Candidate& a, const Candidate& b) {
     if (ra && !same_segments(a.schedules[c].segments, b.schedules[c].segments)) return false;
   }
   return true;
+}
+} // namespace
+
+bool same_candidate(const Candidate& a, const Candidate& b) {
+  const auto& s = a.settings;
+  const auto& t = b.settings;
+  return same_step(a, b) && s.offload_optimizer() == t.offload_optimizer() &&
+         s.offload_gradients() == t.offload_gradients() && s.offload_parameters() == t.offload_parameters() &&
+         s.tile_bytes() == t.tile_bytes();
 }
 
 Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int64_t batch, int64_t budget,
@@ -391,6 +407,19 @@ Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int
     }
   }
   return out;
+}
+
+namespace {
+// Every index of `candidates`.
+std::vector<size_t> all_of(const std::vector<Candidate>& candidates) {
+  std::vector<size_t> out(candidates.size());
+  std::iota(out.begin(), out.end(), size_t{0});
+  return out;
+}
+} // namespace
+
+std::optional<size_t> best_fitting(const std::vector<Candidate>& all, double correction, int64_t limit) {
+  return best_fitting(all, all_of(all), correction, limit);
 }
 
 std::optional<size_t> best_fitting(const std::vector<Candidate>& all, const std::vector<size_t>& pool,
@@ -452,12 +481,6 @@ std::optional<size_t> TimedRound::chosen_at() const {
 
 namespace {
 
-std::vector<size_t> all_of(const std::vector<Candidate>& candidates, size_t from = 0) {
-  std::vector<size_t> out;
-  for (size_t i = from; i < candidates.size(); ++i) out.push_back(i);
-  return out;
-}
-
 // Streaming the chains' parameters is the rung after the optimizer state and
 // gradients on the host, so its settings are measured only where nothing
 // resident is predicted to fit the limit, or where the fastest resident fit
@@ -466,7 +489,7 @@ std::vector<size_t> all_of(const std::vector<Candidate>& candidates, size_t from
 // micro-batches of 4 ran at 19x the plain step on an H200; without streaming
 // measured, resident micro-batches of 1 at 46x on an H100).
 bool wants_streaming(const Search& found, int64_t limit) {
-  const auto best = best_fitting(found.fitting, all_of(found.fitting), 1.0, limit);
+  const auto best = best_fitting(found.fitting, 1.0, limit);
   return !best || found.fitting[*best].settings.offload_gradients() == Offload::kHost;
 }
 
@@ -476,14 +499,15 @@ TimedRound time_candidates(const ModuleStepModel& model, const ModuleStepModel::
                            const std::vector<size_t>& pool) {
   std::vector<detail::Ranked> ranked;
   std::vector<int64_t> group;
-  std::map<std::string, int64_t> families;  // all but the offload and its tiles: one step, more or fewer copies
+  std::vector<size_t> families;  // each family's first candidate: one step, more or fewer copies (same_step)
   for (size_t i : pool) {
     const auto& c = d.candidates[i];
     ranked.push_back(detail::ranked(c.settings, c.predicted, any_recompute(c.schedules)));
     ranked.back().edge = c.edge;
-    const auto key = fmt::format("{} {} {} {}", c.settings.micro_batch(), int(c.settings.precision()),
-                                 c.settings.selective_recompute(), detail::schedules_text(im.chain_names(), c.schedules));
-    ranked.back().family = families.emplace(key, int64_t(families.size())).first->second;
+    const auto family = std::find_if(families.begin(), families.end(),
+                                     [&](size_t f) { return same_step(d.candidates[f], c); });
+    ranked.back().family = family - families.begin();
+    if (family == families.end()) families.push_back(i);
     group.push_back(detail::timing_group(c.settings, c.edge));
   }
   const auto& o = im.options;
@@ -621,7 +645,14 @@ Decision decide(const ModuleStepModel& model, ModuleStepModel::Impl& im, int64_t
   // fit (detail::choose_measured), and it may not have been timed: its steps
   // run under the budget as those timed did, before any other's.
   if (!best || d.measured_peak_bytes == 0) best = verified_choice(model, im, d, searched, best);
-  if (best) d.chosen = static_cast<int64_t>(*best);
+  if (best) {
+    d.chosen = static_cast<int64_t>(*best);
+    const auto& c = d.candidates[*best];
+    const int64_t micro = c.settings.micro_batch() > 0 ? std::min(c.settings.micro_batch(), batch) : batch;
+    d.step_seconds = d.measured_seconds > 0                          ? d.measured_seconds
+                     : detail::time_predictable(im, micro) ? c.predicted.seconds
+                                                                     : 0.0;
+  }
   return d;
 }
 

@@ -62,17 +62,26 @@ constexpr int kVerifyAttempts = 4;
 // two and about kTimedExamples in all. Such a step peaks as the whole one
 // does (the second micro-batch accumulates into the gradients the first
 // made, as every later one does), and costs the same however large the batch.
-// 64, the batch the planning cost's target is measured against (docs/planner.md,
-// "What planning costs": at 128 the ResNet's plan of 4096 examples cost 2.33x
-// that of 64; at 64, 0.80x), and no worse a choice: the peer tables' plans
-// at a batch of 128 then stood within noise of the grid's fastest.
+// 64: at 128 planning a batch of 4096 cost the ResNet 2.33x what 64 did, and
+// 64 chose no worse (docs/planner.md, "What planning costs").
 constexpr int64_t kTimedExamples = 64;
+
+// A step time is predicted for micro-batches at most this many times the
+// largest one measured; beyond that, the line through small steps (whose
+// fixed costs per call dominate) is no prediction: the MLP's, drawn through
+// micro-batches of 2 and 3, were 0.8x to 5.9x its runs' times at 21 to 85
+// times them (docs/planner.md, "Plans under ½, ¼ and ⅛ of the plain peak").
+constexpr int64_t kTimeExtrapolation = 8;
 
 // ---- Ranking and timing ----
 
 // The largest b in [1, top] with fits(b), for fits monotone (true up to
 // some b, false above); 0 when fits(1) is false.
 int64_t largest_fitting(int64_t top, const std::function<bool(int64_t)>& fits);
+
+// Whether the step model can predict the time of micro-batches of `micro`
+// examples (kTimeExtrapolation); the report says so where it cannot.
+bool time_predictable(const ModuleStepModel::Impl& im, int64_t micro);
 
 // Whether a plan may split the batch of a model whose first layer with batch
 // statistics is `layer` (nullopt: none).
@@ -290,6 +299,8 @@ Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int
 // prediction, scaled by `correction`, fits `limit`; nullopt when none.
 std::optional<size_t> best_fitting(const std::vector<Candidate>& all, const std::vector<size_t>& pool,
                                    double correction, int64_t limit);
+// The same among all of `all`.
+std::optional<size_t> best_fitting(const std::vector<Candidate>& all, double correction, int64_t limit);
 
 // `steps` real steps of `c` under `budget`, of `batch` examples or, for a
 // large micro-batched batch, of timed_examples: the steady steps' peak and
@@ -333,6 +344,7 @@ struct Decision {
   std::vector<Overrun> overruns;      // candidates whose verifying steps overran the budget
   int64_t chosen = -1;                // index into candidates (-1: nothing fits)
   double measured_seconds = 0;        // the chosen one's timed seconds (0: not timed)
+  double step_seconds = 0;            // its time as told: measured, else predicted where predictable, else 0
   int64_t measured_peak_bytes = 0;    // its real steps' peak under the budget (0: not run)
   double measured_tie = 0;            // the last round's tie band (0: nothing timed)
 };

@@ -234,6 +234,13 @@ void add_round(std::vector<std::string>& why, const TimedRound& r, const Decisio
   }
 }
 
+// Why a step of micro-batches of `micro` has no predicted time (detail::kTimeExtrapolation).
+std::string unpredictable_time_text(const ModuleStepModel::Impl& im, int64_t micro) {
+  return fmt::format("micro-batches of {} are over {} times the largest measured ({}), and a line through small "
+                     "steps, whose fixed costs per call dominate, is far off there", micro,
+                     detail::kTimeExtrapolation, im.m_large);
+}
+
 // The lines on the chosen candidate: what it does, its predicted and measured peak and time.
 void add_chosen(std::vector<std::string>& why, const ModuleStepModel::Impl& im, const Decision& d,
                 const std::vector<std::string>& chains) {
@@ -257,11 +264,16 @@ void add_chosen(std::vector<std::string>& why, const ModuleStepModel::Impl& im, 
     why.push_back(fmt::format("{}{}{} {:.1f} ms per batch (predicted {:.1f} ms)", peak, ran,
                               ran.empty() ? "; its steps took" : " and took", 1e3 * d.measured_seconds,
                               1e3 * best.predicted.seconds));
-  } else {
-    why.push_back(fmt::format("{}{}; its time was not measured: {:.1f} ms per batch by extrapolation from the "
-                              "measured micro-batches ({:.2f}x plain's, likewise), which may be far off",
+  } else if (d.step_seconds > 0) {
+    why.push_back(fmt::format("{}{}; its time was not measured: {:.1f} ms per batch predicted from the measured "
+                              "micro-batches ({:.2f}x plain's, likewise)",
                               peak, ran, 1e3 * best.predicted.seconds,
                               d.plain.seconds > 0 ? best.predicted.seconds / d.plain.seconds : 0.0));
+  } else {
+    why.push_back(fmt::format("{}{}; its time was not measured and cannot be predicted: {}", peak, ran,
+                              unpredictable_time_text(im, best.settings.micro_batch() > 0
+                                                              ? std::min(best.settings.micro_batch(), d.batch)
+                                                              : d.batch)));
   }
   why.push_back(detail::micro_batch_text(im.options, im.batch_statistics, best.settings.micro_batch(),
                                          best.predicted.accumulation_steps, d.batch));
@@ -279,8 +291,10 @@ std::vector<std::string> plan_why(const ModuleStepModel::Impl& im, const Decisio
                             : im.selective_choices.front() ? "; with selective recomputation"
                                                            : "",
                             chains.size(), chains.empty() ? "none" : detail::schedules_text(chains, {})));
-  why.push_back(fmt::format("plain step of {}: predicted peak {}, {:.4f} s", d.batch,
-                            format_bytes(d.plain.peak_bytes), d.plain.seconds));
+  why.push_back(fmt::format("plain step of {}: predicted peak {}, {}", d.batch, format_bytes(d.plain.peak_bytes),
+                            detail::time_predictable(im, d.batch)
+                                ? fmt::format("{:.4f} s", d.plain.seconds)
+                                : "its time not predicted: " + unpredictable_time_text(im, d.batch)));
   for (size_t r = 0; r < d.rounds.size(); ++r) {
     if (r == 1) {
       why.push_back(fmt::format("on {} the budget caps the caching allocator's reserved bytes, and candidates ran "

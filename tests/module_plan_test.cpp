@@ -462,6 +462,35 @@ TEST_F(ModulePlanTest, MeasuringKeepsWithinTheBudgetItPlansFor) {
   EXPECT_LE(measured_peak(trainer, batch), budget) << "applied, the plan trains under the budget";
 }
 
+TEST_F(ModulePlanTest, APlanTellsItsTimeFromItsTimedStepsAndNeverFromAFarExtrapolation) {
+  ChainNet net(32, 4);
+  const auto batch = sample(64);
+  const int64_t budget = 64 << 20;  // the whole batch fits plainly
+  // Timed: the plan's time is its own steps'.
+  const auto timed = memfit::plan(net.ptr(), chain_loss, batch, budget, memfit::PlanOptions());
+  ASSERT_GT(timed.measured_seconds, 0) << timed.explain();
+  EXPECT_EQ(timed.step_seconds, timed.measured_seconds) << timed.explain();
+  // Untimed, its micro-batches within 8 times those measured (32): the prediction.
+  const auto near = memfit::plan(net.ptr(), chain_loss, batch, budget, memfit::PlanOptions().measure_candidates(0));
+  EXPECT_EQ(near.measured_seconds, 0);
+  EXPECT_GT(near.step_seconds, 0);
+  EXPECT_EQ(near.step_seconds, near.predicted.seconds);
+  EXPECT_NE(near.explain().find("its time was not measured: "), std::string::npos) << near.explain();
+  // Untimed, measured at micro-batches of 1 and 2 only: a step of 64 has no time.
+  const auto far = memfit::plan(net.ptr(), chain_loss, batch, budget,
+                                memfit::PlanOptions().measure_candidates(0).profile_batch(2));
+  ASSERT_EQ(far.settings.micro_batch() > 0 ? far.settings.micro_batch() : far.batch, 64) << far.explain();
+  EXPECT_EQ(far.step_seconds, 0);
+  EXPECT_GT(far.predicted.seconds, 0) << "the model's line is still what ranks the candidates";
+  const std::string why = "micro-batches of 64 are over 8 times the largest measured (2), and a line through small "
+                          "steps, whose fixed costs per call dominate, is far off there";
+  EXPECT_NE(far.explain().find("its time was not measured and cannot be predicted: " + why), std::string::npos)
+      << far.explain();
+  EXPECT_NE(far.explain().find("plain step of 64: predicted peak"), std::string::npos) << far.explain();
+  EXPECT_NE(far.explain().find("its time not predicted: " + why), std::string::npos) << far.explain();
+  EXPECT_EQ(far.explain().find(" ms per batch"), std::string::npos) << "no figure for the time\n" << far.explain();
+}
+
 TEST_F(ModulePlanTest, TheBudgetCountsEveryByteTheProcessHoldsBesideTheModule) {
   // As set_memory_budget and a device's memory do: a tensor held outside the
   // module (another model, data on the device) is in every predicted peak.

@@ -211,6 +211,11 @@ struct ModulePlan {
   int64_t candidates = 0;            ///< Combinations considered.
   std::vector<TimedCandidate> timed; ///< Those timed with real steps, in the order timed.
   double measured_seconds = 0;       ///< The chosen plan's measured time (0: not timed).
+  /// The plan's time per logical batch as far as the planner can tell it:
+  /// its timed steps' (measured_seconds) where it timed them, else
+  /// predicted.seconds where its micro-batches are at most 8 times the
+  /// largest the model measured; 0 where neither (`why` says so).
+  double step_seconds = 0;
   /// The chosen plan's real steps' peak under the budget on the sample
   /// (PlanOptions::verify; 0: not run).
   int64_t measured_peak_bytes = 0;
@@ -238,7 +243,7 @@ struct ModulePlan {
   /// "accumulation_steps", "precision", "checkpoint" (every chain's schedule,
   /// "name: schedule; ...", or "none" where no chain recomputes), "chains"
   /// ([{"name", "checkpoint"}]), "selective_recompute", "offload",
-  /// "tile_bytes", "measured_seconds", "measured_peak_bytes",
+  /// "tile_bytes", "measured_seconds", "step_seconds", "measured_peak_bytes",
   /// "measured_tie", "timed" (each candidate's "micro_batch", "precision",
   /// "offload", "checkpoint", "predicted_seconds", "measured_seconds",
   /// "measured_peak_bytes"), "why"}.
