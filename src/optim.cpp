@@ -192,6 +192,9 @@ BucketKey bucket_key(size_t group, const torch::Tensor& p, bool fresh = false) {
 // Adam and AdamW: their update after the weight decay is one (LibTorch's
 // adam.cpp and adamw.cpp); `decoupled` is AdamW's decay of the parameter
 // itself, Adam's adds weight_decay * p to the gradient.
+// Over 80 lines: one pass in LibTorch's order (groups, then parameters,
+// each to its bucket and kernel) that pieces would split into a dozen
+// shared locals; the kernels themselves are the helpers above.
 template <class Base, class Options, class State, bool decoupled>
 torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const torch::Tensor&)>& wants_fused,
                         const std::function<void(const std::string&)>& fell_back,

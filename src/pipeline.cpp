@@ -248,6 +248,9 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
   return torch::Tensor();
 }
 
+// Over 80 lines: the forward and backward closures share the chunks in
+// flight, and the schedule at the end reads as GPipe's and 1F1B's papers
+// draw them only with both beside it.
 PipelineStepResult Pipeline::train_step(const torch::Tensor& input, const torch::Tensor& target,
                                         const LossFn& loss_fn) {
   auto& g = *impl_->group;

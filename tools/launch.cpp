@@ -61,22 +61,32 @@ void signal_groups(const std::map<pid_t, int64_t>& rank_of, int sig) {
   for (const auto& [pid, rank] : rank_of) ::kill(-pid, sig);
 }
 
-}  // namespace
+// In a forked child: the worker's environment (torchrun's variables), then
+// its command; never returns.
+[[noreturn]] void exec_worker(const LaunchArgs& a, int64_t rank, int64_t local, const std::string& omp_threads) {
+  ::setpgid(0, 0);                     // its own process group, ended as a whole
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // and killed if the launcher is
+  if (::getppid() == 1) std::_Exit(128 + SIGKILL);  // the launcher died before prctl
+  ::setenv("RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(a.nproc * a.nnodes).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", std::to_string(a.nproc).c_str(), 1);
+  ::setenv("MASTER_ADDR", a.master_addr.c_str(), 1);
+  ::setenv("MASTER_PORT", std::to_string(a.master_port).c_str(), 1);
+  ::setenv("OMP_NUM_THREADS", omp_threads.c_str(), 0);  // the user's own setting stays
+  std::vector<char*> argv;
+  std::vector<std::string> copy = a.command;
+  for (auto& s : copy) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  ::execvp(argv[0], argv.data());
+  fmt::print(stderr, "memfit launch: error: could not run '{}' for rank {}: {}\n", a.command.front(), rank,
+             std::strerror(errno));
+  std::_Exit(127);
+}
 
-int run_launch(const LaunchArgs& a) {
-  if (a.node_rank >= a.nnodes) {
-    fmt::print(stderr, "memfit launch: error: --node-rank {} is not below --nnodes {}\n", a.node_rank,
-               a.nnodes);
-    return 2;
-  }
-  // SIGINT, SIGTERM and SIGHUP are forwarded to every worker's group, from
-  // before the first fork: a signal while workers start still reaches them
-  // (a worker's exec restores the default actions).
-  struct sigaction action {};
-  action.sa_handler = on_signal;
-  sigemptyset(&action.sa_mask);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &action, nullptr);
-  const int64_t world = a.nproc * a.nnodes;
+// Forks this machine's --nproc workers; each worker's pid maps to its rank
+// (empty: a fork failed, and those started were killed).
+std::map<pid_t, int64_t> start_workers(const LaunchArgs& a) {
   // The cores shared out, as torchrun does (it gives each worker 1): OpenMP
   // threads spin, and workers of every core each slow one another down 5x.
   const int64_t hw = std::max(1u, std::thread::hardware_concurrency());
@@ -90,37 +100,25 @@ int run_launch(const LaunchArgs& a) {
     if (pid < 0) {
       fmt::print(stderr, "memfit launch: error: could not start worker {}: fork failed\n", rank);
       for (const auto& [p, r] : rank_of) ::kill(p, SIGKILL);
-      return 1;
+      return {};
     }
-    if (pid == 0) {
-      ::setpgid(0, 0);                     // its own process group, ended as a whole
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // and killed if the launcher is
-      if (::getppid() == 1) std::_Exit(128 + SIGKILL);  // the launcher died before prctl
-      ::setenv("RANK", std::to_string(rank).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(a.nproc).c_str(), 1);
-      ::setenv("MASTER_ADDR", a.master_addr.c_str(), 1);
-      ::setenv("MASTER_PORT", std::to_string(a.master_port).c_str(), 1);
-      ::setenv("OMP_NUM_THREADS", omp_threads.c_str(), 0);  // the user's own setting stays
-      std::vector<char*> argv;
-      std::vector<std::string> copy = a.command;
-      for (auto& s : copy) argv.push_back(s.data());
-      argv.push_back(nullptr);
-      ::execvp(argv[0], argv.data());
-      fmt::print(stderr, "memfit launch: error: could not run '{}' for rank {}: {}\n", a.command.front(),
-                 rank, std::strerror(errno));
-      std::_Exit(127);
-    }
+    if (pid == 0) exec_worker(a, rank, local, omp_threads);
     ::setpgid(pid, pid);  // also here: no signal may reach the group before it exists
     rank_of[pid] = rank;
   }
-  std::vector<pid_t> groups;
-  for (const auto& [pid, rank] : rank_of) groups.push_back(pid);
+  return rank_of;
+}
 
+// Waits for every worker: the first that fails, or a signal to the
+// launcher, stops the others (SIGTERM, or the signal; SIGKILL after
+// --grace seconds). Returns the launch's exit status.
+int supervise(std::map<pid_t, int64_t> rank_of, double grace) {
   int result = 0;
   bool stopping = false;
   auto deadline = std::chrono::steady_clock::time_point::max();
+  const auto stop_by = [&] {
+    return std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace * 1000));
+  };
   while (!rank_of.empty()) {
     if (const int sig = g_signal; sig != 0 && !stopping) {
       stopping = true;
@@ -128,7 +126,7 @@ int run_launch(const LaunchArgs& a) {
       fmt::print(stderr, "memfit launch: received signal {}; passing it to the {} worker{}\n", sig,
                  rank_of.size(), rank_of.size() == 1 ? "" : "s");
       signal_groups(rank_of, sig);
-      deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(a.grace * 1000));
+      deadline = stop_by();
     }
     int status = 0;
     // Polled: a signal that lands just before a blocking wait would be seen
@@ -146,8 +144,7 @@ int run_launch(const LaunchArgs& a) {
                    WIFEXITED(status) ? code : WTERMSIG(status), rank_of.size(),
                    rank_of.size() == 1 ? "" : "s");
         signal_groups(rank_of, SIGTERM);
-        deadline = std::chrono::steady_clock::now() +
-                   std::chrono::milliseconds(static_cast<int64_t>(a.grace * 1000));
+        deadline = stop_by();
       }
       continue;
     }
@@ -158,9 +155,30 @@ int run_launch(const LaunchArgs& a) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  return result;
+}
+
+}  // namespace
+
+int run_launch(const LaunchArgs& a) {
+  if (a.node_rank >= a.nnodes) {
+    fmt::print(stderr, "memfit launch: error: --node-rank {} is not below --nnodes {}\n", a.node_rank,
+               a.nnodes);
+    return 2;
+  }
+  // SIGINT, SIGTERM and SIGHUP are forwarded to every worker's group, from
+  // before the first fork: a signal while workers start still reaches them
+  // (a worker's exec restores the default actions).
+  struct sigaction action {};
+  action.sa_handler = on_signal;
+  sigemptyset(&action.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &action, nullptr);
+  const auto rank_of = start_workers(a);
+  if (rank_of.empty()) return 1;
+  const int result = supervise(rank_of, a.grace);
   // No process outlives the launcher: what a worker left in its group (a
   // shell's background children) goes with it.
-  for (const pid_t group : groups) ::kill(-group, SIGKILL);
+  for (const auto& [group, rank] : rank_of) ::kill(-group, SIGKILL);
   return result;
 }
 

@@ -128,22 +128,8 @@ constexpr const char* kScript = R"JS(
 } // namespace
 
 namespace {
-std::string render(const std::string& json_text, const std::string& title);
-} // namespace
-
-std::string report_html(const std::string& json_text, const std::string& title) {
-  try {
-    return render(json_text, title);
-  } catch (const nlohmann::json::exception& e) {
-    std::string what = e.what();
-    const auto close = what.find("] ");
-    TORCH_CHECK(false, "not a memfit run report (", close == std::string::npos ? what : what.substr(close + 2),
-                "); write one with memfit train --report FILE.json");
-  }
-}
-
-namespace {
-std::string render(const std::string& json_text, const std::string& title) {
+// The report's JSON, refused in a line where it is not a memfit run report.
+nlohmann::json parse_report(const std::string& json_text) {
   nlohmann::json run;
   try {
     run = nlohmann::json::parse(json_text);
@@ -156,8 +142,14 @@ std::string render(const std::string& json_text, const std::string& title) {
               "train --report FILE.json");
   TORCH_CHECK(run["steps"].is_array() && run["summary"].is_object(), "not a memfit run report (\"steps\" must be "
               "a list and \"summary\" an object); write one with memfit train --report FILE.json");
+  return run;
+}
+
+std::string mib(int64_t b) { return fmt::format("{:.2f} MiB", double(b) / (1 << 20)); }
+
+// The table of facts: the summary's figures, recoveries and the environment.
+std::string facts_html(const nlohmann::json& run) {
   const auto& sum = run["summary"];
-  auto mib = [](int64_t b) { return fmt::format("{:.2f} MiB", double(b) / (1 << 20)); };
   // A summary number, as text: null is a NaN or infinite value (JSON has none).
   auto number = [&sum](const char* key, const std::function<std::string(double)>& show) -> std::string {
     const auto& v = sum[key];
@@ -175,9 +167,9 @@ std::string render(const std::string& json_text, const std::string& title) {
   if (sum.contains("test_accuracy")) {
     fact("test accuracy", number("test_accuracy", [](double v) { return fmt::format("{:.2f}%", 100 * v); }));
   }
-  if (sum.contains("peak_bytes")) fact("measured peak", number("peak_bytes", [&](double v) { return mib(int64_t(v)); }));
+  if (sum.contains("peak_bytes")) fact("measured peak", number("peak_bytes", [](double v) { return mib(int64_t(v)); }));
   if (sum.contains("predicted_peak_bytes")) {
-    fact("predicted peak (plan)", number("predicted_peak_bytes", [&](double v) { return mib(int64_t(v)); }));
+    fact("predicted peak (plan)", number("predicted_peak_bytes", [](double v) { return mib(int64_t(v)); }));
   }
   if (sum.contains("samples_per_second")) {
     fact("speed", number("samples_per_second", [](double v) { return fmt::format("{:.0f} samples/s", v); }));
@@ -201,6 +193,11 @@ std::string render(const std::string& json_text, const std::string& title) {
       fact("BLAS", blas.value("name", std::string()) + (library.empty() ? "" : " (" + library + ")"));
     }
   }
+  return facts;
+}
+
+// The plan's knobs and its reasons.
+std::string plan_html(const nlohmann::json& run) {
   std::string plan = "<p>No plan: the run had no budget, or its knobs were set by hand.</p>";
   if (run.contains("plan")) {
     const auto& p = run["plan"];
@@ -216,6 +213,12 @@ std::string render(const std::string& json_text, const std::string& title) {
     }
     plan += "</ul>\n";
   }
+  return plan;
+}
+
+std::string render(const std::string& json_text, const std::string& title) {
+  const auto run = parse_report(json_text);
+  const std::string facts = facts_html(run), plan = plan_html(run);
   std::string data = run.dump();
   // No "<" in the script element: "</script>" or "<!--" in a string would end or change it.
   for (size_t at = data.find('<'); at != std::string::npos; at = data.find('<', at + 6)) {
@@ -249,6 +252,17 @@ svg {{ background: #fafafa; border: 1px solid #ddd; }}
                      fmt::arg("plan", plan), fmt::arg("data", data), fmt::arg("script", kScript));
 }
 } // namespace
+
+std::string report_html(const std::string& json_text, const std::string& title) {
+  try {
+    return render(json_text, title);
+  } catch (const nlohmann::json::exception& e) {
+    std::string what = e.what();
+    const auto close = what.find("] ");
+    TORCH_CHECK(false, "not a memfit run report (", close == std::string::npos ? what : what.substr(close + 2),
+                "); write one with memfit train --report FILE.json");
+  }
+}
 
 void add_report_command(CLI::App& app, ReportArgs& args) {
   auto* report = app.add_subcommand(
