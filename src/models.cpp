@@ -255,15 +255,25 @@ torch::nn::Sequential load_torchscript(const std::string& path, const torch::Ten
     torch::NoGradGuard no_grad;
     script.eval();
     seq->eval();
-    const auto whole = script.forward({check_input}).toTensor();
+    // TorchScript's errors carry its traceback and end with the exception's line.
+    const auto last_line = [](const std::exception& e) {
+      std::string what = e.what();
+      while (!what.empty() && what.back() == '\n') what.pop_back();
+      return what.substr(what.find_last_of('\n') + 1);
+    };
+    torch::Tensor whole;
+    try {
+      whole = script.forward({check_input}).toTensor();
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, path, "'s forward fails on the check input of shape ", check_input.sizes(), ": ",
+                  last_line(e));
+    }
     torch::Tensor chained;
     std::string failure;
     try {
       chained = seq->forward(check_input);
-    } catch (const std::exception& e) {  // TorchScript's errors end with the exception's line
-      std::string what = e.what();
-      while (!what.empty() && what.back() == '\n') what.pop_back();
-      failure = what.substr(what.find_last_of('\n') + 1);
+    } catch (const std::exception& e) {
+      failure = last_line(e);
     }
     seq->train();
     TORCH_CHECK(failure.empty() && whole.sizes() == chained.sizes() && torch::allclose(whole, chained, 1e-5, 1e-6),

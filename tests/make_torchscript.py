@@ -11,6 +11,10 @@ Usage: python3 tests/make_torchscript.py OUT_DIR
                              bench/peers.py's make_chain: residual blocks whose
                              relu(y + shortcut) TorchScript's profiling
                              executor would differentiate itself.
+  OUT_DIR/wrong_input.pt     a chain whose Linear takes 100 features, not an
+                             image's 784: its forward fails on any batch.
+  OUT_DIR/two_only.pt        a chain whose first child works on batches of 2
+                             only: it fails inside training, not on loading.
 """
 import os
 import sys
@@ -22,6 +26,15 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 from peers import make_chain  # noqa: E402  one definition of the CNN for peers.py, tax.py and the tests
 
+
+
+class TwoOnly(nn.Module):
+    """Multiplies by ones expanded from 2 examples: other batch sizes fail."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.ones(2, 1, 1, 1).expand(x.size(0), 1, 1, 1)
+
+
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
 torch.manual_seed(0)
@@ -32,4 +45,6 @@ torch.jit.script(chain).save(os.path.join(out, "resnet18.pt"))
 torch.jit.script(resnet).save(os.path.join(out, "resnet18_whole.pt"))
 blocks = make_chain()
 torch.jit.script(blocks).save(os.path.join(out, "blocks.pt"))
+torch.jit.script(nn.Sequential(nn.Flatten(), nn.Linear(100, 10))).save(os.path.join(out, "wrong_input.pt"))
+torch.jit.script(nn.Sequential(TwoOnly(), nn.Flatten(), nn.Linear(784, 10))).save(os.path.join(out, "two_only.pt"))
 print("wrote", out)
