@@ -25,8 +25,11 @@
 #include <optional>
 #include <cerrno>
 #include <cstring>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
+
+#include <unistd.h>
 
 namespace memfit {
 
@@ -188,6 +191,55 @@ void staged(const detail::ProcessGroupImpl& g, torch::Tensor& tensor, Launch&& l
   tensor.copy_(copy);
 }
 
+// An exception's message without a backtrace, in one line.
+std::string first_line(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  const std::string what = error != nullptr ? error->what_without_backtrace() : e.what();
+  return what.substr(0, what.find('\n'));
+}
+
+// Holds what the process writes to stderr (fd 2) in a temporary file until
+// release: c10d logs a failed bind or connect there (glog's lines, 1.13)
+// before the TCPStore throws, and the failure is said in memfit's one line
+// instead. What is held is written out unless dropped.
+class StderrHeld {
+ public:
+  StderrHeld() {
+    std::fflush(stderr);
+    file_ = std::tmpfile();
+    if (file_ == nullptr) return;
+    saved_ = ::dup(2);
+    if (saved_ >= 0 && ::dup2(::fileno(file_), 2) < 0) {
+      ::close(saved_);
+      saved_ = -1;
+    }
+  }
+  ~StderrHeld() {
+    release(/*drop=*/false);
+    if (file_ != nullptr) std::fclose(file_);
+  }
+  StderrHeld(const StderrHeld&) = delete;
+  StderrHeld& operator=(const StderrHeld&) = delete;
+
+  // Puts stderr back, and writes what was held there unless `drop`.
+  void release(bool drop) {
+    if (saved_ < 0) return;
+    std::fflush(stderr);
+    ::dup2(saved_, 2);
+    ::close(saved_);
+    saved_ = -1;
+    if (drop) return;
+    std::rewind(file_);
+    char buffer[4096];
+    for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, file_)) > 0;) std::fwrite(buffer, 1, n, stderr);
+    std::fflush(stderr);
+  }
+
+ private:
+  std::FILE* file_ = nullptr;
+  int saved_ = -1;
+};
+
 void check_on_device(const detail::ProcessGroupImpl& g, const torch::Tensor& tensor, const char* what) {
   TORCH_CHECK(tensor.device() == g.device && tensor.is_contiguous(), what, " needs a contiguous tensor on ",
               g.device, " (the process group's device), got ", tensor.device(),
@@ -216,14 +268,15 @@ ProcessGroup::ProcessGroup(const WorldInfo& world, ProcessGroupOptions options)
   store_options.numWorkers = static_cast<std::size_t>(world.world_size);
   store_options.waitWorkers = true;
   store_options.timeout = options.timeout();
+  StderrHeld c10d_log;
   try {
     impl_->store = c10::make_intrusive<c10d::TCPStore>(world.master_addr, store_options);
+    c10d_log.release(/*drop=*/false);
   } catch (const std::exception& e) {
-    const auto* error = dynamic_cast<const c10::Error*>(&e);
-    std::string what = error != nullptr ? error->what_without_backtrace() : e.what();
-    what = what.substr(0, what.find('\n'));  // no backtrace
+    const std::string what = first_line(e);
     std::string lower = what;  // 1.13 says "Address already in use", 2.x "EADDRINUSE ... address already in use"
     std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+    c10d_log.release(/*drop=*/true);  // c10d's lines tell the failure that the line below states
     TORCH_CHECK(lower.find("address already in use") == std::string::npos, "rank ", world.rank, " of ",
                 world.world_size, ": port ", world.master_port, " of ", world.master_addr,
                 " is in use by another process: choose a free port (WorldInfo::master_port, MASTER_PORT)");
@@ -241,7 +294,8 @@ ProcessGroup::ProcessGroup(const WorldInfo& world, ProcessGroupOptions options)
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "rank ", world.rank, " of ", world.world_size, ": the ",
                 options.backend() == ProcessGroupBackend::kNccl ? "NCCL" : "Gloo",
-                " process group could not connect all ranks within ", options.timeout().count(), " ms: ", e.what());
+                " process group could not connect all ranks within ", options.timeout().count(), " ms: ",
+                first_line(e));
   }
 }
 

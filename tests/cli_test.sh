@@ -586,7 +586,7 @@ expect dist-backend-unknown 2 'dist-backend' err -- train --model mlp --steps 1 
 if ! "$bin" --version | grep -qE ', c10d Gloo[;a-z ]'; then
   echo "skip launch checks: this build has no c10d Gloo process group"
 else
-# A port in use is said at once, in a line of memfit's (c10d's own log lines may precede it).
+# A port in use is said at once, in one line of memfit's (c10d's own log lines about it are dropped).
 busy=$(free_port)
 python3 -c 'import socket, sys, time; s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(); time.sleep(60)' "$busy" &
 holder=$!
@@ -594,7 +594,13 @@ sleep 0.5
 RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$busy expect port-in-use 1 \
   "^memfit: error: rank 0 of 2: port $busy of 127.0.0.1 is in use by another process: choose a free port \(memfit launch --master-port, or MASTER_PORT\)\$" err -- \
   train --model mlp --width 8 --depth 1 --steps 1 --no-eval -q --dist-timeout 30
+check port-in-use-one-line test "$(wc -l <"$tmp/err")" -eq 1
 kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
+# No rank 0: rank 1 gives up after --dist-timeout in one line, without a backtrace.
+RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$(free_port) expect no-rank-zero 1 \
+  "^memfit: error: rank 1 of 2: could not meet the others at 127.0.0.1:[0-9]+ within 2000 ms" err -- \
+  train --model mlp --width 8 --depth 1 --steps 1 --no-eval -q --dist-timeout 2
+check no-rank-zero-one-line test "$(wc -l <"$tmp/err")" -eq 1
 expect launch-two-ranks 0 'batch 16 per rank × 2 ranks' out -- launch --nproc 2 --master-port "$(free_port)" -- \
   "$bin" train --model mlp --width 32 --depth 1 --steps 6 --batch 16 --no-eval -q --threads 1
 two=$(grep -o 'final loss [0-9.]*' "$tmp/out")
