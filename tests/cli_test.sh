@@ -109,6 +109,14 @@ usage() {  # usage NAME PATTERN ARGS...: exit 2, the pattern in one line, no wor
   expect "$name" 2 "$pattern" err -- "$@"
   if [ -s "$tmp/out" ]; then echo "FAIL $name-before-work: stdout is not empty"; failed=$((failed + 1)); fi
 }
+usage empty--data '--data must name a folder, got an empty string' train --data "" --steps 1
+# The job's variables are input too: refused before any work, exit 2.
+RANK=5 WORLD_SIZE=2 usage env-rank-not-in-world "environment variable RANK='5' is not an integer in \[0, 1\]" train --steps 1
+# libgomp says its own line about it first (one_line=0); memfit's line is the refusal.
+OMP_NUM_THREADS=many one_line=0 expect env-omp-threads-text 2 \
+  "^memfit train: error: OMP_NUM_THREADS='many' is not a number of threads" err -- train --steps 1
+OMP_NUM_THREADS=many expect env-omp-threads-text-with-threads 0 'final loss' out -- \
+  train --model mlp --width 8 --depth 1 --no-eval -q --steps 1 --threads 1
 usage huge-batch '--batch must be a positive integer of at most 16777216, got 9999' train --batch 99999999999999999999
 usage huge-epochs '--epochs must be a positive integer of at most' train --epochs 9223372036854775807
 usage huge-steps '--steps must be a positive integer' train --steps 99999999999999999999999
@@ -667,7 +675,7 @@ expect launch-needs-command 2 'command' err -- launch --nproc 2
 expect train-zero-needs-ranks 1 'zero_stage 1 shards the optimizer state over the ranks' err -- \
   train --model mlp --width 32 --depth 1 --steps 1 --no-eval --zero-stage 1
 expect train-zero-stage-2 2 'zero-stage' err -- train --model mlp --steps 1 --no-eval --zero-stage 2
-RANK=0 WORLD_SIZE=x expect train-dist-bad-env 1 "WORLD_SIZE='x' is not an integer" err -- train --model mlp --steps 1 --no-eval
+RANK=0 WORLD_SIZE=x usage train-dist-bad-env "WORLD_SIZE='x' is not an integer" train --model mlp --steps 1 --no-eval
 
 # The BLAS check (issue: Debian's LibTorch on the reference BLAS): with each
 # of Debian's libblas.so.3 builds preloaded, whichever the alternatives select.

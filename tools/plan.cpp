@@ -81,6 +81,7 @@ void add_plan_commands(CLI::App& app, PlanArgs& a) {
 // Every usage error of `memfit plan`, `profile` and `find-batch`.
 void validate_model_command(const PlanArgs& a) {
   check_device_and_precision(a.device, a.precision);
+  check_omp_num_threads(a.threads);
   if (!a.save.empty()) memfit::tools::check_output("--save", a.save, {a.torchscript});
   memfit::tools::usage_check(a.batch >= 4, "--batch ", a.batch, ": the planner measures the step in micro-batches of two "
               "sizes, so it plans batches of 4 examples or more; use --batch 4 or more");

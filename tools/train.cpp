@@ -438,6 +438,9 @@ std::optional<memfit::ModulePlan> validate_train(const TrainArgs& a) {
   namespace fs = std::filesystem;
   check_flag_combinations(a);
   check_device_and_precision(a.device, a.precision);
+  // The job's variables (RANK, WORLD_SIZE, MASTER_PORT, ...) and the threads' are the run's input too.
+  memfit::tools::as_usage([] { memfit::world_from_env(); });
+  check_omp_num_threads(a.threads);
   const std::string resumed = a.resume.empty() ? "" : resumed_checkpoint(a.resume);
   usage_check(resumed.empty() || fs::is_regular_file(resumed), "--resume ", a.resume, ": no checkpoint file at ",
               resumed, "; give the folder that --save wrote");

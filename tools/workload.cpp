@@ -13,7 +13,10 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <regex>
 #include <thread>
 
@@ -60,8 +63,10 @@ void add_model_shape_options(CLI::App* cmd, ModelArgs& a) {
       ->capture_default_str();
   cmd->add_option("--data", a.data,
                   "Folder with Fashion-MNIST's *-ubyte.gz files (Debian: dataset-fashion-mnist)")
+      ->check(memfit::tools::path("folder"))
       ->capture_default_str();
   cmd->add_option("--text", a.text, "The Jargon File for --model gpt (Debian: jargon-text)")
+      ->check(memfit::tools::path("file"))
       ->capture_default_str();
   cmd->add_option("--torchscript", a.torchscript,
                   "Instead of --model: a TorchScript nn.Sequential saved from Python "
@@ -154,6 +159,23 @@ std::string set_threads(int threads, bool speak) {
                       : omp && omp[0] != '\0' ? std::min(at::get_num_threads(), hw)
                                              : hw);
   return speak ? memfit::check_blas() : std::string();
+}
+
+void check_omp_num_threads(int threads) {
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  if (threads > 0 || omp == nullptr || omp[0] == '\0') return;
+  const std::string value = omp;
+  bool valid = true;  // "4", or one per nesting level: "4,2"
+  size_t start = 0;
+  for (size_t comma; start <= value.size(); start = comma + 1) {
+    comma = std::min(value.find(',', start), value.size());
+    const auto part = value.substr(start, comma - start);
+    valid = valid && !part.empty() && part.size() <= 6 &&
+            std::all_of(part.begin(), part.end(), [](unsigned char c) { return std::isdigit(c); }) &&
+            std::stoi(part) > 0;
+  }
+  memfit::tools::usage_check(valid, "OMP_NUM_THREADS='", value, "' is not a number of threads: set a positive ",
+                             "integer, unset it, or give --threads");
 }
 
 void print_warning(const std::string& warning) {

@@ -69,6 +69,9 @@ torch::Device parse_device(const std::string& text);
 std::vector<memfit::Precision> plan_precisions(const std::string& text, const torch::Device& device);
 /// Sets LibTorch's threads (0: one per free core); returns the line that says so (printed with `speak`).
 std::string set_threads(int threads, bool speak = true);
+
+/// A usage error for an OMP_NUM_THREADS that is not OpenMP's list of positive integers, where it sets the threads (no --threads).
+void check_omp_num_threads(int threads);
 /// Prints a warning line to stderr (nothing for "").
 void print_warning(const std::string& warning);
 /// A usage error when the model's shape flags cannot build it.
