@@ -448,6 +448,10 @@ check report-of-a-nan-run-says-so grep -q 'NaN or infinite' "$tmp/nan.html"
 echo '{"steps": [], "summary": {"final_loss": "x"}}' >"$tmp/not-report.json"
 expect report-not-a-report 2 'not-report.json: not a memfit run report .summary "final_loss" is string' err -- \
   report "$tmp/not-report.json" --output "$tmp/not-report.html"
+echo '{"steps": [{"step": 1, "peak_bytes": "big"}], "summary": {}}' >"$tmp/step-text.json"
+expect report-step-entry-not-a-number 2 'not a memfit run report \("steps" entry 0: "peak_bytes" is string, not a number\)' \
+  err -- report "$tmp/step-text.json" --output "$tmp/step-text.html"
+usage report-empty-output 'output must name a file, got an empty string' report "$tmp/step-text.json" -o ""
 echo '{"steps": [' >"$tmp/not-json.json"
 expect report-not-json 2 'not-json.json: not a memfit run report \(not JSON at byte [0-9]+\)' err -- \
   report "$tmp/not-json.json" --output "$tmp/not-json.html"

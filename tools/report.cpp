@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <sstream>
 #include <nlohmann/json.hpp>
 
@@ -128,6 +129,25 @@ constexpr const char* kScript = R"JS(
 } // namespace
 
 namespace {
+// Each entry of `list` (where the report has it) an object whose `keys`,
+// where present, are numbers or null; refused in a line otherwise.
+void check_entries(const nlohmann::json& run, const char* list, std::initializer_list<const char*> keys) {
+  if (!run.contains(list)) return;
+  const auto& entries = run[list];
+  TORCH_CHECK(entries.is_array(), "not a memfit run report (\"", list, "\" is ", entries.type_name(),
+              ", not a list); write one with memfit train --report FILE.json");
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
+    TORCH_CHECK(e.is_object(), "not a memfit run report (\"", list, "\" entry ", i, " is ", e.type_name(),
+                ", not an object); write one with memfit train --report FILE.json");
+    for (const char* key : keys) {
+      TORCH_CHECK(!e.contains(key) || e[key].is_number() || e[key].is_null(), "not a memfit run report (\"", list,
+                  "\" entry ", i, ": \"", key, "\" is ", e[key].type_name(),
+                  ", not a number); write one with memfit train --report FILE.json");
+    }
+  }
+}
+
 // The report's JSON, refused in a line where it is not a memfit run report.
 nlohmann::json parse_report(const std::string& json_text) {
   nlohmann::json run;
@@ -142,6 +162,9 @@ nlohmann::json parse_report(const std::string& json_text) {
               "train --report FILE.json");
   TORCH_CHECK(run["steps"].is_array() && run["summary"].is_object(), "not a memfit run report (\"steps\" must be "
               "a list and \"summary\" an object); write one with memfit train --report FILE.json");
+  // What the charts draw: each step's and each phase's figures (null: a NaN or infinite value).
+  check_entries(run, "steps", {"step", "loss", "seconds", "peak_bytes"});
+  check_entries(run, "step_timeline", {"peak_bytes", "parameters", "gradients", "optimizer_state", "activations"});
   return run;
 }
 
@@ -270,7 +293,9 @@ void add_report_command(CLI::App& app, ReportArgs& args) {
                 "memory timeline of the largest step by category, each step's peak against the "
                 "plan and the budget, the loss curve and the plan");
   report->add_option("run", args.run, "The run's JSON report")->required()->check(CLI::ExistingFile);
-  report->add_option("-o,--output", args.output, "The HTML file to write")->required();
+  report->add_option("-o,--output", args.output, "The HTML file to write")
+      ->required()
+      ->check(memfit::tools::path("file"));
 }
 
 int run_report(const ReportArgs& args) {
