@@ -8,6 +8,7 @@
 # Usage (after `make build`): bash bench/remeasure.sh [NAME...]
 #   NAMES: main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed
 #          stability_gpt (bench/peers.py's GPT table, quiet runs only)
+#          probes (scripts/probe-bad-input.sh: careless and hostile input, by class)
 #          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
 #          peers_torch2 peers_gpt_torch2  (peers with PyTorch 2.15's tools too: after
 #          `make build LIBTORCH=pip`; not in the default list)
@@ -57,6 +58,7 @@ measure() {
     stability) run plan_stability bash bench/plan_stability.sh "$build" ;;
     stability_tight) run plan_stability_tight bash bench/plan_stability.sh "$build" 5 tight ;;
     stability_gpt) MODES=quiet run plan_stability_peers_gpt bash bench/plan_stability.sh "$build" 5 peers_gpt ;;
+    probes) run probes bash scripts/probe-bad-input.sh "$build/memfit" ;;
     distributed) bench distributed memfit_distributed_bench --steps 60 --pairs 5 ;;
     gpt_train) run gpt_train "$build/memfit" train --model gpt --width 64 --depth 2 --context 64 --batch 32 --steps 100 ;;
     gpt_budget) run gpt_budget python3 bench/gpt_budget.py --build "$build" ;;
@@ -81,7 +83,7 @@ measure() {
 
 all=(main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed gpt_train gpt_budget
   peers peers_gpt)
-known=("${all[@]}" stability_gpt peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2 optim_step optim_step_torch2
+known=("${all[@]}" stability_gpt probes peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2 optim_step optim_step_torch2
   tax_optim_torch2)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${all[@]}")
