@@ -648,10 +648,8 @@ Decision decide(const ModuleStepModel& model, ModuleStepModel::Impl& im, int64_t
   if (best) {
     d.chosen = static_cast<int64_t>(*best);
     const auto& c = d.candidates[*best];
-    const int64_t micro = c.settings.micro_batch() > 0 ? std::min(c.settings.micro_batch(), batch) : batch;
-    d.step_seconds = d.measured_seconds > 0                          ? d.measured_seconds
-                     : detail::time_predictable(im, micro) ? c.predicted.seconds
-                                                                     : 0.0;
+    const bool predictable = detail::time_predictable(im, detail::micro_batch_of(c.settings, batch));
+    d.step_seconds = d.measured_seconds > 0 ? d.measured_seconds : predictable ? c.predicted.seconds : 0.0;
   }
   return d;
 }

@@ -645,7 +645,7 @@ StepPrediction ModuleStepModel::predict(int64_t batch, const StepSettings& setti
               "ModuleStepModel::predict: streamed parameters are planned with each chain as measured (a "
               "streamed layer is fetched, and recomputed where it is not a Linear, on its own); pass no "
               "checkpoint schedules with offload_parameters kHost");
-  const int64_t m = settings.micro_batch() > 0 ? std::min(settings.micro_batch(), batch) : batch;
+  const int64_t m = detail::micro_batch_of(settings, batch);
   const int64_t steps = (batch + m - 1) / m;
   std::vector<ChainDelta> deltas(im.chains.size());
   for (size_t c = 0; c < schedules.size(); ++c) {
@@ -731,7 +731,7 @@ std::optional<std::vector<Schedule>> solve_chains(const ModuleStepModel& model, 
                                                   int64_t batch, const StepSettings& settings, int64_t limit,
                                                   int64_t ms, int64_t ml, bool frugal) {
   const auto& chains = model.chains();
-  const int64_t m = settings.micro_batch() > 0 ? std::min(settings.micro_batch(), batch) : batch;
+  const int64_t m = detail::micro_batch_of(settings, batch);
   const bool single = (batch + m - 1) / m == 1;
   std::vector<ChainCosts> costs;
   for (size_t c = 0; c < chains.size(); ++c) costs.push_back(step_costs(model, c, settings, m, single));

@@ -16,6 +16,7 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -98,6 +99,11 @@ bool recomputes(const Schedule& s);
 // state, 2 and the gradients, 3 and the parameters streamed whole, above 3
 // streamed in tiles, the smaller the tiles the higher (more, smaller copies).
 int offload_rank(const StepSettings& s);
+
+// The examples in each micro-batch of a step of `batch` with `s` (the whole batch without micro-batches).
+inline int64_t micro_batch_of(const StepSettings& s, int64_t batch) {
+  return s.micro_batch() > 0 ? std::min(s.micro_batch(), batch) : batch;
+}
 
 } // namespace detail
 

@@ -271,9 +271,7 @@ void add_chosen(std::vector<std::string>& why, const ModuleStepModel::Impl& im, 
                               d.plain.seconds > 0 ? best.predicted.seconds / d.plain.seconds : 0.0));
   } else {
     why.push_back(fmt::format("{}{}; its time was not measured and cannot be predicted: {}", peak, ran,
-                              unpredictable_time_text(im, best.settings.micro_batch() > 0
-                                                              ? std::min(best.settings.micro_batch(), d.batch)
-                                                              : d.batch)));
+                              unpredictable_time_text(im, detail::micro_batch_of(best.settings, d.batch))));
   }
   why.push_back(detail::micro_batch_text(im.options, im.batch_statistics, best.settings.micro_batch(),
                                          best.predicted.accumulation_steps, d.batch));
