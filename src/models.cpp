@@ -183,6 +183,14 @@ std::shared_ptr<nn::Module> mirror(const torch::jit::Module& m) {
   return holder;
 }
 
+// The line a TorchScript error ends with: the error itself, after the
+// interpreter's traceback.
+std::string last_line(const std::exception& e) {
+  std::string what = e.what();
+  while (!what.empty() && (what.back() == '\n' || what.back() == ' ')) what.pop_back();
+  return what.substr(what.find_last_of('\n') + 1);
+}
+
 // One top-level child of a TorchScript module as a Sequential element.
 struct ScriptedChildImpl : nn::Module {
   explicit ScriptedChildImpl(torch::jit::Module m) : nn::Module(script_name(m)), module(std::move(m)) {
@@ -190,9 +198,21 @@ struct ScriptedChildImpl : nn::Module {
     for (const auto& b : module.named_buffers(/*recurse=*/false)) register_buffer(b.name, b.value);
     for (const auto& c : module.named_children()) register_module(c.name, mirror(c.value));
   }
+  // The interpreter rethrows what fails inside as a std::runtime_error whose
+  // 20-odd lines of traceback end with the error: said here in that one
+  // line, and an out-of-memory error stays one (recovery re-plans on it).
   torch::Tensor forward(const torch::Tensor& x) {
     torch::jit::GraphOptimizerEnabledGuard eager(false);
-    return module.forward({x}).toTensor();
+    try {
+      return module.forward({x}).toTensor();
+    } catch (const c10::OutOfMemoryError&) {
+      throw;
+    } catch (const std::exception& e) {
+      const std::string what = last_line(e);
+      TORCH_CHECK_WITH(OutOfMemoryError, what.find("out of memory") == std::string::npos, name(),
+                       " ran out of memory: ", what);
+      TORCH_CHECK(false, name(), " failed: ", what);
+    }
   }
   void train(bool on = true) override {
     nn::Module::train(on);
@@ -255,12 +275,6 @@ torch::nn::Sequential load_torchscript(const std::string& path, const torch::Ten
     torch::NoGradGuard no_grad;
     script.eval();
     seq->eval();
-    // TorchScript's errors carry its traceback and end with the exception's line.
-    const auto last_line = [](const std::exception& e) {
-      std::string what = e.what();
-      while (!what.empty() && what.back() == '\n') what.pop_back();
-      return what.substr(what.find_last_of('\n') + 1);
-    };
     torch::Tensor whole;
     try {
       whole = script.forward({check_input}).toTensor();

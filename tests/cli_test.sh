@@ -567,7 +567,7 @@ expect train-torchscript-not-a-chain 1 'is not its children run in order' err --
 expect train-torchscript-wrong-input 1 'wrong_input.pt.s forward fails on the check input of shape \[2, 1, 28, 28\]: .*mat1 and mat2 shapes cannot be multiplied' err -- \
   train --torchscript "$tmp/ts/wrong_input.pt" --steps 1 --no-eval
 check train-torchscript-wrong-input-one-line test "$(wc -l <"$tmp/err")" -eq 1
-expect train-torchscript-fails-in-training 1 "the TorchScript module's forward failed: .*expanded size" err -- \
+expect train-torchscript-fails-in-training 1 "^memfit: error: TorchScript TwoOnly failed: .*expanded size" err -- \
   train --torchscript "$tmp/ts/two_only.pt" --steps 1 --batch 8 --no-eval
 check train-torchscript-fails-in-training-no-traceback lacks 'Traceback' "$tmp/err"
 else

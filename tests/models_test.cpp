@@ -147,7 +147,9 @@ class TorchScript : public testing::Seeded {
     made_ = std::system(command.c_str()) == 0;
   }
   static void TearDownTestSuite() {
-    for (const char* f : {"/resnet18.pt", "/resnet18_whole.pt", "/blocks.pt"}) std::remove((dir_ + f).c_str());
+    for (const char* f : {"/resnet18.pt", "/resnet18_whole.pt", "/blocks.pt", "/wrong_input.pt", "/two_only.pt"}) {
+      std::remove((dir_ + f).c_str());
+    }
     std::remove(dir_.c_str());
   }
   void SetUp() override {
@@ -262,6 +264,39 @@ TEST_F(TorchScript, AModuleWhoseForwardIsNotItsChildrenIsAClearError) {
     EXPECT_NE(std::string(e.msg()).find("is not its children run in order"), std::string::npos) << e.msg();
   }
   EXPECT_THROW(load_torchscript(dir_ + "/none.pt"), c10::Error);
+}
+
+TEST_F(TorchScript, AnErrorInsideAScriptedLayerIsOneLineAndRunningOutOfMemoryStaysOutOfMemory) {
+  // The interpreter rethrows both as a std::runtime_error of 20-odd lines.
+  auto two_only = load_torchscript(dir_ + "/two_only.pt");  // its first layer takes batches of 2 only
+  try {
+    two_only->forward(torch::randn({8, 1, 28, 28}));
+    ADD_FAILURE() << "a batch of 8 cannot be expanded from 2";
+  } catch (const c10::OutOfMemoryError& e) {
+    ADD_FAILURE() << "not out of memory: " << e.msg();
+  } catch (const c10::Error& e) {
+    const std::string msg = e.msg();
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_EQ(msg.rfind("TorchScript TwoOnly failed: ", 0), 0u) << msg;
+    EXPECT_NE(msg.find("expanded size"), std::string::npos) << msg;
+  }
+  try {
+    load_torchscript(dir_ + "/wrong_input.pt", torch::randn({2, 1, 28, 28}));
+    ADD_FAILURE() << "its Linear takes 100 features, not 784";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.msg();
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_NE(msg.find("wrong_input.pt's forward fails on the check input of shape [2, 1, 28, 28]: "),
+              std::string::npos) << msg;
+  }
+  auto resnet = load_torchscript(dir_ + "/resnet18.pt");
+  const auto x = torch::randn({2, 1, 28, 28});
+  memory_allocated();  // tracking on
+  for (int64_t k : {1, 5, 20}) {
+    AllocationFault fault(k);
+    EXPECT_THROW(resnet->forward(x), c10::OutOfMemoryError) << "allocation " << k << " failed inside TorchScript";
+    EXPECT_TRUE(fault.failed()) << "allocation " << k;
+  }
 }
 
 } // namespace

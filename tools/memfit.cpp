@@ -81,10 +81,10 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "{}: error: {} (see '{} --help')\n", where, memfit::tools::with_flag_names(e.what()), where);
     return kExitUsage;
   } catch (const c10::Error& e) {
-    fmt::print(stderr, "memfit: error: {}\n", memfit::tools::one_line_error(memfit::tools::with_flag_names(e.msg())));
+    fmt::print(stderr, "memfit: error: {}\n", memfit::tools::with_flag_names(e.msg()));
     return kExitFailure;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "memfit: error: {}\n", memfit::tools::one_line_error(e.what()));
+    fmt::print(stderr, "memfit: error: {}\n", e.what());
     return kExitFailure;
   }
   return kExitUsage;

@@ -121,13 +121,6 @@ std::string with_flag_names(std::string message) {
   return message;
 }
 
-std::string one_line_error(const std::string& message) {
-  if (message.find("Traceback of TorchScript") == std::string::npos) return message;
-  std::string text = message;
-  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
-  return "the TorchScript module's forward failed: " + text.substr(text.find_last_of('\n') + 1);
-}
-
 bool same_file(const std::string& a, const std::string& b) {
   if (a.empty() || b.empty()) return false;
   std::error_code ec;

@@ -58,10 +58,6 @@ std::string plain_parse_error(const std::string& what);
 /// replaced by the flags that set them (--batch).
 std::string with_flag_names(std::string message);
 
-/// A run failure's message in one line: a TorchScript interpreter's
-/// traceback (20-odd lines) becomes the error it ends with.
-std::string one_line_error(const std::string& message);
-
 /// Checks that `output` can be written and is none of `inputs`.
 void check_output(const std::string& flag, const std::string& output, const std::vector<std::string>& inputs);
 /// Whether `a` and `b` name one file: the same file where both exist, else the same resolved path.
