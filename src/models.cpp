@@ -184,9 +184,10 @@ std::shared_ptr<nn::Module> mirror(const torch::jit::Module& m) {
 }
 
 // The line a TorchScript error ends with: the error itself, after the
-// interpreter's traceback.
+// interpreter's traceback (and before LibTorch 2's C++ backtrace, left out).
 std::string last_line(const std::exception& e) {
-  std::string what = e.what();
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  std::string what = error != nullptr ? error->what_without_backtrace() : e.what();
   while (!what.empty() && (what.back() == '\n' || what.back() == ' ')) what.pop_back();
   return what.substr(what.find_last_of('\n') + 1);
 }
