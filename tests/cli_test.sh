@@ -282,6 +282,7 @@ check resume-is-bit-identical \
   test "$(losses "$tmp/straight.json" | tail -n 4)" = "$(losses "$tmp/resumed.json")"
 expect resume-complete-run 0 'complete at step 8: nothing left to train' out -- \
   "${run_args[@]}" --steps 8 --resume "$tmp/ck"
+check resume-complete-run-shows-no-step-figures lacks 'final loss\|largest training step' "$tmp/out"
 sum_before=$(md5sum <"$tmp/ck/checkpoint.pt")
 expect resume-mismatch 2 "tensor '0.sequential.fc0.weight' is \[32, 784\] Float in the checkpoint but \[64, 784\]" err -- \
   train --model mlp --width 64 --depth 1 --steps 9 --no-eval -q --resume "$tmp/ck" --save "$tmp/ck"

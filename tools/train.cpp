@@ -685,8 +685,11 @@ void print_results(const TrainArgs& a, const memfit::TrainReport& report, const 
   // the caching allocator has only one), so take the largest they saw.
   int64_t peak = std::max(memfit::max_memory_allocated(device), report.peak_bytes);
   if (report.evaluated) peak = std::max(peak, report.test.peak_bytes);
-  fmt::print("final loss {:.4f} | {:.0f} samples/s | {:.1f} s\n", report.final_loss, report.samples_per_second,
-             report.seconds);
+  const bool trained = !report.steps.empty();  // a resumed run already complete trains no step
+  if (trained) {
+    fmt::print("final loss {:.4f} | {:.0f} samples/s | {:.1f} s\n", report.final_loss, report.samples_per_second,
+               report.seconds);
+  }
   if (report.evaluated) {
     const bool text = workload.kind == memfit::ModelKind::kGpt;
     const auto& test = workload.test;
@@ -707,7 +710,7 @@ void print_results(const TrainArgs& a, const memfit::TrainReport& report, const 
              budget > 0 ? fmt::format(" of budget {}", memfit::format_bytes(budget)) : "",
              plan ? fmt::format("; the plan predicted {} for a step", memfit::format_bytes(plan->predicted.peak_bytes))
                   : std::string());
-  fmt::print("peak of the largest training step:\n{}", report.step_memory.table());
+  if (trained) fmt::print("peak of the largest training step:\n{}", report.step_memory.table());
   if (!a.save.empty() && !report.stopped) fmt::print("checkpoint saved to {}/checkpoint.pt\n", a.save);
 }
 
