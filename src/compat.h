@@ -266,6 +266,16 @@ inline void set_rng_state(const RngState& s) {
 /// autocast region does).
 inline void clear_autocast_cache() { at::autocast::clear_cache(); }
 
+/// An exception's message without a C++ backtrace: LibTorch 2's c10::Error
+/// appends one to what() (and the TorchScript interpreter's errors carry it).
+inline std::string message_of(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error != nullptr ? error->what_without_backtrace() : e.what();
+}
+
+/// The first line of a message (c10 appends context on later lines).
+inline std::string first_line(const std::string& message) { return message.substr(0, message.find('\n')); }
+
 /// The key of parameter `p` in torch::optim::Optimizer::state(): the
 /// TensorImpl's address as a string in LibTorch 1.x, the address itself in 2.x.
 template <typename Optimizer = torch::optim::Optimizer>

@@ -192,11 +192,7 @@ void staged(const detail::ProcessGroupImpl& g, torch::Tensor& tensor, Launch&& l
 }
 
 // An exception's message without a backtrace, in one line.
-std::string first_line(const std::exception& e) {
-  const auto* error = dynamic_cast<const c10::Error*>(&e);
-  const std::string what = error != nullptr ? error->what_without_backtrace() : e.what();
-  return what.substr(0, what.find('\n'));
-}
+std::string first_line(const std::exception& e) { return compat::first_line(compat::message_of(e)); }
 
 // Holds what the process writes to stderr (fd 2) in a temporary file until
 // release: c10d logs a failed bind or connect there (glog's lines, 1.13)

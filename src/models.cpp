@@ -2,6 +2,8 @@
 
 #include "memfit/checkpoint.h"
 
+#include "compat.h"
+
 #include <torch/nn.h>
 #include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/script.h>
@@ -186,8 +188,7 @@ std::shared_ptr<nn::Module> mirror(const torch::jit::Module& m) {
 // The line a TorchScript error ends with: the error itself, after the
 // interpreter's traceback (and before LibTorch 2's C++ backtrace, left out).
 std::string last_line(const std::exception& e) {
-  const auto* error = dynamic_cast<const c10::Error*>(&e);
-  std::string what = error != nullptr ? error->what_without_backtrace() : e.what();
+  std::string what = compat::message_of(e);
   while (!what.empty() && (what.back() == '\n' || what.back() == ' ')) what.pop_back();
   return what.substr(what.find_last_of('\n') + 1);
 }
@@ -199,9 +200,10 @@ struct ScriptedChildImpl : nn::Module {
     for (const auto& b : module.named_buffers(/*recurse=*/false)) register_buffer(b.name, b.value);
     for (const auto& c : module.named_children()) register_module(c.name, mirror(c.value));
   }
-  // The interpreter rethrows what fails inside as a std::runtime_error whose
-  // 20-odd lines of traceback end with the error: said here in that one
-  // line, and an out-of-memory error stays one (recovery re-plans on it).
+  // The interpreter rethrows what fails inside as another error (1.13: a
+  // std::runtime_error; 2.x: a c10::Error) whose 20-odd lines of traceback end
+  // with the error: said here in that one line, and an out-of-memory error
+  // stays one (recovery re-plans on it).
   torch::Tensor forward(const torch::Tensor& x) {
     torch::jit::GraphOptimizerEnabledGuard eager(false);
     try {

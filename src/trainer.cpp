@@ -34,9 +34,6 @@ using detail::seconds_since;
 
 namespace {
 
-// The first line of an error's message (c10 appends context on later lines).
-std::string first_line(const std::string& message) { return message.substr(0, message.find('\n')); }
-
 // What a loss function must return: the batch's mean loss, a floating
 // scalar with grad.
 void check_loss(const torch::Tensor& loss) {
@@ -463,7 +460,7 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
                       double seconds) {
   if (options_.on_out_of_memory() != OnOutOfMemory::kReplan) return false;
   const auto replan_start = Clock::now();
-  const std::string what = first_line(e.what_without_backtrace());
+  const std::string what = compat::first_line(e.what_without_backtrace());
   const bool committing = std::exchange(committing_, false), committed = std::exchange(committed_, false);
   TORCH_CHECK_WITH(OutOfMemoryError, !committed, "step ", step_ + 1, " ran out of memory after its optimizer step "
                    "had changed the parameters (", what, "): a step is not run twice; raise the budget");

@@ -129,6 +129,14 @@ constexpr const char* kScript = R"JS(
 } // namespace
 
 namespace {
+// Refused in a line unless `v` is a number or null (how a report writes a NaN
+// or infinite value: JSON has none); `where()` names it, only on failure.
+template <typename Where>
+void check_number(const nlohmann::json& v, const Where& where) {
+  TORCH_CHECK(v.is_number() || v.is_null(), "not a memfit run report (", where(), " is ", v.type_name(),
+              ", not a number); write one with memfit train --report FILE.json");
+}
+
 // Each entry of `list` (where the report has it) an object whose `keys`,
 // where present, are numbers or null; refused in a line otherwise.
 void check_entries(const nlohmann::json& run, const char* list, std::initializer_list<const char*> keys) {
@@ -141,9 +149,7 @@ void check_entries(const nlohmann::json& run, const char* list, std::initializer
     TORCH_CHECK(e.is_object(), "not a memfit run report (\"", list, "\" entry ", i, " is ", e.type_name(),
                 ", not an object); write one with memfit train --report FILE.json");
     for (const char* key : keys) {
-      TORCH_CHECK(!e.contains(key) || e[key].is_number() || e[key].is_null(), "not a memfit run report (\"", list,
-                  "\" entry ", i, ": \"", key, "\" is ", e[key].type_name(),
-                  ", not a number); write one with memfit train --report FILE.json");
+      if (e.contains(key)) check_number(e[key], [&] { return fmt::format("\"{}\" entry {}: \"{}\"", list, i, key); });
     }
   }
 }
@@ -176,10 +182,8 @@ std::string facts_html(const nlohmann::json& run) {
   // A summary number, as text: null is a NaN or infinite value (JSON has none).
   auto number = [&sum](const char* key, const std::function<std::string(double)>& show) -> std::string {
     const auto& v = sum[key];
-    if (v.is_null()) return "NaN or infinite";
-    TORCH_CHECK(v.is_number(), "not a memfit run report (summary \"", key, "\" is ", v.type_name(),
-                ", not a number); write one with memfit train --report FILE.json");
-    return show(v.get<double>());
+    check_number(v, [key] { return fmt::format("summary \"{}\"", key); });
+    return v.is_null() ? "NaN or infinite" : show(v.get<double>());
   };
   std::string facts;
   auto fact = [&](const std::string& k, const std::string& v) {
