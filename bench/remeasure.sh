@@ -14,6 +14,8 @@
 #          `make build LIBTORCH=pip`; not in the default list)
 #          tax_python_torch2 process_noise_torch2 optim_step_torch2 tax_optim_torch2
 #          (in PyTorch 2.15's Python, on build-pip: ditto); optim_step (1.13)
+#          fresh_make_run (scripts/fresh-make-run.sh: `make run` on a fresh Debian 12
+#          chroot; as root, with Debian's mirror; not in the default list)
 #   BUILD=build OUT=docs/measurements bash bench/remeasure.sh ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +61,7 @@ measure() {
     stability_tight) run plan_stability_tight bash bench/plan_stability.sh "$build" 5 tight ;;
     stability_gpt) MODES=quiet run plan_stability_peers_gpt bash bench/plan_stability.sh "$build" 5 peers_gpt ;;
     probes) run probes bash scripts/probe-bad-input.sh "$build/memfit" ;;
+    fresh_make_run) run fresh_make_run bash scripts/fresh-make-run.sh "$(mktemp -d)/debian12" ;;
     distributed) bench distributed memfit_distributed_bench --steps 60 --pairs 5 ;;
     gpt_train) run gpt_train "$build/memfit" train --model gpt --width 64 --depth 2 --context 64 --batch 32 --steps 100 ;;
     gpt_budget) run gpt_budget python3 bench/gpt_budget.py --build "$build" ;;
@@ -83,7 +86,7 @@ measure() {
 
 all=(main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed gpt_train gpt_budget
   peers peers_gpt)
-known=("${all[@]}" stability_gpt probes peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2 optim_step optim_step_torch2
+known=("${all[@]}" stability_gpt probes fresh_make_run peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2 optim_step optim_step_torch2
   tax_optim_torch2)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${all[@]}")
