@@ -322,41 +322,58 @@ constexpr bool kHasFusedOptimizers = MEMFIT_TORCH_AT_LEAST(2, 4);
 /// dtype; `steps` hold each parameter's step count after this step, as
 /// float32 on the parameters' device, and are only read. A defined
 /// `grad_scale` (one float32 element on that device) divides the gradients
-/// inside the kernel, as PyTorch's fused optimizers take GradScaler's scale.
-/// Where kHasFusedOptimizers is false it is never called.
+/// inside the kernel, as PyTorch's fused optimizers take GradScaler's scale;
+/// a defined `found_inf` (one float32 element there) skips the update where
+/// it is 1, read by the kernel itself. Where kHasFusedOptimizers is false it
+/// is never called.
 inline void fused_adam_(bool decoupled, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
                         double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
-                        const at::Tensor& grad_scale) {
+                        const at::Tensor& grad_scale, const at::Tensor& found_inf) {
 #if MEMFIT_TORCH_AT_LEAST(2, 4)
   const auto scale = grad_scale.defined() ? std::optional<at::Tensor>(grad_scale) : std::nullopt;
+  const auto found = found_inf.defined() ? std::optional<at::Tensor>(found_inf) : std::nullopt;
   if (decoupled) {
     at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
-                      eps, amsgrad, /*maximize=*/false, scale);
+                      eps, amsgrad, /*maximize=*/false, scale, found);
   } else {
     at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
-                     eps, amsgrad, /*maximize=*/false, scale);
+                     eps, amsgrad, /*maximize=*/false, scale, found);
   }
 #else
   (void)decoupled, (void)params, (void)grads, (void)exp_avgs, (void)exp_avg_sqs, (void)max_exp_avg_sqs, (void)steps;
-  (void)lr, (void)beta1, (void)beta2, (void)weight_decay, (void)eps, (void)amsgrad, (void)grad_scale;
+  (void)lr, (void)beta1, (void)beta2, (void)weight_decay, (void)eps, (void)amsgrad, (void)grad_scale, (void)found_inf;
+  TORCH_INTERNAL_ASSERT(false, "fused optimizer kernels need LibTorch 2.4 or later");
+#endif
+}
+
+/// Adds `delta` (a one-element tensor on the steps' device) times `alpha` to
+/// each of `steps` in place, reading it on the device (at::_foreach_add_'s
+/// tensor overload, which 1.13 lacks; only the fused path calls it).
+inline void add_to_steps(at::TensorList steps, const at::Tensor& delta, double alpha) {
+#if MEMFIT_TORCH_AT_LEAST(2, 4)
+  at::_foreach_add_(steps, delta, alpha);
+#else
+  (void)steps, (void)delta, (void)alpha;
   TORCH_INTERNAL_ASSERT(false, "fused optimizer kernels need LibTorch 2.4 or later");
 #endif
 }
 
 /// at::_fused_sgd_ over one device and dtype; `is_first_step` fills the
 /// (empty) momentum buffers with the first gradient, as LibTorch's SGD does;
-/// a defined `grad_scale` divides the gradients inside the kernel.
+/// a defined `grad_scale` divides the gradients inside the kernel, and a
+/// defined `found_inf` skips the update where it is 1.
 inline void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                        double weight_decay, double momentum, double lr, double dampening, bool nesterov,
-                       bool is_first_step, const at::Tensor& grad_scale) {
+                       bool is_first_step, const at::Tensor& grad_scale, const at::Tensor& found_inf) {
 #if MEMFIT_TORCH_AT_LEAST(2, 4)
   const auto scale = grad_scale.defined() ? std::optional<at::Tensor>(grad_scale) : std::nullopt;
+  const auto found = found_inf.defined() ? std::optional<at::Tensor>(found_inf) : std::nullopt;
   at::_fused_sgd_(params, grads, momentum_buffers, weight_decay, momentum, lr, dampening, nesterov,
-                  /*maximize=*/false, is_first_step, scale);
+                  /*maximize=*/false, is_first_step, scale, found);
 #else
   (void)params, (void)grads, (void)momentum_buffers, (void)weight_decay, (void)momentum, (void)lr;
-  (void)dampening, (void)nesterov, (void)is_first_step, (void)grad_scale;
+  (void)dampening, (void)nesterov, (void)is_first_step, (void)grad_scale, (void)found_inf;
   TORCH_INTERNAL_ASSERT(false, "fused optimizer kernels need LibTorch 2.4 or later");
 #endif
 }

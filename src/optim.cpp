@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -60,16 +61,20 @@ class Workspace {
   std::map<std::pair<std::string, at::ScalarType>, Entry> entries_;
 };
 
-// Runs `prepare` (which adds state entries, whose keys it records) and, if
-// it throws, removes those entries before rethrowing: a failed step leaves
-// the state as it found it.
+using DeviceSteps = std::unordered_map<const c10::TensorImpl*, torch::Tensor>;
+
+// Runs `prepare` (which adds state entries and device step counts, whose
+// keys it records) and, if it throws, removes those before rethrowing: a
+// failed step leaves the state as it found it.
 template <class State, class Key, class Prepare>
-void prepare_or_undo(State& state, std::vector<Key>& added, Prepare prepare) {
+void prepare_or_undo(State& state, std::vector<Key>& added, Prepare prepare, DeviceSteps* steps = nullptr,
+                     const std::vector<const c10::TensorImpl*>& added_steps = {}) {
   try {
     prepare();
     before_commit();  // everything is made: the last point where the step can still change nothing
   } catch (...) {
     for (const auto& k : added) state.erase(k);
+    for (const auto* k : added_steps) steps->erase(k);
     throw;
   }
 }
@@ -119,8 +124,11 @@ template <class Options, class State>
 struct FusedBucket {
   const Options* options = nullptr;
   std::vector<torch::Tensor> params, grads, first, second, third, steps;
-  std::vector<State*> states;
+  std::vector<State*> states;     // whose step counts are on the host
+  std::vector<torch::Tensor> device_steps;  // the counts kept on the device (also in `steps`)
   torch::Tensor grad_scale;  // step_unscaling's scale on the bucket's device; undefined otherwise
+  torch::Tensor found_inf;   // step_unscaling's found_inf there; undefined otherwise
+  torch::Tensor increment;   // what device_steps advance by: 1 - found_inf, or 1
 };
 
 // Refuses step_unscaling for a parameter the fused kernel cannot take
@@ -141,21 +149,52 @@ torch::Tensor scale_on(const torch::Tensor& grad_scale, const torch::Tensor& p) 
   return grad_scale.to(p.device(), torch::kFloat).reshape({});
 }
 
-// Sets the scale for the next step and clears it when the step returns or throws.
+// Sets the scale and found_inf for the next step and clears them when the
+// step returns or throws.
 class ScaleForStep {
  public:
-  ScaleForStep(torch::Tensor& slot, const torch::Tensor& scale) : slot_(slot) {
+  ScaleForStep(torch::Tensor& scale_slot, torch::Tensor& found_slot, const torch::Tensor& scale,
+               const torch::Tensor& found_inf)
+      : scale_slot_(scale_slot), found_slot_(found_slot) {
     TORCH_CHECK(scale.defined() && scale.numel() == 1, "step_unscaling needs a one-element scale tensor, got ",
                 scale.defined() ? std::to_string(scale.numel()) + " elements" : std::string("an undefined tensor"));
-    slot_ = scale;
+    TORCH_CHECK(!found_inf.defined() || (found_inf.numel() == 1 && found_inf.scalar_type() == torch::kFloat),
+                "step_unscaling needs found_inf as one float32 element (GradScaler's), got ", found_inf.numel(),
+                " elements of ", found_inf.scalar_type());
+    scale_slot_ = scale;
+    found_slot_ = found_inf;
   }
-  ~ScaleForStep() { slot_ = torch::Tensor(); }
+  ~ScaleForStep() {
+    scale_slot_ = torch::Tensor();
+    found_slot_ = torch::Tensor();
+  }
   ScaleForStep(const ScaleForStep&) = delete;
   ScaleForStep& operator=(const ScaleForStep&) = delete;
 
  private:
-  torch::Tensor& slot_;
+  torch::Tensor& scale_slot_;
+  torch::Tensor& found_slot_;
 };
+
+// The step count a parameter keeps on the device, read back to the host (a sync).
+int64_t read_step(const torch::Tensor& count) { return std::llround(count.item<double>()); }
+
+// Writes the step counts kept on the device back into Adam's or AdamW's
+// state and frees them.
+template <class Base, class State>
+void steps_to_host_of(Base& self, DeviceSteps& steps) {
+  if (steps.empty()) return;
+  auto& state = self.state();
+  for (const auto& group : self.param_groups()) {
+    for (const auto& p : group.params()) {
+      const auto found = steps.find(p.unsafeGetTensorImpl());
+      const auto s = state.find(compat::optimizer_state_key<Base>(p));
+      if (found == steps.end() || s == state.end()) continue;
+      static_cast<State&>(*s->second).step(read_step(found->second));
+    }
+  }
+  steps.clear();
+}
 
 // Whether every parameter of `self` with a gradient would take the fused
 // kernel; `state_of` gives a parameter's state tensors (empty before its first step).
@@ -198,7 +237,8 @@ BucketKey bucket_key(size_t group, const torch::Tensor& p, bool fresh = false) {
 template <class Base, class Options, class State, bool decoupled>
 torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const torch::Tensor&)>& wants_fused,
                         const std::function<void(const std::string&)>& fell_back,
-                        const torch::optim::Optimizer::LossClosure& closure, const torch::Tensor& grad_scale) {
+                        const torch::optim::Optimizer::LossClosure& closure, const torch::Tensor& grad_scale,
+                        const torch::Tensor& found_inf, DeviceSteps& device_steps) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = closure_loss(closure);
   using Key = decltype(compat::optimizer_state_key<Base>(std::declval<torch::Tensor>()));
@@ -212,6 +252,7 @@ torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const 
   std::vector<Item> items;
   std::map<BucketKey, FusedBucket<Options, State>> fused;
   std::vector<Key> added;
+  std::vector<const c10::TensorImpl*> added_steps;
   Workspace work;
   StepCounts counts;
   auto& state = self.state();
@@ -238,27 +279,47 @@ torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const 
           added.push_back(key);
         }
         auto* s = static_cast<State*>(state[key].get());
-        const int64_t step = s->step() + 1;
         const bool fusable = wants_fused(p);
         const auto why =
             fusable ? fused_refusal(p, p.grad(), {s->exp_avg(), s->exp_avg_sq(), s->max_exp_avg_sq()}) : std::string();
         if (grad_scale.defined()) check_unscaling(fusable, why, p, decoupled ? "AdamW" : "Adam");
+        auto on_device = device_steps.find(p.unsafeGetTensorImpl());
         if (fusable) {
           if (why.empty()) {
             auto& b = fused[bucket_key(group_index, p)];
             b.options = &o;
             if (grad_scale.defined() && !b.grad_scale.defined()) b.grad_scale = scale_on(grad_scale, p);
-            b.states.push_back(s);
+            if (found_inf.defined() && !b.found_inf.defined()) b.found_inf = scale_on(found_inf, p);
+            if (found_inf.defined() && on_device == device_steps.end()) {
+              // The kernel may skip on the device: the count moves there, to stay where it skips.
+              const auto count = torch::full({}, static_cast<double>(s->step()),
+                                             torch::TensorOptions().dtype(torch::kFloat).device(p.device()));
+              on_device = device_steps.emplace(p.unsafeGetTensorImpl(), count).first;
+              added_steps.push_back(p.unsafeGetTensorImpl());
+            }
+            if (on_device != device_steps.end()) {
+              b.device_steps.push_back(on_device->second);
+              b.steps.push_back(on_device->second);
+            } else {
+              b.states.push_back(s);
+              b.steps.push_back(counts.at(p.device(), s->step() + 1));
+            }
             b.params.push_back(p);
             b.grads.push_back(p.grad());
             b.first.push_back(s->exp_avg());
             b.second.push_back(s->exp_avg_sq());
             if (o.amsgrad()) b.third.push_back(s->max_exp_avg_sq());
-            b.steps.push_back(counts.at(p.device(), step));
             continue;
           }
           fell_back(why);
         }
+        if (on_device != device_steps.end()) {
+          // The loop reads the count on the host (a sync, only where a
+          // parameter leaves the fused kernel after it skipped on the device).
+          s->step(read_step(on_device->second));
+          device_steps.erase(on_device);
+        }
+        const int64_t step = s->step() + 1;
         Item it;
         it.p = p;
         it.grad = p.grad();
@@ -285,16 +346,24 @@ torch::Tensor adam_step(Base& self, Kernel& ran, const std::function<bool(const 
       }
       ++group_index;
     }
+    for (auto& kv : fused) {
+      auto& b = kv.second;
+      if (b.device_steps.empty()) continue;
+      // As PyTorch's fused Adam, which adds 1 and takes found_inf back off: made here, so the update allocates nothing.
+      b.increment = b.found_inf.defined() ? 1 - b.found_inf
+                                          : torch::ones({}, b.device_steps.front().options());
+    }
     work.allocate();
-  });
+  }, &device_steps, added_steps);
   // Nothing below allocates: parameters and state change only here.
   for (auto& kv : fused) {
     auto& b = kv.second;
     const Options& o = *b.options;
     for (auto* s : b.states) s->step(s->step() + 1);
+    if (!b.device_steps.empty()) compat::add_to_steps(b.device_steps, b.increment, 1);
     compat::fused_adam_(decoupled, b.params, b.grads, b.first, b.second, b.third, b.steps, o.lr(),
                         std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(), o.amsgrad(),
-                        b.grad_scale);
+                        b.grad_scale, b.found_inf);
   }
   for (auto& it : items) {
     const Options& o = *it.options;
@@ -365,12 +434,36 @@ AdamW::AdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defau
 AdamW::AdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults, Kernel kernel)
     : torch::optim::AdamW(std::move(groups), std::move(defaults)), KernelChoice(kernel) {}
 
+namespace {
+// Whether `sgd`'s next step makes momentum buffers (a parameter with a
+// gradient and momentum has none yet).
+bool makes_momentum_buffers(torch::optim::SGD& sgd) {
+  for (auto& group : sgd.param_groups()) {
+    if (static_cast<const torch::optim::SGDOptions&>(group.options()).momentum() == 0) continue;
+    for (auto& p : group.params()) {
+      if (p.grad().defined() &&
+          sgd.state().find(compat::optimizer_state_key<torch::optim::SGD>(p)) == sgd.state().end()) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+} // namespace
+
 // One function (about 110 lines): its two phases, everything allocated inside
 // prepare_or_undo and then the update that allocates nothing, stay in view
 // together, since that boundary is what makes the step a transaction.
 torch::Tensor SGD::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = closure_loss(closure);
+  torch::Tensor found_inf = found_inf_;
+  if (found_inf.defined() && makes_momentum_buffers(*this)) {
+    // A skipped first step must leave no buffer (LibTorch's state), which
+    // the kernel cannot decide: read found_inf here, once per new buffer set.
+    if (found_inf.item<double>() != 0) return loss;
+    found_inf = torch::Tensor();
+  }
   using Key = decltype(compat::optimizer_state_key<torch::optim::SGD>(std::declval<torch::Tensor>()));
   struct Item {
     torch::Tensor p, grad, buf, momentum;
@@ -403,6 +496,7 @@ torch::Tensor SGD::step(LossClosure closure) {
             auto& b = fused[bucket_key(group_index, p, fresh)];
             b.options = &o;
             if (grad_scale_.defined() && !b.grad_scale.defined()) b.grad_scale = scale_on(grad_scale_, p);
+            if (found_inf.defined() && !b.found_inf.defined()) b.found_inf = scale_on(found_inf, p);
             b.params.push_back(p);
             b.grads.push_back(p.grad());
             if (fresh) {
@@ -451,7 +545,7 @@ torch::Tensor SGD::step(LossClosure closure) {
     auto& b = kv.second;
     const auto& o = *b.options;
     compat::fused_sgd_(b.params, b.grads, b.first, o.weight_decay(), o.momentum(), o.lr(), o.dampening(),
-                       o.nesterov(), /*is_first_step=*/std::get<3>(kv.first), b.grad_scale);
+                       o.nesterov(), /*is_first_step=*/std::get<3>(kv.first), b.grad_scale, b.found_inf);
   }
   for (auto& it : items) {
     const auto& o = *it.options;
@@ -480,7 +574,7 @@ torch::Tensor SGD::step(LossClosure closure) {
 torch::Tensor Adam::step(LossClosure closure) {
   return adam_step<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState, false>(
       *this, ran_, [this](const torch::Tensor& p) { return wants_fused(p.device().type()); },
-      [this](const std::string& why) { fell_back("Adam", why); }, closure, grad_scale_);
+      [this](const std::string& why) { fell_back("Adam", why); }, closure, grad_scale_, found_inf_, device_steps_);
 }
 
 bool Adam::can_unscale_in_kernel() const {
@@ -488,15 +582,27 @@ bool Adam::can_unscale_in_kernel() const {
                    adam_state_tensors<torch::optim::Adam, torch::optim::AdamParamState>(*this));
 }
 
-torch::Tensor Adam::step_unscaling(const torch::Tensor& grad_scale) {
-  ScaleForStep scale(grad_scale_, grad_scale);
+torch::Tensor Adam::step_unscaling(const torch::Tensor& grad_scale, const torch::Tensor& found_inf) {
+  ScaleForStep scale(grad_scale_, found_inf_, grad_scale, found_inf);
   return step();
+}
+
+void Adam::steps_to_host() { steps_to_host_of<torch::optim::Adam, torch::optim::AdamParamState>(*this, device_steps_); }
+
+void Adam::save(torch::serialize::OutputArchive& archive) const {
+  const_cast<Adam*>(this)->steps_to_host();  // the counts the state holds, not those it is behind
+  torch::optim::Adam::save(archive);
+}
+
+void Adam::load(torch::serialize::InputArchive& archive) {
+  torch::optim::Adam::load(archive);
+  device_steps_.clear();
 }
 
 torch::Tensor AdamW::step(LossClosure closure) {
   return adam_step<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState, true>(
       *this, ran_, [this](const torch::Tensor& p) { return wants_fused(p.device().type()); },
-      [this](const std::string& why) { fell_back("AdamW", why); }, closure, grad_scale_);
+      [this](const std::string& why) { fell_back("AdamW", why); }, closure, grad_scale_, found_inf_, device_steps_);
 }
 
 bool AdamW::can_unscale_in_kernel() const {
@@ -504,9 +610,21 @@ bool AdamW::can_unscale_in_kernel() const {
                    adam_state_tensors<torch::optim::AdamW, torch::optim::AdamWParamState>(*this));
 }
 
-torch::Tensor AdamW::step_unscaling(const torch::Tensor& grad_scale) {
-  ScaleForStep scale(grad_scale_, grad_scale);
+torch::Tensor AdamW::step_unscaling(const torch::Tensor& grad_scale, const torch::Tensor& found_inf) {
+  ScaleForStep scale(grad_scale_, found_inf_, grad_scale, found_inf);
   return step();
+}
+
+void AdamW::steps_to_host() { steps_to_host_of<torch::optim::AdamW, torch::optim::AdamWParamState>(*this, device_steps_); }
+
+void AdamW::save(torch::serialize::OutputArchive& archive) const {
+  const_cast<AdamW*>(this)->steps_to_host();  // the counts the state holds, not those it is behind
+  torch::optim::AdamW::save(archive);
+}
+
+void AdamW::load(torch::serialize::InputArchive& archive) {
+  torch::optim::AdamW::load(archive);
+  device_steps_.clear();
 }
 
 bool SGD::can_unscale_in_kernel() const {
@@ -520,8 +638,8 @@ bool SGD::can_unscale_in_kernel() const {
                    });
 }
 
-torch::Tensor SGD::step_unscaling(const torch::Tensor& grad_scale) {
-  ScaleForStep scale(grad_scale_, grad_scale);
+torch::Tensor SGD::step_unscaling(const torch::Tensor& grad_scale, const torch::Tensor& found_inf) {
+  ScaleForStep scale(grad_scale_, found_inf_, grad_scale, found_inf);
   return step();
 }
 

@@ -211,37 +211,50 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
 }
 
 bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  const auto r = step_async(optimizer);
+  return r.found_inf.defined() ? r.found_inf.item<double>() == 0 : r.stepped;
+}
+
+ScaledStep GradScaler::step_async(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) {
     optimizer.step();
-    return true;
+    return {true, {}};
   }
   auto& state = per_optimizer_[&optimizer];
   TORCH_CHECK(state.stage != Stage::kStepped,
               "step() has already been called since the last update()");
   // memfit's optimizers on the fused kernel divide the scale out as they
-  // update (PyTorch's fused=True): only the inf check runs here.
+  // update and skip where found_inf is 1 (PyTorch's fused=True): only the
+  // inf check runs here, and nothing is read.
   auto* in_kernel = dynamic_cast<optim::KernelChoice*>(&optimizer);
   if (state.stage != Stage::kReady || in_kernel == nullptr || !in_kernel->can_unscale_in_kernel()) in_kernel = nullptr;
   if (in_kernel != nullptr) {
     TORCH_CHECK(scale_.defined(), "GradScaler::step before any scale(): scale the loss with scaler.scale(loss) "
                                   "before backward");
     state.found_inf_per_device = unscale_grads(optimizer, torch::ones({}, scale_.options()), /*unscale=*/false);
-    state.stage = Stage::kUnscaled;
   }
-  if (state.stage == Stage::kReady) unscale_(optimizer);
-  TORCH_CHECK(!state.found_inf_per_device.empty(),
+  if (state.stage == Stage::kReady && in_kernel == nullptr) unscale_(optimizer);
+  const auto& found_infs = state.found_inf_per_device;
+  TORCH_CHECK(!found_infs.empty(),
               "No inf checks were recorded for this optimizer: none of its parameters has a "
               "gradient; run backward on scaler.scale(loss) first");
-  double found = 0;
-  for (const auto& f : state.found_inf_per_device) found += f.item<double>();
-  state.stage = Stage::kStepped;
-  if (found != 0) return false;
   if (in_kernel != nullptr) {
-    in_kernel->step_unscaling(scale_);
-  } else {
-    optimizer.step();
+    auto found = found_infs.front();
+    if (found_infs.size() > 1) {  // any device's inf skips the whole step, as the host's sum does
+      found = torch::zeros({1}, scale_.options());
+      for (const auto& f : found_infs) found.add_(f.to(scale_.device(), /*non_blocking=*/true));
+      found.clamp_max_(1);
+    }
+    state.stage = Stage::kStepped;
+    in_kernel->step_unscaling(scale_, found);
+    return {true, found};
   }
-  return true;
+  double found = 0;
+  for (const auto& f : found_infs) found += f.item<double>();
+  state.stage = Stage::kStepped;
+  if (found != 0) return {false, {}};
+  optimizer.step();
+  return {true, {}};
 }
 
 void GradScaler::update() {

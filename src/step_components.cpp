@@ -162,7 +162,9 @@ void PrecisionStep::before_forward(StepState&) { autocast_.emplace(device_, prec
 void PrecisionStep::after_forward(StepState&) { autocast_.reset(); }
 
 bool PrecisionStep::optimizer_step(StepState& s) {
-  s.stepped = scaler_.step(*s.optimizer);
+  auto r = scaler_.step_async(*s.optimizer);
+  s.stepped = r.stepped;
+  s.found_inf = std::move(r.found_inf);
   return true;
 }
 

@@ -605,6 +605,11 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
   }
   rec.loss_tensor = loss_tensor;
   rec.skipped = !s.stepped;
+  if (s.found_inf.defined()) {
+    // The kernel decided on the device: read it here, after the update is queued, unless nothing is read.
+    if (s.read_loss) rec.skipped = s.found_inf.item<double>() != 0;
+    rec.found_inf = s.found_inf;
+  }
   rec.peak_bytes = meter.peak();
   for (const auto& m : timeline_->timeline()) rec.peak_bytes = std::max(rec.peak_bytes, m.peak_bytes);
   rec.current_bytes = memory_allocated(options_.device());

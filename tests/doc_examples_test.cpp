@@ -67,6 +67,21 @@ TEST_F(DocExamples, PrecisionHeader) {
     scaler.step(opt);
     scaler.update();
   }
+  {  // ScaledStep
+    memfit::ScaledStep r;
+    bool skipped = r.found_inf.defined() ? r.found_inf.item<double>() != 0 : !r.stepped;
+    EXPECT_TRUE(skipped);
+  }
+  {  // GradScaler::step_async
+    auto lin = torch::nn::Linear(4, 2);
+    memfit::optim::Adam adam(lin->parameters());
+    memfit::GradScaler scaler;
+    scaler.scale(lin(torch::ones({3, 4})).sum()).backward();
+    const auto r = scaler.step_async(adam);  // fused (LibTorch 2.4+): nothing read yet
+    scaler.update();
+    EXPECT_EQ(r.found_inf.defined(), memfit::optim::has_fused_kernels(torch::kCPU));
+    EXPECT_TRUE(r.stepped);
+  }
   {  // MasterWeights
     auto model = torch::nn::Linear(4, 2);
     memfit::MasterWeights master(model->parameters());
@@ -125,8 +140,14 @@ TEST_F(DocExamples, OptimHeader) {
     auto lin = torch::nn::Linear(4, 2);
     memfit::optim::SGD sgd(lin->parameters(), torch::optim::SGDOptions(0.1));
     (lin(torch::ones({3, 4})).sum() * 1024).backward();
-    if (sgd.can_unscale_in_kernel()) sgd.step_unscaling(torch::full({}, 1024.f));
+    if (sgd.can_unscale_in_kernel()) sgd.step_unscaling(torch::full({}, 1024.f), torch::zeros({1}));
     EXPECT_EQ(sgd.can_unscale_in_kernel(), memfit::optim::has_fused_kernels(torch::kCPU));
+  }
+  {  // KernelChoice::steps_to_host
+    auto lin = torch::nn::Linear(4, 2);
+    memfit::optim::Adam adam(lin->parameters());
+    adam.steps_to_host();  // nothing on the device: a no-op
+    EXPECT_TRUE(adam.state().empty());
   }
   {  // KernelChoice
     auto lin = torch::nn::Linear(4, 2);

@@ -451,6 +451,71 @@ TEST(Optim, AScaledFusedStepThatFailsAnyAllocationChangesNothing) {
   }
 }
 
+// Handed found_inf, the fused kernel skips by itself: Adam and AdamW read
+// nothing back to the host, and SGD only where its step would make momentum
+// buffers. A skipped step changes no parameter, and the step counts stay:
+// parameters and state equal, bitwise, an optimizer that the host skipped,
+// and save() writes the counts the state holds.
+TEST(Optim, HandedFoundInfTheFusedKernelSkipsWithoutAReadAndItsStepCountsStay) {
+  if (!optim::has_fused_kernels(torch::kCPU)) {
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no fused CPU kernels (2.4 and later have)";
+  }
+  for (const auto& c : cases()) {
+    SCOPED_TRACE(c.name);
+    auto p = make_params(), ref = make_params();
+    auto o = c.memfit(p, optim::Kernel::kFused);
+    auto r = c.memfit(ref, optim::Kernel::kFused);
+    auto& kernel = dynamic_cast<optim::KernelChoice&>(*o);
+    const bool sgd = dynamic_cast<optim::SGD*>(o.get()) != nullptr;
+    for (int64_t i = 0; i < 6; ++i) {
+      const bool inf = i == 0 || i == 3;  // the first step too: Adam's state is made, SGD's is not
+      set_grads(p, i);
+      set_grads(ref, i);
+      const int64_t expected_reads = sgd && optim::lazy_state_bytes(*o) > 0 ? 1 : 0;
+      {
+        testing::HostReads reads;
+        kernel.step_unscaling(torch::ones({}), torch::full({1}, inf ? 1.f : 0.f));
+        EXPECT_EQ(reads.count(), expected_reads) << "step " << i;
+      }
+      if (!inf) r->step();
+      expect_bitwise(copies(p), copies(ref), "parameters after step " + std::to_string(i));
+    }
+    std::stringstream saved;
+    torch::save(*o, saved);  // before anything reads the counts back
+    auto loaded_params = make_params();
+    auto loaded = c.libtorch(loaded_params);
+    torch::load(*loaded, saved);
+    expect_bitwise(optimizer_state_of(*loaded, loaded_params), optimizer_state_of(*r, ref), "saved state");
+    expect_bitwise(optimizer_state_of(*o, p), optimizer_state_of(*r, ref), "state");
+  }
+}
+
+// GradScaler::step_async on the fused kernel reads nothing and hands back
+// the kernel's decision; on the loop kernel the host decides, as step() does.
+TEST(Optim, GradScalerStepAsyncLeavesTheFusedKernelsDecisionUnread) {
+  for (const auto kernel : kernels()) {
+    SCOPED_TRACE(kernel_text(kernel));
+    auto p = make_params();
+    optim::Adam adam(p, torch::optim::AdamOptions(1e-2), kernel);
+    GradScaler scaler(GradScalerOptions().init_scale(8.));
+    for (int64_t i = 0; i < 4; ++i) {
+      scaler.scale(torch::ones({}));
+      set_grads(p, i);
+      if (i == 2) p[0].mutable_grad()[0][0] = std::numeric_limits<float>::infinity();
+      ScaledStep r;
+      {
+        testing::HostReads reads;
+        r = scaler.step_async(adam);
+        EXPECT_EQ(reads.count(), kernel == optim::Kernel::kFused ? 0 : 1) << "step " << i;
+      }
+      EXPECT_EQ(r.found_inf.defined(), kernel == optim::Kernel::kFused);
+      const bool skipped = r.found_inf.defined() ? r.found_inf.item<double>() != 0 : !r.stepped;
+      EXPECT_EQ(skipped, i == 2) << "step " << i;
+      scaler.update();
+    }
+  }
+}
+
 // step_unscaling refuses, before anything changes, a parameter that the
 // fused kernel cannot take, and can_unscale_in_kernel says so beforehand.
 TEST(Optim, StepUnscalingRefusesWhatTheFusedKernelCannotTakeBeforeAnythingChanges) {

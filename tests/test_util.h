@@ -5,12 +5,15 @@
 #include "compat.h"
 #include "memfit/data.h"
 #include "memfit/memory.h"
+#include "memfit/optim.h"
 #include "memory_internal.h"
 
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -116,6 +119,8 @@ inline void clear_grads(const std::vector<torch::Tensor>& params) {
 inline std::vector<torch::Tensor> optimizer_state_of(torch::optim::Optimizer& o,
                                                      const std::vector<torch::Tensor>& params) {
   std::vector<torch::Tensor> out;
+  // memfit's fused optimizers keep step counts on the device after a skip there.
+  if (auto* fused = dynamic_cast<optim::KernelChoice*>(&o)) fused->steps_to_host();
   auto& state = o.state();
   for (const auto& p : params) {
     const auto found = state.find(compat::optimizer_state_key(p));
@@ -148,6 +153,46 @@ inline void expect_bitwise(const std::vector<torch::Tensor>& a, const std::vecto
     if (a[i].defined()) EXPECT_TRUE(a[i].equal(b[i])) << what << ": tensor " << i << " differs";
   }
 }
+
+/// Counts the values read back to the host on this thread while alive:
+/// aten::_local_scalar_dense, which item() and every tensor-to-number
+/// conversion run (on CUDA, a device synchronisation each), outside
+/// LibTorch's fused optimizer kernels (whose CPU versions read their step
+/// counts there; on CUDA the kernels read them on the device). One at a time.
+class HostReads {
+ public:
+  HostReads() : handle_(at::addThreadLocalCallback(at::RecordFunctionCallback(&HostReads::enter, &HostReads::leave))) {
+    reads() = 0;
+    depth() = 0;
+  }
+  ~HostReads() { at::removeCallback(handle_); }
+  HostReads(const HostReads&) = delete;
+  HostReads& operator=(const HostReads&) = delete;
+  int64_t count() const { return reads(); }
+
+ private:
+  static int64_t& reads() {
+    static thread_local int64_t n = 0;
+    return n;
+  }
+  static int& depth() {
+    static thread_local int d = 0;
+    return d;
+  }
+  static bool fused(const at::RecordFunction& fn) { return std::strncmp(fn.name(), "aten::_fused_", 13) == 0; }
+  static std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& fn) {
+    if (fused(fn)) {
+      ++depth();
+    } else if (depth() == 0 && std::strcmp(fn.name(), "aten::_local_scalar_dense") == 0) {
+      ++reads();
+    }
+    return nullptr;
+  }
+  static void leave(const at::RecordFunction& fn, at::ObserverContext*) {
+    if (fused(fn)) --depth();
+  }
+  at::CallbackHandle handle_;
+};
 
 } // namespace testing
 } // namespace memfit

@@ -164,24 +164,6 @@ TEST_F(TrainerTest, Fp16StepsUnscaleInsideTheFusedKernelWithinRoundingOfTheLoop)
   EXPECT_LT(testing::max_relative_difference(fused, loop), 1e-5);
 }
 
-// Counts the values read back to the host on this thread while alive:
-// aten::_local_scalar_dense, which item() and every tensor-to-number
-// conversion run (on CUDA, a device synchronisation each).
-class HostReads {
- public:
-  HostReads() : handle_(at::addThreadLocalCallback(at::RecordFunctionCallback(&HostReads::seen))) { count = 0; }
-  ~HostReads() { at::removeCallback(handle_); }
-  static std::atomic<int64_t> count;
-
- private:
-  static std::unique_ptr<at::ObserverContext> seen(const at::RecordFunction& fn) {
-    if (std::strcmp(fn.name(), "aten::_local_scalar_dense") == 0) ++count;
-    return nullptr;
-  }
-  at::CallbackHandle handle_;
-};
-std::atomic<int64_t> HostReads::count{0};
-
 // A step reads one value to the host however many micro-batches it has (the
 // summed loss, for the record and the non-finite check); clipping reads its
 // norm too. The loop kernel: the CPU's fused kernels read their step counts
@@ -207,9 +189,9 @@ TEST_F(TrainerTest, AStepReadsOneValueToTheHostWhateverItsMicroBatches) {
     Trainer t(make_mlp(ModelOptions().width(16).depth(1)), c.options);
     for (int64_t i = 0; i < 3; ++i) {
       const torch::data::Example<> batch(data.images.narrow(0, 32 * i, 32), data.labels.narrow(0, 32 * i, 32));
-      HostReads reads;
+      testing::HostReads reads;
       const auto record = t.train_step(batch);
-      EXPECT_EQ(HostReads::count.load(), c.reads) << c.name << ", step " << i + 1;
+      EXPECT_EQ(reads.count(), c.reads) << c.name << ", step " << i + 1;
       EXPECT_TRUE(std::isfinite(record.loss)) << c.name;
     }
   }
@@ -233,9 +215,9 @@ TEST_F(TrainerTest, AnUncheckedStepReadsNothingAndKeepsItsLossOnTheDevice) {
         int64_t reads = 0;
         StepRecord record;
         {
-          HostReads counted;
+          testing::HostReads counted;
           record = t.train_step(batch);
-          reads = HostReads::count.load();
+          reads = counted.count();
         }
         EXPECT_EQ(reads, mode == NonfiniteLoss::kUnchecked ? 0 : 1) << "micro-batch " << micro << ", step " << i + 1;
         losses.push_back(record.loss_tensor.item<double>());
@@ -255,6 +237,41 @@ TEST_F(TrainerTest, AnUncheckedStepReadsNothingAndKeepsItsLossOnTheDevice) {
   Trainer t(make_mlp(ModelOptions().width(16).depth(1)),
             TrainerOptions().batch_size(32).steps(1).nonfinite_loss(NonfiniteLoss::kUnchecked));
   testing::expect_error([&] { t.fit(small_real_data()); }, "call train_step in a loop of your own");
+}
+
+// fp16 on the fused kernel (LibTorch 2.x): the kernel skips by itself, so a
+// step reads its loss and then whether it skipped, after the update is
+// queued; unchecked, it reads nothing, and the record keeps the kernel's
+// decision on the device. Both runs' parameters are the same, bitwise.
+TEST_F(TrainerTest, AnFp16StepOnTheFusedKernelDecidesItsSkipOnTheDevice) {
+  if (!compat::kCpuAutocastHalf || !optim::has_fused_kernels(torch::kCPU)) {
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no fp16 CPU autocast or no fused CPU kernels";
+  }
+  const auto& data = small_real_data();
+  auto run = [&](NonfiniteLoss mode) {
+    torch::manual_seed(3);
+    Trainer t(make_mlp(ModelOptions().width(16).depth(1)),
+              TrainerOptions().batch_size(32).micro_batch_size(8).precision(Precision::kFP16).nonfinite_loss(mode)
+                  .grad_scaler(GradScalerOptions().init_scale(std::ldexp(1.0, 24))));  // overflows: skips, then backs off
+    int64_t skipped = 0;
+    for (int64_t i = 0; i < 8; ++i) {
+      const torch::data::Example<> batch(data.images.narrow(0, 32 * i, 32), data.labels.narrow(0, 32 * i, 32));
+      testing::HostReads reads;
+      const auto record = t.train_step(batch);
+      EXPECT_EQ(reads.count(), mode == NonfiniteLoss::kUnchecked ? 0 : 2) << "step " << i + 1;
+      EXPECT_TRUE(record.found_inf.defined()) << "step " << i + 1;
+      const bool on_device = record.found_inf.item<double>() != 0;
+      if (mode != NonfiniteLoss::kUnchecked) EXPECT_EQ(record.skipped, on_device) << "step " << i + 1;
+      skipped += on_device ? 1 : 0;
+    }
+    return std::make_pair(parameters_of(t), skipped);
+  };
+  const auto [checked, checked_skips] = run(NonfiniteLoss::kError);
+  const auto [unchecked, unchecked_skips] = run(NonfiniteLoss::kUnchecked);
+  EXPECT_GT(checked_skips, 0) << "a scale of 2^24 overflows fp16";
+  EXPECT_LT(checked_skips, 8) << "and backs off until steps are taken";
+  EXPECT_EQ(unchecked_skips, checked_skips);
+  testing::expect_bitwise(unchecked, checked, "unchecked against checked");
 }
 
 TEST_F(TrainerTest, BadOptionsAreRejectedInTheConstructor) {

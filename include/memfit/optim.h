@@ -27,9 +27,13 @@
 /// tensors as kLoop does, and the CUDA builds memfit supports have kFused
 /// (docs/optim.md has the measurement).
 ///
-/// Sync points: none. Extra memory: kLoop's work buffers during the step
+/// Sync points: none, except that SGD's step_unscaling reads its found_inf
+/// once where it makes momentum buffers and steps_to_host reads the step
+/// counts kept on the device. Extra memory: kLoop's work buffers during the step
 /// (one largest parameter, or two), where LibTorch's loop makes two or three
-/// temporaries of each parameter in turn; kFused's step counts (4 bytes each).
+/// temporaries of each parameter in turn; kFused's step counts (4 bytes each),
+/// which stay on the device, one per parameter, once step_unscaling has
+/// skipped on the device.
 
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -37,6 +41,7 @@
 
 #include <functional>
 #include <string>
+#include <unordered_map>
 
 namespace memfit {
 namespace optim {
@@ -114,14 +119,35 @@ class KernelChoice {
   /// equals unscaling by the reciprocal and then step() bitwise where the
   /// scale is a power of two (GradScaler's are, unless set otherwise).
   ///
+  /// A defined `found_inf` (one float32 element, 1 where the gradients hold
+  /// inf or NaN: GradScaler's check) skips the update inside the kernel where
+  /// it is 1, so that skipping needs no read on the host. Adam's and AdamW's
+  /// step counts then live on the device, one float32 per parameter, and
+  /// stay where the kernel skipped (steps_to_host() writes them back). SGD
+  /// reads `found_inf` on the host once where its step would make momentum
+  /// buffers, since a skipped first step must leave none.
+  ///
   /// Example:
   /// \code
   ///   auto lin = torch::nn::Linear(4, 2);
   ///   memfit::optim::SGD sgd(lin->parameters(), torch::optim::SGDOptions(0.1));
   ///   (lin(torch::ones({3, 4})).sum() * 1024).backward();
-  ///   if (sgd.can_unscale_in_kernel()) sgd.step_unscaling(torch::full({}, 1024.f));
+  ///   if (sgd.can_unscale_in_kernel()) sgd.step_unscaling(torch::full({}, 1024.f), torch::zeros({1}));
   /// \endcode
-  virtual torch::Tensor step_unscaling(const torch::Tensor& grad_scale) = 0;
+  virtual torch::Tensor step_unscaling(const torch::Tensor& grad_scale, const torch::Tensor& found_inf = {}) = 0;
+
+  /// Writes the step counts that step_unscaling with a `found_inf` keeps on
+  /// the device back into the LibTorch state (state()'s `step`) and frees
+  /// them. save() calls it; call it before reading state() yourself. Sync
+  /// points: one read per parameter that has such a count; none when none has.
+  ///
+  /// Example:
+  /// \code
+  ///   auto lin = torch::nn::Linear(4, 2);
+  ///   memfit::optim::Adam adam(lin->parameters());
+  ///   adam.steps_to_host();  // nothing on the device: a no-op
+  /// \endcode
+  virtual void steps_to_host() {}
 
  protected:
   explicit KernelChoice(Kernel kernel = Kernel::kAuto);
@@ -134,6 +160,12 @@ class KernelChoice {
   Kernel ran_ = Kernel::kAuto;
   /// The scale step_unscaling hands the next step; undefined otherwise.
   torch::Tensor grad_scale_;
+  /// The found_inf step_unscaling hands the next step; undefined otherwise.
+  torch::Tensor found_inf_;
+  /// Step counts kept on the device by parameter (Adam's and AdamW's, after
+  /// a step_unscaling with found_inf); where a parameter has one, it is the
+  /// count and the state's `step` is behind.
+  std::unordered_map<const c10::TensorImpl*, torch::Tensor> device_steps_;
 
  private:
   bool warned_ = false;
@@ -159,7 +191,7 @@ class SGD : public torch::optim::SGD, public KernelChoice {
   /// anything when an allocation fails.
   torch::Tensor step(LossClosure closure = nullptr) override;
   bool can_unscale_in_kernel() const override;
-  torch::Tensor step_unscaling(const torch::Tensor& grad_scale) override;
+  torch::Tensor step_unscaling(const torch::Tensor& grad_scale, const torch::Tensor& found_inf = {}) override;
 };
 
 /// torch::optim::Adam whose step completes or changes nothing, on the fastest
@@ -182,7 +214,12 @@ class Adam : public torch::optim::Adam, public KernelChoice {
   /// anything when an allocation fails.
   torch::Tensor step(LossClosure closure = nullptr) override;
   bool can_unscale_in_kernel() const override;
-  torch::Tensor step_unscaling(const torch::Tensor& grad_scale) override;
+  torch::Tensor step_unscaling(const torch::Tensor& grad_scale, const torch::Tensor& found_inf = {}) override;
+  void steps_to_host() override;
+  /// LibTorch's save, after steps_to_host().
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// LibTorch's load; the step counts on the device are dropped.
+  void load(torch::serialize::InputArchive& archive) override;
 };
 
 /// torch::optim::AdamW whose step completes or changes nothing, on the
@@ -205,7 +242,12 @@ class AdamW : public torch::optim::AdamW, public KernelChoice {
   /// anything when an allocation fails.
   torch::Tensor step(LossClosure closure = nullptr) override;
   bool can_unscale_in_kernel() const override;
-  torch::Tensor step_unscaling(const torch::Tensor& grad_scale) override;
+  torch::Tensor step_unscaling(const torch::Tensor& grad_scale, const torch::Tensor& found_inf = {}) override;
+  void steps_to_host() override;
+  /// LibTorch's save, after steps_to_host().
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// LibTorch's load; the step counts on the device are dropped.
+  void load(torch::serialize::InputArchive& archive) override;
 };
 
 /// The kernel `optimizer`'s last step ran, as the report names it: "fused"

@@ -9,7 +9,8 @@
 /// thread at a time.
 ///
 /// Sync points: GradScaler::step reads found_inf once per optimizer step (like
-/// PyTorch's); get_scale() reads the scale. scale(), unscale_() and update()
+/// PyTorch's), and step_async only where the optimizer cannot skip inside
+/// its fused kernel; get_scale() reads the scale. scale(), unscale_() and update()
 /// never sync: the inf check and the scale update are tensor ops (the fused
 /// `_amp_*` kernels on CUDA, ordinary ops elsewhere).
 ///
@@ -138,6 +139,24 @@ struct GradScalerOptions {
   TORCH_ARG(bool, enabled) = true;
 };
 
+/// What GradScaler::step_async did with an optimizer's step.
+///
+/// Where the optimizer's fused kernel decided whether to skip (on the
+/// device), `found_inf` holds the decision unread: one float32 element,
+/// nonzero where it skipped. Where the scaler decided on the host (LibTorch's
+/// optimizers, the loop kernel, after unscale_), `found_inf` is undefined and
+/// `stepped` says whether the optimizer stepped.
+///
+/// Example:
+/// \code
+///   memfit::ScaledStep r;
+///   bool skipped = r.found_inf.defined() ? r.found_inf.item<double>() != 0 : !r.stepped;
+/// \endcode
+struct ScaledStep {
+  bool stepped = false;     ///< The optimizer stepped, or was handed the decision (found_inf).
+  torch::Tensor found_inf;  ///< The kernel's skip decision, unread; undefined where the host decided.
+};
+
 /// Dynamic loss scaling for float16 training, with the semantics of
 /// torch.amp.GradScaler.
 ///
@@ -189,6 +208,25 @@ class GradScaler {
   /// inside its kernel instead (step_unscaling), as PyTorch's fused
   /// optimizers do: the gradients are only checked, not rewritten.
   bool step(torch::optim::Optimizer& optimizer);
+
+  /// step() without its read where the optimizer can skip inside its fused
+  /// kernel (can_unscale_in_kernel, and unscale_ not called): the kernel gets
+  /// the scale and found_inf and skips itself where found_inf is 1, as
+  /// PyTorch's fused optimizers do, and the decision comes back unread.
+  /// Elsewhere it decides on the host as step() does (one sync). No sync
+  /// points on the fused path; extra memory: none for one device (found_inf
+  /// is the inf check's own), one float per optimizer for several.
+  ///
+  /// Example:
+  /// \code
+  ///   auto lin = torch::nn::Linear(4, 2);
+  ///   memfit::optim::Adam adam(lin->parameters());
+  ///   memfit::GradScaler scaler;
+  ///   scaler.scale(lin(torch::ones({3, 4})).sum()).backward();
+  ///   const auto r = scaler.step_async(adam);  // fused (LibTorch 2.4+): nothing read yet
+  ///   scaler.update();
+  /// \endcode
+  ScaledStep step_async(torch::optim::Optimizer& optimizer);
 
   /// Updates the scale from the inf checks of every optimizer stepped since
   /// the last update, and forgets them.

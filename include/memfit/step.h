@@ -59,6 +59,10 @@ struct StepState {
                               ///< that neither needs nor checks it may clear it: the step reads nothing).
   bool skip = false;          ///< Set to skip the rest of the step (no backward, no optimizer step).
   bool stepped = false;       ///< Whether the optimizer stepped (false when a GradScaler skipped it).
+  /// Set by a component whose optimizer decides on the device whether to
+  /// skip (a GradScaler on a fused kernel): nonzero where it skipped. The
+  /// step reads it at its end, with no other sync between, for the record.
+  torch::Tensor found_inf;
   torch::optim::Optimizer* optimizer = nullptr;  ///< The optimizer the step steps.
   const torch::data::Example<>* example = nullptr;  ///< The batch, when it is a torch::data::Example<>.
 

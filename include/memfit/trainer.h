@@ -14,8 +14,9 @@
 /// Thread safety: a Trainer is used from one thread at a time. Sync points:
 /// one per step (the micro-batches' losses are summed on the device and read
 /// once, after the last backward, for the record and the non-finite check;
-/// none with NonfiniteLoss::kUnchecked); one more with fp16 (the
-/// GradScaler's inf check) and with clipping (the norm); recovery adds none in one process unless a step fails, and with a
+/// none with NonfiniteLoss::kUnchecked); one more with fp16 (whether the
+/// step was skipped: read after the update is queued where the fused kernel
+/// skips by itself, none then with kUnchecked) and with clipping (the norm); recovery adds none in one process unless a step fails, and with a
 /// process group two votes (docs/recovery.md). Extra memory:
 /// the micro-batch being trained on (copied to the device from host memory,
 /// memfit::to_device), and the optimizer's state (none on the device with
@@ -344,6 +345,12 @@ struct StepRecord {
   int64_t peak_bytes = 0;  ///< Peak memory_allocated(device) during the step.
   int64_t current_bytes = 0;  ///< memory_allocated(device) after the step.
   bool skipped = false;    ///< The GradScaler skipped the step (inf or NaN gradients).
+  /// Where the fused kernel decided on the device whether to skip (fp16 on
+  /// memfit's fused optimizers): one float32 element, nonzero where it
+  /// skipped. `skipped` is read from it at the step's end, unless the step
+  /// reads nothing (NonfiniteLoss::kUnchecked: then `skipped` is false and
+  /// reading this is the sync spared). Undefined elsewhere.
+  torch::Tensor found_inf;
   int64_t replans = 0;     ///< Times the step ran out of memory and was re-planned (OnOutOfMemory::kReplan).
 };
 
@@ -471,7 +478,7 @@ class EvalScope {
 /// dtype and the optimizer steps fp32 masters (on the host for
 /// MasterWeightsMode::kHost, where the step then runs). Sync points: one per
 /// step for the loss (none with NonfiniteLoss::kUnchecked), one more with
-/// fp16 (the GradScaler's inf check).
+/// fp16 (whether the step was skipped; see the class comment).
 /// A NaN or infinite loss without a GradScaler stops the run with an error
 /// naming the step, or skips the step (NonfiniteLoss::kSkip, recorded as
 /// skipped).
