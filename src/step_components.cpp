@@ -332,9 +332,17 @@ void OptimizerStatePart::save_state(torch::serialize::OutputArchive& a) {
 
 std::function<void()> OptimizerStatePart::load_state(torch::serialize::InputArchive& a, const std::string& path) {
   torch::serialize::InputArchive unused;
-  // (The masters themselves are MasterWeightsStep's part, when this run keeps them.)
-  TORCH_CHECK(layout_.masters || !a.try_read("masters", unused), path, " holds fp32 master weights, but this "
-              "run keeps none: resume with the master-weights and optimizer-offload options of the saved run");
+  // (The masters themselves are MasterWeightsStep's part, when this run keeps
+  // them.) Masters of float32 parameters, kept with state on the host, hold
+  // the model's own values between steps: this run needs nothing of them.
+  bool float32 = layout_.holder != nullptr;
+  if (float32) {
+    for (const auto& group : layout_.holder->param_groups()) {
+      for (const auto& p : group.params()) float32 = float32 && p.scalar_type() == at::kFloat;
+    }
+  }
+  TORCH_CHECK(layout_.masters || float32 || !a.try_read("masters", unused), path, " holds fp32 master weights, "
+              "but this run keeps none: resume with the master-weights and optimizer-offload options of the saved run");
   auto optimizer = std::make_shared<torch::serialize::InputArchive>();
   torch::serialize::InputArchive sharded;
   const bool was_sharded = a.try_read("optimizer_shards", sharded);

@@ -205,6 +205,7 @@ void Trainer::make_optimizer_over(const std::vector<torch::Tensor>& trainable) {
 // micro-batch and the chains' first schedules; and its default policy.
 void Trainer::remember_first_settings() {
   first_micro_batch_ = options_.micro_batch_size();
+  first_offload_ = options_.offload_optimizer();
   restore_first_schedules_ = [chains = find_chains(*module_)]() mutable {
     std::vector<Schedule> first;
     for (const auto& c : chains) first.push_back(c.chain->schedule());
@@ -276,6 +277,7 @@ void Trainer::build_components() {
 
 void Trainer::add_component(std::shared_ptr<StepComponent> component) {
   TORCH_CHECK(component != nullptr, "add_component needs a component, got nullptr");
+  added_components_.push_back(component);
   components_.insert(components_.end() - 1, std::move(component));  // the timeline stays last
 }
 
@@ -419,122 +421,6 @@ bool micro_batch(const std::vector<std::shared_ptr<StepComponent>>& cs, StepStat
 }
 
 } // namespace
-
-// One step, retried under a new plan while it runs out of memory and the
-// policy finds settings (OnOutOfMemory::kReplan). Every failed attempt has
-// left the state as the step found it (the components' abort_step).
-StepRecord Trainer::run_step(const detail::StepInput& in) {
-  TORCH_CHECK(in.examples > 0, "train_step needs a batch with examples, got an empty one");
-  if (replanned_ && options_.restore_after() > 0 && clean_steps_ >= options_.restore_after()) {
-    options_.micro_batch_size(first_micro_batch_);  // the limit may have lifted: try the first plan again
-    restore_first_schedules_();
-    replanned_ = false;
-    clean_steps_ = 0;
-  }
-  for (int64_t attempt = 1;; ++attempt) {
-    const auto start = Clock::now();
-    std::optional<PeakMeter> meter(std::in_place, options_.device());
-    try {
-      StepRecord rec = step_once(in);
-      rec.replans = attempt - 1;
-      ++clean_steps_;
-      return rec;
-    } catch (const c10::OutOfMemoryError& e) {
-      const int64_t peak = meter->peak();
-      meter.reset();
-      if (!recover(e, in, attempt, peak, seconds_since(start))) throw;
-    }
-  }
-}
-
-std::string Trainer::settings_text() const {
-  if (replanned_) return replanned_settings_;
-  const int64_t micro = options_.micro_batch_size();
-  return micro > 0 ? "micro-batches of " + std::to_string(micro) : "no micro-batching";
-}
-
-// After a failed attempt: true to run the step again under the policy's
-// settings; false to let the error propagate (kThrow). Gives up with one
-// line naming what was tried and the closest peak.
-bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& in, int64_t attempt, int64_t peak,
-                      double seconds) {
-  if (options_.on_out_of_memory() != OnOutOfMemory::kReplan) return false;
-  const auto replan_start = Clock::now();
-  const std::string what = compat::first_line(e.what_without_backtrace());
-  const bool committing = std::exchange(committing_, false), committed = std::exchange(committed_, false);
-  TORCH_CHECK_WITH(OutOfMemoryError, !committed, "step ", step_ + 1, " ran out of memory after its optimizer step "
-                   "had changed the parameters (", what, "): a step is not run twice; raise the budget");
-  TORCH_CHECK_WITH(OutOfMemoryError, !committing || optim::is_transactional(*optimizer_), "step ", step_ + 1,
-                   " ran out of memory inside the optimizer's step, which may have changed some parameters "
-                   "already (", what, "): recovery needs an optimizer whose step completes or changes nothing "
-                   "(OptimizerKind, memfit::optim)");
-  if (vote_) vote_->failed();  // the other ranks learn it at their next vote, and recover too
-  empty_cache(options_.device());
-  // The bytes no re-plan can move: what the Trainer holds between steps (the
-  // parameters, their masters and the optimizer's state on the device) and
-  // one gradient per parameter (none on the device when they go to the host).
-  const int64_t budget = memory_budget(options_.device());
-  int64_t fixed = memory_allocated(options_.device());
-  if (!state_on_host() && state_optimizer() != nullptr) fixed += optim::lazy_state_bytes(*state_optimizer());
-  if (options_.offload_gradients() != Offload::kHost) {
-    for (const auto& p : module_->parameters()) fixed += p.requires_grad() ? int64_t(p.nbytes()) : 0;
-  }
-  const bool fits = budget <= 0 || fixed <= budget;
-  if (vote_ && !fits) vote_->agree(false, 0);  // every rank stops
-  TORCH_CHECK_WITH(OutOfMemoryError, fits, "step ", step_ + 1, " ran out of memory: ",
-                   "the budget ", format_bytes(budget), " is smaller than the bytes no re-plan can move (",
-                   format_bytes(fixed), ": parameters, their gradients and the optimizer's state): raise the budget, "
-                   "or move the optimizer state and gradients to the host (TrainerOptions::offload_optimizer and "
-                   "offload_gradients)");
-  OutOfMemoryEvent event;
-  event.step = step_ + 1;
-  event.attempt = attempt;
-  event.examples = in.examples;
-  event.micro_batch_size = options_.micro_batch_size();
-  event.peak_bytes = peak;
-  event.limit_bytes = budget > 0 ? budget : peak;
-  event.what = what;
-  Recovery r;
-  r.step = event.step;
-  r.what = what;
-  r.peak_bytes = peak;
-  r.limit_bytes = event.limit_bytes;
-  r.before = settings_text();
-  std::optional<Replan> next;
-  if (attempt <= options_.max_replans()) next = options_.replan()(event);
-  // The ranks go on together, under the same plan, or stop together.
-  const std::string ranks_stop = vote_ ? vote_->agree(next.has_value(), next ? next->micro_batch_size : 0) : "";
-  TORCH_CHECK_WITH(OutOfMemoryError, ranks_stop.empty(), "step ", step_ + 1, " ran out of memory and ", ranks_stop,
-                   ": every rank stops (", what, ")");
-  if (next) {
-    options_.micro_batch_size(next->micro_batch_size);
-    if (next->apply) next->apply();
-    replanned_ = false;
-    r.after = next->description.empty() ? settings_text() : next->description;
-    replanned_settings_ = r.after;
-    replanned_ = true;
-  }
-  r.seconds = seconds + seconds_since(replan_start);
-  recoveries_.push_back(r);
-  clean_steps_ = 0;
-  std::string tried;
-  for (const auto& x : recoveries_) {
-    if (x.step == r.step) tried += (tried.empty() ? "" : ", ") + x.before;
-  }
-  TORCH_CHECK_WITH(OutOfMemoryError, next.has_value(), "step ", r.step, " ran out of memory under ",
-                   format_bytes(r.limit_bytes), " and could not be re-planned after ", attempt, " attempt",
-                   attempt == 1 ? "" : "s", " (", tried, "); the last reached ", format_bytes(peak),
-                   " before an allocation failed: raise the budget, or lower the batch size");
-  if (vote_ && vote_->peer_failed()) {
-    TORCH_WARN(what, ": re-planned from ", r.before, " to ", r.after, " and run again (",
-               fmt::format("{:.3f}", r.seconds), " s lost)");
-  } else {
-    TORCH_WARN("step ", r.step, " ran out of memory at ", format_bytes(peak), " under ",
-               format_bytes(r.limit_bytes), " with ", r.before, "; re-planned to ", r.after, " and run again (",
-               fmt::format("{:.3f}", r.seconds), " s lost)");
-  }
-  return true;
-}
 
 // One attempt at the step: it completes, or it throws having called every
 // component's abort_step, which leaves the state as the step found it.

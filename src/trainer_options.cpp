@@ -88,6 +88,17 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
   const auto chains = find_chains(module);  // the chains' handles, shared with the module
   return [keep_micro_batch, chains](const OutOfMemoryEvent& e) -> std::optional<Replan> {
     const int64_t micro = e.micro_batch_size > 0 ? std::min(e.micro_batch_size, e.examples) : e.examples;
+    const std::string micro_text = micro < e.examples ? "micro-batches of " + std::to_string(micro) : "";
+    // The last resort, or the first where only the state's bytes are too many: the state to the host.
+    const bool may_offload = e.may_offload_optimizer && e.offload_optimizer != Offload::kHost && e.state_bytes > 0;
+    const auto to_host = [&] {
+      Replan r;
+      r.micro_batch_size = e.micro_batch_size;
+      r.offload_optimizer = Offload::kHost;
+      r.description = (micro_text.empty() ? std::string() : micro_text + ", ") + "optimizer state on the host";
+      return r;
+    };
+    if (may_offload && e.limit_bytes > 0 && e.fixed_bytes > e.limit_bytes) return to_host();
     Replan r;
     if (!keep_micro_batch && micro > 1) {
       r.micro_batch_size = (micro + 1) / 2;
@@ -99,7 +110,7 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
     for (const auto& c : chains) {
       if (c.chain->sequential()->size() > 1 && !recomputes(c.chain->schedule().segments)) plain.push_back(c);
     }
-    if (plain.empty()) return std::nullopt;
+    if (plain.empty()) return may_offload ? std::optional<Replan>(to_host()) : std::nullopt;
     r.micro_batch_size = e.micro_batch_size;
     std::vector<std::string> what;
     std::vector<Schedule> schedules;
@@ -111,8 +122,7 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
     r.apply = [plain, schedules]() mutable {
       for (size_t i = 0; i < plain.size(); ++i) plain[i].chain->set_schedule(schedules[i]);
     };
-    r.description = (micro < e.examples ? "micro-batches of " + std::to_string(micro) + ", " : std::string()) +
-                    "recomputing " + c10::Join(", ", what);
+    r.description = (micro_text.empty() ? std::string() : micro_text + ", ") + "recomputing " + c10::Join(", ", what);
     return r;
   };
 }

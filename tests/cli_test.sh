@@ -194,6 +194,15 @@ check over-budget-recovery-reported python3 -c 'import json, sys; j = json.load(
 r = j["recoveries"]; assert r and r[-1]["after"].startswith("micro-batches of"), r
 assert j["summary"]["recoveries"] == len(r) and sum(s["replans"] for s in j["steps"]) == len(r), j["summary"]' \
   "$tmp/recovered.json"
+# Only the optimizer state does not fit: it moves to the host, and the losses are the unbudgeted run's.
+expect over-budget-offloaded 0 'recovered from out of memory 1 time .*the run ended with optimizer state on the host' out -- \
+  train --model mlp --budget 7MiB --steps 3 --no-eval -q --plan none --report "$tmp/offloaded.json"
+expect unbudgeted-for-offloaded 0 'final loss' out -- \
+  train --model mlp --steps 3 --no-eval -q --plan none --report "$tmp/unbudgeted.json"
+check over-budget-offloaded-same-losses python3 -c 'import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:])
+assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]], (a["steps"], b["steps"])' \
+  "$tmp/offloaded.json" "$tmp/unbudgeted.json"
 expect on-out-of-memory-bad 2 'on-out-of-memory' err -- train --on-out-of-memory retry
 expect over-budget-recomputed 0 "recovered from out of memory 1 time .*the run ended with recomputing '0' \\[0,4\\)\\*" out -- \
   train --model resnet --width 4 --batch 64 --budget 13MiB --steps 2 --no-eval -q --plan none

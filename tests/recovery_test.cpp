@@ -303,8 +303,8 @@ TEST(Recovery, AStepThatCannotFitGivesUpAfterBoundedAttemptsLeavingTheStateAndSa
   expect_bitwise(state_of(trainer, net), before, "after giving up");
   ASSERT_EQ(trainer.recoveries().size(), 4u) << "3 re-plans, then the attempt that gave up";
   EXPECT_EQ(trainer.recoveries().back().after, "");
-  {  // not even the fixed bytes fit: no re-plan is tried
-    BudgetGuard tiny(torch::kCPU, memory_allocated() + 64);
+  {  // not even the fixed bytes fit, the optimizer state moved off: no re-plan is tried
+    BudgetGuard tiny(torch::kCPU, 64);
     expect_error([&] { trainer.train_step(batch); }, "is smaller than the bytes no re-plan can move");
   }
   expect_bitwise(state_of(trainer, net), before, "after refusing");
@@ -325,6 +325,148 @@ TEST(Recovery, AStepThatCannotFitGivesUpAfterBoundedAttemptsLeavingTheStateAndSa
     EXPECT_THROW(saving.fit(data), c10::OutOfMemoryError);
   }
   EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(dir) / "checkpoint.pt"));
+}
+
+// A user's net whose Adam state outweighs its activations at small batches.
+struct WideImpl : torch::nn::Module {
+  WideImpl() : fc1(register_module("fc1", torch::nn::Linear(20, 256))), fc2(register_module("fc2", torch::nn::Linear(256, 5))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::log_softmax(fc2->forward(torch::relu(fc1->forward(x))), 1); }
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Wide);
+
+torch::Tensor wide_nll(WideImpl& net, const torch::data::Example<>& b) {
+  return torch::nll_loss(net.forward(b.data), b.target);
+}
+
+struct OffloadRun {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> params;
+  std::vector<Recovery> recoveries;
+  std::vector<Offload> placement;  // where each step left the optimizer state
+  int64_t calls = 0;               // of a component the user added
+  bool same_optimizer = false;     // the one an LR scheduler was given
+};
+
+// 10 steps of batch 8 whose budget drops at step 3 below what the Trainer
+// holds between steps (the parameters, Adam's state) with a gradient, but
+// not below that less half the state; lifted at `lift_at`.
+OffloadRun run_offloaded(const TrainerOptions& options, bool drop, int64_t lift_at = 0) {
+  struct Counting : StepComponent {
+    int64_t calls = 0;
+    void begin_step(StepState&) override { ++calls; }
+  };
+  torch::manual_seed(7);
+  Wide net;
+  Trainer t(net, wide_nll, options);
+  auto counting = std::make_shared<Counting>();
+  t.add_component(counting);
+  torch::optim::Optimizer* const first = &t.optimizer();
+  torch::optim::StepLR schedule(t.optimizer(), /*step_size=*/3, /*gamma=*/0.5);
+  OffloadRun r;
+  for (int64_t step = 1; step <= 10; ++step) {
+    if (drop && step == 3) {
+      const int64_t state = optimizer_state_bytes(t.optimizer());
+      int64_t grads = 0;
+      for (const auto& p : net->parameters()) grads += p.nbytes();
+      set_memory_budget(torch::kCPU, memory_allocated() + grads - state / 2);
+    }
+    if (step == lift_at) set_memory_budget(torch::kCPU, 0);
+    r.losses.push_back(t.train_step(batch_of(8, step)).loss);
+    r.placement.push_back(t.options().offload_optimizer());
+    schedule.step();
+  }
+  r.same_optimizer = &t.optimizer() == first;
+  set_memory_budget(torch::kCPU, 0);
+  UntrackedGuard host;  // the copies must not count against the next run's budget
+  r.params = copies(net->parameters());
+  r.recoveries = t.recoveries();
+  r.calls = counting->calls;
+  return r;
+}
+
+// Where only the optimizer state is too many bytes, the default policy moves
+// it to the host first (fp32 host masters, ZeRO-Offload's step): the same
+// optimizer on the same values, so the run equals the uninterrupted one
+// bitwise; the optimizer stays the object an LR scheduler was given, and a
+// component the user added keeps being called.
+TEST(Recovery, WhenTheOptimizerStateDoesNotFitItMovesToTheHostAndTrainsBitwiseTheSame) {
+  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan);
+  const auto plain = run_offloaded(options, false);
+  const auto dropped = run_offloaded(options, true);
+  ASSERT_FALSE(dropped.recoveries.empty());
+  EXPECT_EQ(dropped.recoveries[0].step, 3);
+  EXPECT_EQ(dropped.recoveries[0].before, "no micro-batching");
+  EXPECT_EQ(dropped.recoveries[0].after, "optimizer state on the host");
+  EXPECT_EQ(dropped.placement[1], Offload::kNone);
+  for (size_t i = 2; i < 10; ++i) EXPECT_EQ(dropped.placement[i], Offload::kHost) << "step " << i + 1;
+  EXPECT_TRUE(dropped.same_optimizer);
+  EXPECT_EQ(dropped.calls, plain.calls + static_cast<int64_t>(dropped.recoveries.size()))
+      << "the user's component is called at every attempt, after the move too";
+  if (dropped.recoveries.size() == 1) {
+    EXPECT_EQ(dropped.losses, plain.losses);
+    expect_bitwise(dropped.params, plain.params, "parameters");
+  } else {  // micro-batches were needed as well: the same math within rounding
+    for (size_t i = 0; i < 10; ++i) EXPECT_NEAR(dropped.losses[i], plain.losses[i], 1e-5) << "step " << i + 1;
+  }
+}
+
+// restore_after: once the limit lifts, the state moves back to the device
+// (and the run stays the uninterrupted one's).
+TEST(Recovery, TheOptimizerStateMovesBackToTheDeviceAfterRestoreAfterOnceTheLimitLifts) {
+  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan);
+  const auto plain = run_offloaded(options, false);
+  const auto restored = run_offloaded(TrainerOptions(options).restore_after(2), true, 6);
+  EXPECT_EQ(restored.placement[3], Offload::kHost);
+  EXPECT_EQ(restored.placement.back(), Offload::kNone);
+  for (size_t i = 0; i < 10; ++i) EXPECT_NEAR(restored.losses[i], plain.losses[i], 1e-5) << "step " << i + 1;
+  EXPECT_LT(testing::max_relative_difference(restored.params, plain.params), 1e-5);
+}
+
+// A run whose state moved to the host saves a checkpoint that a Trainer
+// with the run's first options resumes (its fp32 masters are the model's
+// values), continuing as the run does; a policy that moves the state where
+// the Trainer cannot is refused in one line.
+TEST(Recovery, AnOffloadedRunResumesUnderItsFirstOptionsAndAnImpossibleMoveIsRefused) {
+  const auto dir = (std::filesystem::temp_directory_path() / ("memfit_offload_" + std::to_string(::getpid()))).string();
+  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan);
+  torch::manual_seed(7);
+  Wide net;
+  Trainer t(net, wide_nll, options);
+  t.train_step(batch_of(8, 1));
+  t.train_step(batch_of(8, 2));
+  {
+    const int64_t state = optimizer_state_bytes(t.optimizer());
+    int64_t grads = 0;
+    for (const auto& p : net->parameters()) grads += p.nbytes();
+    BudgetGuard drop(torch::kCPU, memory_allocated() + grads - state / 2);
+    t.train_step(batch_of(8, 3));
+  }
+  ASSERT_EQ(t.options().offload_optimizer(), Offload::kHost);
+  t.save(dir);
+  Wide other;
+  Trainer resumed(other, wide_nll, options);
+  resumed.resume(dir);
+  EXPECT_EQ(resumed.options().offload_optimizer(), Offload::kNone);
+  EXPECT_EQ(resumed.train_step(batch_of(8, 4)).loss, t.train_step(batch_of(8, 4)).loss);
+  expect_bitwise(copies(other->parameters()), copies(net->parameters()), "parameters after the resumed step");
+  std::filesystem::remove_all(dir);
+
+  Wide low;
+  Trainer masters(low, wide_nll, TrainerOptions(options).precision(Precision::kBF16)
+                                     .master_weights(MasterWeightsMode::kDevice)
+                                     .replan([](const OutOfMemoryEvent& e) -> std::optional<Replan> {
+                                       Replan r;
+                                       r.micro_batch_size = e.micro_batch_size;
+                                       r.offload_optimizer = Offload::kHost;
+                                       return r;
+                                     }));
+  int64_t grads = 0;
+  for (const auto& p : low->parameters()) grads += p.nbytes();
+  // Room for what the Trainer holds and the gradients, not for the activations.
+  BudgetGuard tight(torch::kCPU, memory_allocated() + optim::lazy_state_bytes(masters.optimizer()) + grads + 1024);
+  expect_error([&] { masters.train_step(batch_of(64, 0)); }, "the re-plan moves the optimizer state, which this "
+                                                              "Trainer cannot");
 }
 
 // A module with batch statistics keeps its micro-batch: the default policy

@@ -147,6 +147,20 @@ struct OutOfMemoryEvent {
   int64_t peak_bytes = 0;        ///< The most memory_allocated(device) the attempt reached.
   int64_t limit_bytes = 0;       ///< Memory the step may use: the budget, else the peak it reached.
   std::string what;              ///< The error's message, first line.
+  /// Bytes no micro-batch or recomputation can move: what the Trainer holds
+  /// between steps (parameters, optimizer state on the device, its lazy
+  /// first-step state included) and one gradient per parameter.
+  int64_t fixed_bytes = 0;
+  /// Of fixed_bytes, the optimizer state's on the device: what moving it to
+  /// the host (Replan::offload_optimizer) takes off.
+  int64_t state_bytes = 0;
+  /// Where the failed attempt kept the optimizer state (TrainerOptions::offload_optimizer).
+  Offload offload_optimizer = Offload::kNone;
+  /// Whether this Trainer can move its optimizer state at a re-plan: one
+  /// process, and the optimizer steps the model's float32 parameters (no
+  /// masters, ZeRO, pipeline, offloaded gradients or parameter stream) with
+  /// a LibTorch or memfit SGD, Adam, AdamW, Adagrad or RMSprop.
+  bool may_offload_optimizer = false;
 };
 
 /// The settings a step is retried with after running out of memory.
@@ -158,6 +172,12 @@ struct Replan {
   std::function<void()> apply;
   /// The settings in words, for the recovery's line and the report.
   std::string description;
+  /// Where the retry keeps the optimizer state; unset: where it is.
+  /// Offload::kHost moves it to host memory with float32 host masters and
+  /// steps it there, as TrainerOptions::offload_optimizer does (ZeRO-Offload):
+  /// the same optimizer on the same values, so the same math. Only where
+  /// OutOfMemoryEvent::may_offload_optimizer; elsewhere the step gives up.
+  std::optional<Offload> offload_optimizer;
 };
 
 /// Re-plans a step that ran out of memory: returns the settings to retry
@@ -180,8 +200,11 @@ std::optional<std::string> batch_statistics_layer(const torch::nn::Module& modul
 /// module's chains (CheckpointedSequential) that recompute nothing recompute
 /// sqrt(n) segments. A module with batch statistics (BatchNorm) keeps its
 /// micro-batch unless `batch_statistics_may_change`, since micro-batches
-/// normalise with their own statistics: its chains recompute first. Gives
-/// up when neither is left.
+/// normalise with their own statistics: its chains recompute first. Then,
+/// where the Trainer can (OutOfMemoryEvent::may_offload_optimizer), the
+/// optimizer state moves to the host; first, when the bytes no micro-batch
+/// can move exceed the limit but those without the state do not. Gives up
+/// when nothing is left.
 ///
 /// Example:
 /// \code
@@ -314,9 +337,11 @@ struct TrainerOptions {
   /// and no chain to recompute is refused).
   TORCH_ARG(OutOfMemoryPolicy, replan) = nullptr;
   /// After this many steps in a row without running out of memory, a
-  /// re-planned run tries its first micro-batch size again (a limit that
-  /// lifted gives its speed back; one that did not costs one failed attempt
-  /// and re-plans again); 0: it keeps the re-planned settings.
+  /// re-planned run tries its first micro-batch size, chain schedules and
+  /// optimizer state placement again (a limit that lifted gives its speed
+  /// back; one that did not costs one failed attempt and re-plans again; state
+  /// that does not fit back on the device stays on the host); 0: it keeps
+  /// the re-planned settings.
   TORCH_ARG(int64_t, restore_after) = 0;
 };
 
@@ -735,6 +760,9 @@ class Trainer {
   void make_data_parallel(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& model_params);
   void remember_first_settings();
   void build_components();
+  // Recovery's offload: whether the optimizer state can move now, and the move.
+  bool may_offload_optimizer() const;
+  void move_optimizer_state(Offload where);
   StepMemory breakdown(int64_t peak, int64_t model_grad_bytes) const;
   bool state_on_host() const;
   int64_t device_state_bytes() const;
@@ -768,11 +796,13 @@ class Trainer {
   std::unique_ptr<std::atomic<bool>> stop_ = std::make_unique<std::atomic<bool>>(false);  // request_stop
   ZeroRedundancyOptimizer* zero_ = nullptr;  // optimizer_, when it is sharded
   std::vector<std::shared_ptr<StepComponent>> components_;
+  std::vector<std::shared_ptr<StepComponent>> added_components_;  // add_component's, kept when components are rebuilt
   std::shared_ptr<detail::Timeline> timeline_;  // also in components_, last
   // Recovery: the events so far, the first settings, steps since the last re-plan, and
   // whether the running step's optimizer has begun changing the parameters.
   std::vector<Recovery> recoveries_;
   int64_t first_micro_batch_ = 0;
+  Offload first_offload_ = Offload::kNone;
   std::function<void()> restore_first_schedules_;  // the chains' schedules when the Trainer was built
   bool replanned_ = false;                          // the settings are a recovery's, not the first
   std::string replanned_settings_;                  // a recovery's settings in words

@@ -1,0 +1,255 @@
+#include "memfit/trainer.h"
+
+#include "trainer_internal.h"
+
+#include "compat.h"
+#include "memfit/optim.h"
+#include "memory_internal.h"
+#include "step_components.h"
+
+#include <torch/optim.h>
+#include <torch/torch.h>
+
+#include <fmt/format.h>
+
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+// Recovery from out-of-memory errors: the retried step, the re-plan, and
+// moving the optimizer state between the device and the host (docs/recovery.md).
+
+namespace memfit {
+
+using detail::Clock;
+using detail::seconds_since;
+
+// One step, retried under a new plan while it runs out of memory and the
+// policy finds settings (OnOutOfMemory::kReplan). Every failed attempt has
+// left the state as the step found it (the components' abort_step).
+StepRecord Trainer::run_step(const detail::StepInput& in) {
+  TORCH_CHECK(in.examples > 0, "train_step needs a batch with examples, got an empty one");
+  if (replanned_ && options_.restore_after() > 0 && clean_steps_ >= options_.restore_after()) {
+    options_.micro_batch_size(first_micro_batch_);  // the limit may have lifted: try the first plan again
+    restore_first_schedules_();
+    try {
+      move_optimizer_state(first_offload_);
+    } catch (const c10::OutOfMemoryError&) {
+      // The state does not fit back on the device: it stays on the host (the move changed nothing).
+    }
+    replanned_ = false;
+    clean_steps_ = 0;
+  }
+  for (int64_t attempt = 1;; ++attempt) {
+    const auto start = Clock::now();
+    std::optional<PeakMeter> meter(std::in_place, options_.device());
+    try {
+      StepRecord rec = step_once(in);
+      rec.replans = attempt - 1;
+      ++clean_steps_;
+      return rec;
+    } catch (const c10::OutOfMemoryError& e) {
+      const int64_t peak = meter->peak();
+      meter.reset();
+      if (!recover(e, in, attempt, peak, seconds_since(start))) throw;
+    }
+  }
+}
+
+std::string Trainer::settings_text() const {
+  if (replanned_) return replanned_settings_;
+  const int64_t micro = options_.micro_batch_size();
+  return micro > 0 ? "micro-batches of " + std::to_string(micro) : "no micro-batching";
+}
+
+// After a failed attempt: true to run the step again under the policy's
+// settings; false to let the error propagate (kThrow). Gives up with one
+// line naming what was tried and the closest peak.
+bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& in, int64_t attempt, int64_t peak,
+                      double seconds) {
+  if (options_.on_out_of_memory() != OnOutOfMemory::kReplan) return false;
+  const auto replan_start = Clock::now();
+  const std::string what = compat::first_line(e.what_without_backtrace());
+  const bool committing = std::exchange(committing_, false), committed = std::exchange(committed_, false);
+  TORCH_CHECK_WITH(OutOfMemoryError, !committed, "step ", step_ + 1, " ran out of memory after its optimizer step "
+                   "had changed the parameters (", what, "): a step is not run twice; raise the budget");
+  TORCH_CHECK_WITH(OutOfMemoryError, !committing || optim::is_transactional(*optimizer_), "step ", step_ + 1,
+                   " ran out of memory inside the optimizer's step, which may have changed some parameters "
+                   "already (", what, "): recovery needs an optimizer whose step completes or changes nothing "
+                   "(OptimizerKind, memfit::optim)");
+  if (vote_) vote_->failed();  // the other ranks learn it at their next vote, and recover too
+  empty_cache(options_.device());
+  // The bytes no re-plan can move: what the Trainer holds between steps (the
+  // parameters, their masters and the optimizer's state on the device) and
+  // one gradient per parameter (none on the device when they go to the host).
+  // The optimizer's state, when it may move to the host, is not among them.
+  const int64_t budget = memory_budget(options_.device());
+  int64_t fixed = memory_allocated(options_.device());
+  const int64_t state =
+      state_on_host() || state_optimizer() == nullptr
+          ? 0
+          : optimizer_state_bytes(*state_optimizer()) + optim::lazy_state_bytes(*state_optimizer());
+  if (!state_on_host() && state_optimizer() != nullptr) fixed += optim::lazy_state_bytes(*state_optimizer());
+  if (options_.offload_gradients() != Offload::kHost) {
+    for (const auto& p : module_->parameters()) fixed += p.requires_grad() ? int64_t(p.nbytes()) : 0;
+  }
+  const bool may_offload = may_offload_optimizer();
+  const bool fits = budget <= 0 || fixed - (may_offload ? state : 0) <= budget;
+  if (vote_ && !fits) vote_->agree(false, 0);  // every rank stops
+  TORCH_CHECK_WITH(OutOfMemoryError, fits, "step ", step_ + 1, " ran out of memory: ",
+                   "the budget ", format_bytes(budget), " is smaller than the bytes no re-plan can move (",
+                   format_bytes(fixed - (may_offload ? state : 0)),
+                   may_offload ? ": parameters and their gradients, the optimizer's state moved off"
+                               : ": parameters, their gradients and the optimizer's state",
+                   "): raise the budget, or move the optimizer state and gradients to the host "
+                   "(TrainerOptions::offload_optimizer and offload_gradients)");
+  OutOfMemoryEvent event;
+  event.step = step_ + 1;
+  event.attempt = attempt;
+  event.examples = in.examples;
+  event.micro_batch_size = options_.micro_batch_size();
+  event.peak_bytes = peak;
+  event.limit_bytes = budget > 0 ? budget : peak;
+  event.what = what;
+  event.fixed_bytes = fixed;
+  event.state_bytes = state;
+  event.offload_optimizer = options_.offload_optimizer();
+  event.may_offload_optimizer = may_offload;
+  Recovery r;
+  r.step = event.step;
+  r.what = what;
+  r.peak_bytes = peak;
+  r.limit_bytes = event.limit_bytes;
+  r.before = settings_text();
+  std::optional<Replan> next;
+  if (attempt <= options_.max_replans()) next = options_.replan()(event);
+  // The ranks go on together, under the same plan, or stop together.
+  const std::string ranks_stop = vote_ ? vote_->agree(next.has_value(), next ? next->micro_batch_size : 0) : "";
+  TORCH_CHECK_WITH(OutOfMemoryError, ranks_stop.empty(), "step ", step_ + 1, " ran out of memory and ", ranks_stop,
+                   ": every rank stops (", what, ")");
+  const bool moves = next && next->offload_optimizer && *next->offload_optimizer != options_.offload_optimizer();
+  TORCH_CHECK_WITH(OutOfMemoryError, !moves || may_offload, "step ", step_ + 1, " ran out of memory (", what,
+                   ") and the re-plan moves the optimizer state, which this Trainer cannot (", r.before,
+                   "): it needs one process and the model's float32 parameters stepped directly; "
+                   "return Replan::offload_optimizer unset");
+  if (next) {
+    if (moves) move_optimizer_state(*next->offload_optimizer);
+    options_.micro_batch_size(next->micro_batch_size);
+    if (next->apply) next->apply();
+    replanned_ = false;
+    r.after = next->description.empty() ? settings_text() : next->description;
+    replanned_settings_ = r.after;
+    replanned_ = true;
+  }
+  r.seconds = seconds + seconds_since(replan_start);
+  recoveries_.push_back(r);
+  clean_steps_ = 0;
+  std::string tried;
+  for (const auto& x : recoveries_) {
+    if (x.step == r.step) tried += (tried.empty() ? "" : ", ") + x.before;
+  }
+  TORCH_CHECK_WITH(OutOfMemoryError, next.has_value(), "step ", r.step, " ran out of memory under ",
+                   format_bytes(r.limit_bytes), " and could not be re-planned after ", attempt, " attempt",
+                   attempt == 1 ? "" : "s", " (", tried, "); the last reached ", format_bytes(peak),
+                   " before an allocation failed: raise the budget, or lower the batch size");
+  if (vote_ && vote_->peer_failed()) {
+    TORCH_WARN(what, ": re-planned from ", r.before, " to ", r.after, " and run again (",
+               fmt::format("{:.3f}", r.seconds), " s lost)");
+  } else {
+    TORCH_WARN("step ", r.step, " ran out of memory at ", format_bytes(peak), " under ",
+               format_bytes(r.limit_bytes), " with ", r.before, "; re-planned to ", r.after, " and run again (",
+               fmt::format("{:.3f}", r.seconds), " s lost)");
+  }
+  return true;
+}
+
+namespace {
+
+// Whether `optimizer`'s state is of a kind whose tensors memfit can move
+// (detail::for_each_state_tensor knows them).
+bool state_can_move(const torch::optim::Optimizer& optimizer) {
+  return dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr ||
+         dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr ||
+         dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr ||
+         dynamic_cast<const torch::optim::Adagrad*>(&optimizer) != nullptr ||
+         dynamic_cast<const torch::optim::RMSprop*>(&optimizer) != nullptr;
+}
+
+} // namespace
+
+bool Trainer::may_offload_optimizer() const {
+  if (options_.process_group() != nullptr || pipeline_ || zero_ != nullptr || stream_ ||
+      options_.master_weights() != MasterWeightsMode::kNone || options_.offload_gradients() != Offload::kNone ||
+      options_.offload_parameters() != Offload::kNone || optimizer_ == nullptr || !state_can_move(*optimizer_)) {
+    return false;
+  }
+  for (const auto& p : module_->parameters()) {
+    if (p.scalar_type() != at::kFloat) return false;
+  }
+  return true;
+}
+
+// Moves the optimizer's state to the host with float32 host masters
+// (Offload::kHost), or back next to the model's parameters (kNone), between
+// steps. The optimizer stays the same object (an LR scheduler holds it):
+// its parameters become the masters (or the model's again) and its state
+// moves with them. The masters and the state's copies are made before
+// anything changes, so a failure (no room on the device) changes nothing.
+void Trainer::move_optimizer_state(Offload where) {
+  if (where == options_.offload_optimizer()) return;
+  TORCH_INTERNAL_ASSERT(may_offload_optimizer());
+  if (auto* k = dynamic_cast<optim::KernelChoice*>(optimizer_.get())) k->steps_to_host();
+  const std::vector<torch::Tensor> model_params = module_->parameters();
+  std::unique_ptr<MasterWeights> master;
+  if (where == Offload::kHost) {
+    master = std::make_unique<MasterWeights>(
+        *module_, MasterWeightsOptions().dtype(at::kFloat).offload(Offload::kHost).stream_to(options_.device()));
+  }
+  // What the optimizer steps now and will step, by model parameter.
+  const std::vector<torch::Tensor>& now = master_ ? master_->master_parameters() : model_params;
+  const std::vector<torch::Tensor>& next = master ? master->master_parameters() : model_params;
+  std::unordered_map<const c10::TensorImpl*, size_t> index;
+  for (size_t i = 0; i < now.size(); ++i) index[now[i].unsafeGetTensorImpl()] = i;
+  struct Move {
+    torch::Tensor* slot;  // the optimizer's parameter
+    torch::Tensor to;
+    std::unique_ptr<torch::optim::OptimizerParamState> state;  // its state next to `to`, if it has any
+  };
+  std::vector<Move> moves;
+  auto& state = optimizer_->state();
+  {
+    std::optional<UntrackedGuard> host;
+    if (where == Offload::kHost) host.emplace();
+    for (auto& group : optimizer_->param_groups()) {
+      for (auto& p : group.params()) {
+        const auto i = index.find(p.unsafeGetTensorImpl());
+        TORCH_INTERNAL_ASSERT(i != index.end(), "the optimizer steps a tensor that is not the model's");
+        Move m{&p, next[i->second], nullptr};
+        const auto found = state.find(compat::optimizer_state_key(p));
+        if (found != state.end()) {
+          m.state = found->second->clone();
+          detail::for_each_state_tensor(*m.state, [&](torch::Tensor& t) {
+            auto moved = torch::empty(t.sizes(), t.options().device(m.to.device()).pinned_memory(m.to.is_pinned()));
+            moved.copy_(t);
+            t = moved;
+          });
+        }
+        moves.push_back(std::move(m));
+      }
+    }
+  }
+  for (auto& m : moves) {
+    state.erase(compat::optimizer_state_key(*m.slot));
+    *m.slot = m.to;
+    if (m.state) state[compat::optimizer_state_key(m.to)] = std::move(m.state);
+  }
+  options_.offload_optimizer(where);
+  master_ = std::move(master);
+  components_.clear();
+  build_components();
+  for (const auto& c : added_components_) components_.insert(components_.end() - 1, c);  // the timeline stays last
+}
+
+} // namespace memfit
