@@ -34,12 +34,17 @@ StepRecord Trainer::run_step(const detail::StepInput& in) {
   if (replanned_ && options_.restore_after() > 0 && clean_steps_ >= options_.restore_after()) {
     options_.micro_batch_size(first_micro_batch_);  // the limit may have lifted: try the first plan again
     restore_first_schedules_();
+    bool state_back = true;
     try {
       move_optimizer_state(first_offload_);
     } catch (const c10::OutOfMemoryError&) {
-      // The state does not fit back on the device: it stays on the host (the move changed nothing).
+      state_back = false;  // no room on the device: the move changed nothing, and is tried again later
     }
     replanned_ = false;
+    if (!state_back) {
+      replanned_settings_ = settings_text() + ", optimizer state on the host";
+      replanned_ = true;
+    }
     clean_steps_ = 0;
   }
   for (int64_t attempt = 1;; ++attempt) {

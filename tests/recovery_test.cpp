@@ -16,6 +16,7 @@
 
 #include <filesystem>
 #include <limits>
+#include <optional>
 #include <unistd.h>
 #include <string>
 #include <tuple>
@@ -421,6 +422,45 @@ TEST(Recovery, TheOptimizerStateMovesBackToTheDeviceAfterRestoreAfterOnceTheLimi
   EXPECT_EQ(restored.placement.back(), Offload::kNone);
   for (size_t i = 0; i < 10; ++i) EXPECT_NEAR(restored.losses[i], plain.losses[i], 1e-5) << "step " << i + 1;
   EXPECT_LT(testing::max_relative_difference(restored.params, plain.params), 1e-5);
+}
+
+// A move back that runs out of memory (its first copy fails) changes
+// nothing: the state stays on the host, the step runs, and the move is
+// tried again after restore_after more clean steps; the run equals the
+// uninterrupted one bitwise throughout.
+TEST(Recovery, AMoveBackThatRunsOutOfMemoryLeavesTheStateOnTheHostAndIsTriedAgain) {
+  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan).restore_after(1);
+  auto run = [&](bool drop) {
+    torch::manual_seed(7);
+    Wide net;
+    Trainer t(net, wide_nll, options);
+    std::vector<double> losses;
+    std::vector<Offload> placement;
+    for (int64_t step = 1; step <= 6; ++step) {
+      std::optional<BudgetGuard> budget;
+      std::optional<AllocationFault> fault;
+      if (drop && step == 3) {
+        const int64_t state = optimizer_state_bytes(t.optimizer());
+        int64_t grads = 0;
+        for (const auto& p : net->parameters()) grads += p.nbytes();
+        budget.emplace(torch::kCPU, memory_allocated() + grads - state / 2);
+      }
+      if (drop && step == 4) fault.emplace(1);  // the move back's first copy
+      losses.push_back(t.train_step(batch_of(8, step)).loss);
+      placement.push_back(t.options().offload_optimizer());
+      if (fault) EXPECT_TRUE(fault->failed()) << "the move back's first copy failed";
+    }
+    UntrackedGuard host;
+    return std::make_tuple(losses, placement, copies(net->parameters()), t.recoveries().size());
+  };
+  const auto [plain_losses, plain_placement, plain_params, plain_recoveries] = run(false);
+  const auto [losses, placement, params, recoveries] = run(true);
+  EXPECT_EQ(recoveries, 1u) << "the failed move back is no recovery";
+  EXPECT_EQ(placement[2], Offload::kHost);
+  EXPECT_EQ(placement[3], Offload::kHost) << "the move back failed: the state stayed";
+  EXPECT_EQ(placement[4], Offload::kNone) << "tried again after a clean step";
+  EXPECT_EQ(losses, plain_losses);
+  expect_bitwise(params, plain_params, "parameters");
 }
 
 // A run whose state moved to the host saves a checkpoint that a Trainer
