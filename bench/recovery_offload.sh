@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Recovery that moves the optimizer state to the host: `memfit train` of
+# the MLP under 7 MiB (its parameters, gradients and Adam state need 10.2)
+# against the same run without a budget, step by step.
+# Usage: bash bench/recovery_offload.sh [BUILD]
+set -euo pipefail
+build=${1:-build}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+echo "## under 7 MiB"
+"$build/memfit" train --model mlp --budget 7MiB --steps 3 --no-eval --plan none --report "$tmp/budget.json"
+echo "## without a budget"
+"$build/memfit" train --model mlp --steps 3 --no-eval --plan none --report "$tmp/plain.json"
+echo "## per step: loss under the budget and without, peak bytes, seconds, re-plans"
+python3 - "$tmp/budget.json" "$tmp/plain.json" <<'PY'
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:])
+for x, y in zip(a["steps"], b["steps"]):
+    print("step", x["step"], "loss", x["loss"], y["loss"], "equal" if x["loss"] == y["loss"] else "DIFFER",
+          "peak", x["peak_bytes"], y["peak_bytes"], "seconds", round(x["seconds"], 4), round(y["seconds"], 4),
+          "replans", x["replans"])
+print("recoveries", a["recoveries"])
+PY
