@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Recovery that moves the optimizer state to the host: `memfit train` of
-# the MLP under 7 MiB (its parameters, gradients and Adam state need 10.2)
-# against the same run without a budget, step by step.
+# the MLP under 7 MiB (its parameters, gradients and Adam state need 10.2),
+# and under 5 MiB, where its parameters and gradients alone (5.11) do not
+# fit and the gradients move too, against the same run without a budget,
+# step by step.
 # Usage: bash bench/recovery_offload.sh [BUILD]
 set -euo pipefail
 build=${1:-build}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-echo "## under 7 MiB"
-"$build/memfit" train --model mlp --budget 7MiB --steps 3 --no-eval --plan none --report "$tmp/budget.json"
 echo "## without a budget"
 "$build/memfit" train --model mlp --steps 3 --no-eval --plan none --report "$tmp/plain.json"
-echo "## per step: loss under the budget and without, peak bytes, seconds, re-plans"
-python3 - "$tmp/budget.json" "$tmp/plain.json" <<'PY'
+for budget in 7MiB 5MiB; do
+  echo "## under $budget"
+  "$build/memfit" train --model mlp --budget $budget --steps 3 --no-eval --plan none --report "$tmp/budget.json"
+  echo "## per step under $budget: loss under the budget and without, peak bytes, seconds, re-plans"
+  python3 - "$tmp/budget.json" "$tmp/plain.json" <<'PY'
 import json, sys
 a, b = (json.load(open(f)) for f in sys.argv[1:])
 for x, y in zip(a["steps"], b["steps"]):
@@ -21,3 +24,4 @@ for x, y in zip(a["steps"], b["steps"]):
           "replans", x["replans"])
 print("recoveries", a["recoveries"])
 PY
+done

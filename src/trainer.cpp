@@ -206,6 +206,7 @@ void Trainer::make_optimizer_over(const std::vector<torch::Tensor>& trainable) {
 void Trainer::remember_first_settings() {
   first_micro_batch_ = options_.micro_batch_size();
   first_offload_ = options_.offload_optimizer();
+  first_offload_gradients_ = options_.offload_gradients();
   restore_first_schedules_ = [chains = find_chains(*module_)]() mutable {
     std::vector<Schedule> first;
     for (const auto& c : chains) first.push_back(c.chain->schedule());

@@ -89,16 +89,27 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
   return [keep_micro_batch, chains](const OutOfMemoryEvent& e) -> std::optional<Replan> {
     const int64_t micro = e.micro_batch_size > 0 ? std::min(e.micro_batch_size, e.examples) : e.examples;
     const std::string micro_text = micro < e.examples ? "micro-batches of " + std::to_string(micro) : "";
-    // The last resort, or the first where only the state's bytes are too many: the state to the host.
-    const bool may_offload = e.may_offload_optimizer && e.offload_optimizer != Offload::kHost && e.state_bytes > 0;
-    const auto to_host = [&] {
+    // The last resorts, or the first where the bytes no micro-batch can move
+    // are too many: the state to the host, then the gradients too.
+    const bool may_state = e.may_offload_optimizer && e.offload_optimizer != Offload::kHost && e.state_bytes > 0;
+    const bool may_grads = e.may_offload_optimizer && e.offload_gradients != Offload::kHost && e.gradient_bytes > 0;
+    const auto to_host = [&](bool gradients) {
       Replan r;
       r.micro_batch_size = e.micro_batch_size;
       r.offload_optimizer = Offload::kHost;
-      r.description = (micro_text.empty() ? std::string() : micro_text + ", ") + "optimizer state on the host";
+      if (gradients) r.offload_gradients = Offload::kHost;
+      r.description = (micro_text.empty() ? std::string() : micro_text + ", ") +
+                      (gradients ? "optimizer state and gradients on the host" : "optimizer state on the host");
       return r;
     };
-    if (may_offload && e.limit_bytes > 0 && e.fixed_bytes > e.limit_bytes) return to_host();
+    const auto last_resort = [&]() -> std::optional<Replan> {
+      if (may_state) return to_host(false);
+      if (may_grads) return to_host(true);
+      return std::nullopt;
+    };
+    if ((may_state || may_grads) && e.limit_bytes > 0 && e.fixed_bytes > e.limit_bytes) {
+      return to_host(!may_state || e.fixed_bytes - e.state_bytes > e.limit_bytes);
+    }
     Replan r;
     if (!keep_micro_batch && micro > 1) {
       r.micro_batch_size = (micro + 1) / 2;
@@ -110,7 +121,7 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
     for (const auto& c : chains) {
       if (c.chain->sequential()->size() > 1 && !recomputes(c.chain->schedule().segments)) plain.push_back(c);
     }
-    if (plain.empty()) return may_offload ? std::optional<Replan>(to_host()) : std::nullopt;
+    if (plain.empty()) return last_resort();
     r.micro_batch_size = e.micro_batch_size;
     std::vector<std::string> what;
     std::vector<Schedule> schedules;

@@ -36,13 +36,15 @@ StepRecord Trainer::run_step(const detail::StepInput& in) {
     restore_first_schedules_();
     bool state_back = true;
     try {
-      move_optimizer_state(first_offload_);
+      move_state(first_offload_, first_offload_gradients_);
     } catch (const c10::OutOfMemoryError&) {
       state_back = false;  // no room on the device: the move changed nothing, and is tried again later
     }
     replanned_ = false;
     if (!state_back) {
-      replanned_settings_ = settings_text() + ", optimizer state on the host";
+      replanned_settings_ = settings_text() + (options_.offload_gradients() == Offload::kHost
+                                                   ? ", optimizer state and gradients on the host"
+                                                   : ", optimizer state on the host");
       replanned_ = true;
     }
     clean_steps_ = 0;
@@ -86,10 +88,11 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
                    "(OptimizerKind, memfit::optim)");
   if (vote_) vote_->failed();  // the other ranks learn it at their next vote, and recover too
   empty_cache(options_.device());
-  // The bytes no re-plan can move: what the Trainer holds between steps (the
-  // parameters, their masters and the optimizer's state on the device) and
-  // one gradient per parameter (none on the device when they go to the host).
-  // The optimizer's state, when it may move to the host, is not among them.
+  // The bytes no micro-batch can move: what the Trainer holds between steps
+  // (the parameters, their masters and the optimizer's state on the device)
+  // and one gradient per parameter (none on the device when they go to the
+  // host). The state and gradients, where they may move to the host, are
+  // what a re-plan can still take off.
   const int64_t budget = memory_budget(options_.device());
   int64_t fixed = memory_allocated(options_.device());
   const int64_t state =
@@ -97,16 +100,19 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
           ? 0
           : optimizer_state_bytes(*state_optimizer()) + optim::lazy_state_bytes(*state_optimizer());
   if (!state_on_host() && state_optimizer() != nullptr) fixed += optim::lazy_state_bytes(*state_optimizer());
+  int64_t grads = 0;
   if (options_.offload_gradients() != Offload::kHost) {
-    for (const auto& p : module_->parameters()) fixed += p.requires_grad() ? int64_t(p.nbytes()) : 0;
+    for (const auto& p : module_->parameters()) grads += p.requires_grad() ? int64_t(p.nbytes()) : 0;
   }
+  fixed += grads;
   const bool may_offload = may_offload_optimizer();
-  const bool fits = budget <= 0 || fixed - (may_offload ? state : 0) <= budget;
+  const int64_t movable = may_offload ? state + grads : 0;
+  const bool fits = budget <= 0 || fixed - movable <= budget;
   if (vote_ && !fits) vote_->agree(false, 0);  // every rank stops
   TORCH_CHECK_WITH(OutOfMemoryError, fits, "step ", step_ + 1, " ran out of memory: ",
                    "the budget ", format_bytes(budget), " is smaller than the bytes no re-plan can move (",
-                   format_bytes(fixed - (may_offload ? state : 0)),
-                   may_offload ? ": parameters and their gradients, the optimizer's state moved off"
+                   format_bytes(fixed - movable),
+                   may_offload ? ": the parameters, the optimizer's state and gradients moved off"
                                : ": parameters, their gradients and the optimizer's state",
                    "): raise the budget, or move the optimizer state and gradients to the host "
                    "(TrainerOptions::offload_optimizer and offload_gradients)");
@@ -120,7 +126,9 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   event.what = what;
   event.fixed_bytes = fixed;
   event.state_bytes = state;
+  event.gradient_bytes = grads;
   event.offload_optimizer = options_.offload_optimizer();
+  event.offload_gradients = options_.offload_gradients();
   event.may_offload_optimizer = may_offload;
   Recovery r;
   r.step = event.step;
@@ -134,13 +142,18 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   const std::string ranks_stop = vote_ ? vote_->agree(next.has_value(), next ? next->micro_batch_size : 0) : "";
   TORCH_CHECK_WITH(OutOfMemoryError, ranks_stop.empty(), "step ", step_ + 1, " ran out of memory and ", ranks_stop,
                    ": every rank stops (", what, ")");
-  const bool moves = next && next->offload_optimizer && *next->offload_optimizer != options_.offload_optimizer();
+  const Offload to_state = next && next->offload_optimizer ? *next->offload_optimizer : options_.offload_optimizer();
+  const Offload to_grads = next && next->offload_gradients ? *next->offload_gradients : options_.offload_gradients();
+  const bool moves = next && (to_state != options_.offload_optimizer() || to_grads != options_.offload_gradients());
   TORCH_CHECK_WITH(OutOfMemoryError, !moves || may_offload, "step ", step_ + 1, " ran out of memory (", what,
-                   ") and the re-plan moves the optimizer state, which this Trainer cannot (", r.before,
+                   ") and the re-plan moves the optimizer state or gradients, which this Trainer cannot (", r.before,
                    "): it needs one process and the model's float32 parameters stepped directly; "
-                   "return Replan::offload_optimizer unset");
+                   "return Replan::offload_optimizer and offload_gradients unset");
+  TORCH_CHECK(!moves || to_grads == Offload::kNone || to_state == Offload::kHost,
+              "Replan::offload_gradients Offload::kHost adds the gradients into host masters, which only a state "
+              "on the host has: set Replan::offload_optimizer to Offload::kHost too");
   if (next) {
-    if (moves) move_optimizer_state(*next->offload_optimizer);
+    if (moves) move_state(to_state, to_grads);
     options_.micro_batch_size(next->micro_batch_size);
     if (next->apply) next->apply();
     replanned_ = false;
@@ -186,8 +199,8 @@ bool state_can_move(const torch::optim::Optimizer& optimizer) {
 
 bool Trainer::may_offload_optimizer() const {
   if (options_.process_group() != nullptr || pipeline_ || zero_ != nullptr || stream_ ||
-      options_.master_weights() != MasterWeightsMode::kNone || options_.offload_gradients() != Offload::kNone ||
-      options_.offload_parameters() != Offload::kNone || optimizer_ == nullptr || !state_can_move(*optimizer_)) {
+      options_.master_weights() != MasterWeightsMode::kNone || options_.offload_parameters() != Offload::kNone ||
+      optimizer_ == nullptr || !state_can_move(*optimizer_)) {
     return false;
   }
   for (const auto& p : module_->parameters()) {
@@ -197,20 +210,26 @@ bool Trainer::may_offload_optimizer() const {
 }
 
 // Moves the optimizer's state to the host with float32 host masters
-// (Offload::kHost), or back next to the model's parameters (kNone), between
-// steps. The optimizer stays the same object (an LR scheduler holds it):
-// its parameters become the masters (or the model's again) and its state
-// moves with them. The masters and the state's copies are made before
-// anything changes, so a failure (no room on the device) changes nothing.
-void Trainer::move_optimizer_state(Offload where) {
-  if (where == options_.offload_optimizer()) return;
+// (Offload::kHost), or back next to the model's parameters (kNone), and the
+// gradients with it (`gradients` kHost: into the host masters as backward
+// makes them), between steps. The optimizer stays the same object (an LR
+// scheduler holds it): its parameters become the masters (or the model's
+// again) and its state moves with them. The masters and the state's copies
+// are made before anything changes, so a failure (no room on the device)
+// changes nothing.
+void Trainer::move_state(Offload where, Offload gradients) {
+  if (where == options_.offload_optimizer() && gradients == options_.offload_gradients()) return;
   TORCH_INTERNAL_ASSERT(may_offload_optimizer());
+  TORCH_INTERNAL_ASSERT(gradients == Offload::kNone || where == Offload::kHost);
   if (auto* k = dynamic_cast<optim::KernelChoice*>(optimizer_.get())) k->steps_to_host();
   const std::vector<torch::Tensor> model_params = module_->parameters();
   std::unique_ptr<MasterWeights> master;
-  if (where == Offload::kHost) {
-    master = std::make_unique<MasterWeights>(
-        *module_, MasterWeightsOptions().dtype(at::kFloat).offload(Offload::kHost).stream_to(options_.device()));
+  if (where == Offload::kHost) {  // the model's fp32 values: the old masters' too (copied after every step)
+    master = std::make_unique<MasterWeights>(*module_, MasterWeightsOptions()
+                                                           .dtype(at::kFloat)
+                                                           .offload(Offload::kHost)
+                                                           .gradients(gradients)
+                                                           .stream_to(options_.device()));
   }
   // What the optimizer steps now and will step, by model parameter.
   const std::vector<torch::Tensor>& now = master_ ? master_->master_parameters() : model_params;
@@ -224,6 +243,7 @@ void Trainer::move_optimizer_state(Offload where) {
   };
   std::vector<Move> moves;
   auto& state = optimizer_->state();
+  const bool host_to_host = where == Offload::kHost && options_.offload_optimizer() == Offload::kHost;
   {
     std::optional<UntrackedGuard> host;
     if (where == Offload::kHost) host.emplace();
@@ -236,6 +256,7 @@ void Trainer::move_optimizer_state(Offload where) {
         if (found != state.end()) {
           m.state = found->second->clone();
           detail::for_each_state_tensor(*m.state, [&](torch::Tensor& t) {
+            if (host_to_host) return;  // only the gradients move: the state stays where it is
             auto moved = torch::empty(t.sizes(), t.options().device(m.to.device()).pinned_memory(m.to.is_pinned()));
             moved.copy_(t);
             t = moved;
@@ -251,6 +272,7 @@ void Trainer::move_optimizer_state(Offload where) {
     if (m.state) state[compat::optimizer_state_key(m.to)] = std::move(m.state);
   }
   options_.offload_optimizer(where);
+  options_.offload_gradients(gradients);
   master_ = std::move(master);
   components_.clear();
   build_components();

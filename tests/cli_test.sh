@@ -203,6 +203,13 @@ check over-budget-offloaded-same-losses python3 -c 'import json, sys
 a, b = (json.load(open(f)) for f in sys.argv[1:])
 assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]], (a["steps"], b["steps"])' \
   "$tmp/offloaded.json" "$tmp/unbudgeted.json"
+# Under 5 MiB the parameters and their gradients alone (5.11 MiB) do not fit: both move with the state.
+expect over-budget-gradients-offloaded 0 'recovered from out of memory 1 time .*the run ended with optimizer state and gradients on the host' out -- \
+  train --model mlp --budget 5MiB --steps 3 --no-eval -q --plan none --report "$tmp/gradients-offloaded.json"
+check over-budget-gradients-offloaded-same-losses python3 -c 'import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:])
+assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]], (a["steps"], b["steps"])' \
+  "$tmp/gradients-offloaded.json" "$tmp/unbudgeted.json"
 expect on-out-of-memory-bad 2 'on-out-of-memory' err -- train --on-out-of-memory retry
 expect over-budget-recomputed 0 "recovered from out of memory 1 time .*the run ended with recomputing '0' \\[0,4\\)\\*" out -- \
   train --model resnet --width 4 --batch 64 --budget 13MiB --steps 2 --no-eval -q --plan none

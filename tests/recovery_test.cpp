@@ -505,8 +505,146 @@ TEST(Recovery, AnOffloadedRunResumesUnderItsFirstOptionsAndAnImpossibleMoveIsRef
   for (const auto& p : low->parameters()) grads += p.nbytes();
   // Room for what the Trainer holds and the gradients, not for the activations.
   BudgetGuard tight(torch::kCPU, memory_allocated() + optim::lazy_state_bytes(masters.optimizer()) + grads + 1024);
-  expect_error([&] { masters.train_step(batch_of(64, 0)); }, "the re-plan moves the optimizer state, which this "
-                                                              "Trainer cannot");
+  expect_error([&] { masters.train_step(batch_of(64, 0)); }, "the re-plan moves the optimizer state or gradients, "
+                                                              "which this Trainer cannot");
+}
+
+// A user's net of four even layers: no one gradient outweighs the others,
+// so gradients moved to the host one by one free most of their bytes.
+struct EvenImpl : torch::nn::Module {
+  EvenImpl()
+      : seq(register_module("seq", torch::nn::Sequential(torch::nn::Linear(20, 64), torch::nn::ReLU(),
+                                                          torch::nn::Linear(64, 64), torch::nn::ReLU(),
+                                                          torch::nn::Linear(64, 64), torch::nn::ReLU(),
+                                                          torch::nn::Linear(64, 5)))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::log_softmax(seq->forward(x), 1); }
+  torch::nn::Sequential seq;
+};
+TORCH_MODULE(Even);
+
+torch::Tensor even_nll(EvenImpl& net, const torch::data::Example<>& b) {
+  return torch::nll_loss(net.forward(b.data), b.target);
+}
+
+struct MovedRun {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> params;
+  std::vector<Recovery> recoveries;
+  std::vector<std::pair<Offload, Offload>> placement;  // each step's optimizer state and gradients
+};
+
+// 8 steps of batch 8 whose budget drops at step 3 below the parameters and
+// their gradients (the state aside), by a fifth of the gradients; lifted at
+// `lift_at`.
+MovedRun run_moved(const TrainerOptions& options, bool drop, int64_t lift_at = 0) {
+  torch::manual_seed(7);
+  Even net;
+  Trainer t(net, even_nll, options);
+  torch::optim::StepLR schedule(t.optimizer(), /*step_size=*/3, /*gamma=*/0.5);
+  MovedRun r;
+  for (int64_t step = 1; step <= 8; ++step) {
+    if (drop && step == 3) {
+      const int64_t state = optimizer_state_bytes(t.optimizer());
+      int64_t grads = 0;
+      for (const auto& p : net->parameters()) grads += p.nbytes();
+      set_memory_budget(torch::kCPU, memory_allocated() - state + grads * 4 / 5);
+    }
+    if (step == lift_at) set_memory_budget(torch::kCPU, 0);
+    r.losses.push_back(t.train_step(batch_of(8, step)).loss);
+    r.placement.emplace_back(t.options().offload_optimizer(), t.options().offload_gradients());
+    schedule.step();
+  }
+  set_memory_budget(torch::kCPU, 0);
+  UntrackedGuard host;
+  r.params = copies(net->parameters());
+  r.recoveries = t.recoveries();
+  return r;
+}
+
+// Where the parameters and their gradients alone exceed the limit, moving
+// the state is not enough: the default policy moves the state and the
+// gradients together, at once (each gradient is added into its host master
+// as backward makes it), and the run equals the uninterrupted one bitwise.
+// With restore_after both come back once the limit lifts.
+TEST(Recovery, WhenTheGradientsDoNotFitEitherTheyMoveToTheHostWithTheStateAndTrainBitwiseTheSame) {
+  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan);
+  const auto plain = run_moved(options, false);
+  const auto moved = run_moved(options, true);
+  ASSERT_EQ(moved.recoveries.size(), 1u);
+  EXPECT_EQ(moved.recoveries[0].step, 3);
+  EXPECT_EQ(moved.recoveries[0].after, "optimizer state and gradients on the host");
+  EXPECT_EQ(moved.placement[1], std::make_pair(Offload::kNone, Offload::kNone));
+  for (size_t i = 2; i < 8; ++i) {
+    EXPECT_EQ(moved.placement[i], std::make_pair(Offload::kHost, Offload::kHost)) << "step " << i + 1;
+  }
+  EXPECT_EQ(moved.losses, plain.losses);
+  expect_bitwise(moved.params, plain.params, "parameters");
+
+  const auto restored = run_moved(TrainerOptions(options).restore_after(2), true, 5);
+  EXPECT_EQ(restored.placement[3], std::make_pair(Offload::kHost, Offload::kHost));
+  EXPECT_EQ(restored.placement.back(), std::make_pair(Offload::kNone, Offload::kNone));
+  EXPECT_EQ(restored.losses, plain.losses);
+  expect_bitwise(restored.params, plain.params, "parameters after the move back");
+}
+
+// The default policy's order for the bytes held between steps: the state
+// first where that is enough, the state and gradients together where it is
+// not; as a last resort, the state and then the gradients. A policy that
+// moves the gradients without the state is refused in one line.
+TEST(Recovery, TheDefaultPolicyMovesTheStateThenTheGradientsAndAGradientMoveNeedsTheState) {
+  Even net;
+  const auto policy = more_micro_batches(*net, false);
+  OutOfMemoryEvent e;
+  e.examples = 8;
+  e.micro_batch_size = 1;  // nothing left to split, and no chain to recompute
+  e.may_offload_optimizer = true;
+  e.limit_bytes = 1000;
+  e.fixed_bytes = 900;
+  e.state_bytes = 400;
+  e.gradient_bytes = 200;
+  auto r = policy(e);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->offload_optimizer, Offload::kHost);
+  EXPECT_FALSE(r->offload_gradients.has_value()) << "the last resort moves the state first";
+  e.offload_optimizer = Offload::kHost;
+  e.state_bytes = 0;
+  r = policy(e);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->offload_gradients, Offload::kHost);
+  EXPECT_EQ(r->description, "micro-batches of 1, optimizer state and gradients on the host");
+  e.offload_gradients = Offload::kHost;
+  e.gradient_bytes = 0;
+  EXPECT_FALSE(policy(e).has_value()) << "nothing is left";
+
+  OutOfMemoryEvent held;  // the bytes held between steps exceed the limit
+  held.examples = 8;
+  held.may_offload_optimizer = true;
+  held.limit_bytes = 1000;
+  held.fixed_bytes = 1300;
+  held.state_bytes = 400;
+  held.gradient_bytes = 300;
+  r = policy(held);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->micro_batch_size, 0) << "micro-batches cannot help";
+  EXPECT_FALSE(r->offload_gradients.has_value()) << "the state alone is enough";
+  held.fixed_bytes = 1500;
+  r = policy(held);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->offload_optimizer, Offload::kHost);
+  EXPECT_EQ(r->offload_gradients, Offload::kHost) << "the state alone is not enough";
+
+  torch::manual_seed(7);
+  Trainer t(net, even_nll, TrainerOptions().on_out_of_memory(OnOutOfMemory::kReplan)
+                               .replan([](const OutOfMemoryEvent& ev) -> std::optional<Replan> {
+                                 Replan x;
+                                 x.micro_batch_size = ev.micro_batch_size;
+                                 x.offload_gradients = Offload::kHost;
+                                 return x;
+                               }));
+  BudgetGuard tight(torch::kCPU, memory_allocated() + 1024);
+  expect_error([&] { t.train_step(batch_of(8, 0)); },
+               "Replan::offload_gradients Offload::kHost adds the gradients into host masters, which only a state "
+               "on the host has: set Replan::offload_optimizer to Offload::kHost too");
 }
 
 // A module with batch statistics keeps its micro-batch: the default policy

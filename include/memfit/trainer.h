@@ -154,12 +154,17 @@ struct OutOfMemoryEvent {
   /// Of fixed_bytes, the optimizer state's on the device: what moving it to
   /// the host (Replan::offload_optimizer) takes off.
   int64_t state_bytes = 0;
+  /// Of fixed_bytes, the gradients' on the device: what moving them to the
+  /// host as well (Replan::offload_gradients) takes off.
+  int64_t gradient_bytes = 0;
   /// Where the failed attempt kept the optimizer state (TrainerOptions::offload_optimizer).
   Offload offload_optimizer = Offload::kNone;
-  /// Whether this Trainer can move its optimizer state at a re-plan: one
-  /// process, and the optimizer steps the model's float32 parameters (no
-  /// masters, ZeRO, pipeline, offloaded gradients or parameter stream) with
-  /// a LibTorch or memfit SGD, Adam, AdamW, Adagrad or RMSprop.
+  /// Where the failed attempt's gradients went (TrainerOptions::offload_gradients).
+  Offload offload_gradients = Offload::kNone;
+  /// Whether this Trainer can move its optimizer state and gradients at a
+  /// re-plan: one process, and the optimizer steps the model's float32
+  /// parameters (no low-precision masters, ZeRO, pipeline or parameter
+  /// stream) with a LibTorch or memfit SGD, Adam, AdamW, Adagrad or RMSprop.
   bool may_offload_optimizer = false;
 };
 
@@ -178,6 +183,12 @@ struct Replan {
   /// the same optimizer on the same values, so the same math. Only where
   /// OutOfMemoryEvent::may_offload_optimizer; elsewhere the step gives up.
   std::optional<Offload> offload_optimizer;
+  /// Where the retry's gradients go; unset: where they go now.
+  /// Offload::kHost adds each gradient into its host master as backward
+  /// makes it, as TrainerOptions::offload_gradients does: the same sums in
+  /// the same order, so the same math. Needs the optimizer state on the host
+  /// (offload_optimizer Offload::kHost, now or in this Replan).
+  std::optional<Offload> offload_gradients;
 };
 
 /// Re-plans a step that ran out of memory: returns the settings to retry
@@ -202,9 +213,10 @@ std::optional<std::string> batch_statistics_layer(const torch::nn::Module& modul
 /// micro-batch unless `batch_statistics_may_change`, since micro-batches
 /// normalise with their own statistics: its chains recompute first. Then,
 /// where the Trainer can (OutOfMemoryEvent::may_offload_optimizer), the
-/// optimizer state moves to the host; first, when the bytes no micro-batch
-/// can move exceed the limit but those without the state do not. Gives up
-/// when nothing is left.
+/// optimizer state moves to the host, and then the gradients. Either moves
+/// first when the bytes no micro-batch can move exceed the limit: the state
+/// where that is enough, else the state and the gradients together. Gives
+/// up when nothing is left.
 ///
 /// Example:
 /// \code
@@ -760,9 +772,10 @@ class Trainer {
   void make_data_parallel(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& model_params);
   void remember_first_settings();
   void build_components();
-  // Recovery's offload: whether the optimizer state can move now, and the move.
+  // Recovery's offload: whether the optimizer state and gradients can move
+  // now, and the move.
   bool may_offload_optimizer() const;
-  void move_optimizer_state(Offload where);
+  void move_state(Offload optimizer, Offload gradients);
   StepMemory breakdown(int64_t peak, int64_t model_grad_bytes) const;
   bool state_on_host() const;
   int64_t device_state_bytes() const;
@@ -803,6 +816,7 @@ class Trainer {
   std::vector<Recovery> recoveries_;
   int64_t first_micro_batch_ = 0;
   Offload first_offload_ = Offload::kNone;
+  Offload first_offload_gradients_ = Offload::kNone;
   std::function<void()> restore_first_schedules_;  // the chains' schedules when the Trainer was built
   bool replanned_ = false;                          // the settings are a recovery's, not the first
   std::string replanned_settings_;                  // a recovery's settings in words
