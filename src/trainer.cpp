@@ -98,7 +98,7 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
   place_model();
   const std::vector<torch::Tensor> model_params = module_->parameters();
   const std::vector<torch::Tensor> params = make_masters(model_params);  // what the optimizer steps
-  if (classifier_) loss_ = classifier_loss(classifier_, stream_, options_.device());
+  make_classifier_loss();
   auto scaler_options = options_.grad_scaler();
   scaler_options.enabled(scaler_options.enabled() && options_.precision() == Precision::kFP16);
   scaler_ = std::make_unique<GradScaler>(scaler_options);
@@ -107,6 +107,19 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
   generator_ = at::make_generator<at::CPUGeneratorImpl>(options_.seed());
   remember_first_settings();
   build_components();
+}
+
+// The Sequential form's loss, through the parameter stream when there is
+// one. A step in progress holds the function (a recovery's new stream), so
+// it is replaced in place.
+void Trainer::make_classifier_loss() {
+  if (!classifier_) return;
+  auto fn = classifier_loss(classifier_, stream_, options_.device());
+  if (auto* held = std::any_cast<decltype(fn)>(&loss_)) {
+    *held = std::move(fn);
+  } else {
+    loss_ = std::move(fn);
+  }
 }
 
 // This rank keeps its stage; the other layers go when the caller drops the model.
@@ -207,6 +220,7 @@ void Trainer::remember_first_settings() {
   first_micro_batch_ = options_.micro_batch_size();
   first_offload_ = options_.offload_optimizer();
   first_offload_gradients_ = options_.offload_gradients();
+  first_offload_parameters_ = options_.offload_parameters();
   restore_first_schedules_ = [chains = find_chains(*module_)]() mutable {
     std::vector<Schedule> first;
     for (const auto& c : chains) first.push_back(c.chain->schedule());

@@ -90,25 +90,34 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
     const int64_t micro = e.micro_batch_size > 0 ? std::min(e.micro_batch_size, e.examples) : e.examples;
     const std::string micro_text = micro < e.examples ? "micro-batches of " + std::to_string(micro) : "";
     // The last resorts, or the first where the bytes no micro-batch can move
-    // are too many: the state to the host, then the gradients too.
+    // are too many: the state to the host, then the gradients too, then the
+    // parameters streamed from there.
     const bool may_state = e.may_offload_optimizer && e.offload_optimizer != Offload::kHost && e.state_bytes > 0;
     const bool may_grads = e.may_offload_optimizer && e.offload_gradients != Offload::kHost && e.gradient_bytes > 0;
-    const auto to_host = [&](bool gradients) {
+    const bool may_params =
+        e.may_offload_parameters && e.offload_parameters != Offload::kHost && e.parameter_bytes > 0;
+    const auto to_host = [&](int level) {  // 1: the state, 2: and the gradients, 3: and the parameters
       Replan r;
       r.micro_batch_size = e.micro_batch_size;
       r.offload_optimizer = Offload::kHost;
-      if (gradients) r.offload_gradients = Offload::kHost;
+      if (level >= 2) r.offload_gradients = Offload::kHost;
+      if (level >= 3) r.offload_parameters = Offload::kHost;
       r.description = (micro_text.empty() ? std::string() : micro_text + ", ") +
-                      (gradients ? "optimizer state and gradients on the host" : "optimizer state on the host");
+                      (level == 3   ? "optimizer state, gradients and parameters on the host"
+                       : level == 2 ? "optimizer state and gradients on the host"
+                                    : "optimizer state on the host");
       return r;
     };
     const auto last_resort = [&]() -> std::optional<Replan> {
-      if (may_state) return to_host(false);
-      if (may_grads) return to_host(true);
+      if (may_state) return to_host(1);
+      if (may_grads) return to_host(2);
+      if (may_params) return to_host(3);
       return std::nullopt;
     };
-    if ((may_state || may_grads) && e.limit_bytes > 0 && e.fixed_bytes > e.limit_bytes) {
-      return to_host(!may_state || e.fixed_bytes - e.state_bytes > e.limit_bytes);
+    if ((may_state || may_grads || may_params) && e.limit_bytes > 0 && e.fixed_bytes > e.limit_bytes) {
+      if (may_state && e.fixed_bytes - e.state_bytes <= e.limit_bytes) return to_host(1);
+      const bool without_grads = e.fixed_bytes - e.state_bytes - e.gradient_bytes <= e.limit_bytes;
+      return to_host(without_grads || !may_params ? 2 : 3);
     }
     Replan r;
     if (!keep_micro_batch && micro > 1) {

@@ -4,6 +4,7 @@
 
 #include "compat.h"
 #include "memfit/optim.h"
+#include "memfit/stream.h"
 #include "memory_internal.h"
 #include "step_components.h"
 
@@ -36,13 +37,15 @@ StepRecord Trainer::run_step(const detail::StepInput& in) {
     restore_first_schedules_();
     bool state_back = true;
     try {
-      move_state(first_offload_, first_offload_gradients_);
+      move_state(first_offload_, first_offload_gradients_, first_offload_parameters_);
     } catch (const c10::OutOfMemoryError&) {
       state_back = false;  // no room on the device: the move changed nothing, and is tried again later
     }
     replanned_ = false;
     if (!state_back) {
-      replanned_settings_ = settings_text() + (options_.offload_gradients() == Offload::kHost
+      replanned_settings_ = settings_text() + (options_.offload_parameters() == Offload::kHost
+                                                   ? ", optimizer state, gradients and parameters on the host"
+                                               : options_.offload_gradients() == Offload::kHost
                                                    ? ", optimizer state and gradients on the host"
                                                    : ", optimizer state on the host");
       replanned_ = true;
@@ -105,17 +108,26 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
     for (const auto& p : module_->parameters()) grads += p.requires_grad() ? int64_t(p.nbytes()) : 0;
   }
   fixed += grads;
-  const bool may_offload = may_offload_optimizer();
-  const int64_t movable = may_offload ? state + grads : 0;
+  int64_t params = 0;
+  if (options_.offload_parameters() != Offload::kHost) {
+    for (const auto& p : module_->parameters()) params += int64_t(p.nbytes());
+  }
+  const bool may_offload = may_offload_optimizer(), may_stream = may_offload_parameters();
+  const int64_t movable = (may_offload ? state + grads : 0) + (may_stream ? params : 0);
   const bool fits = budget <= 0 || fixed - movable <= budget;
   if (vote_ && !fits) vote_->agree(false, 0);  // every rank stops
   TORCH_CHECK_WITH(OutOfMemoryError, fits, "step ", step_ + 1, " ran out of memory: ",
                    "the budget ", format_bytes(budget), " is smaller than the bytes no re-plan can move (",
                    format_bytes(fixed - movable),
-                   may_offload ? ": the parameters, the optimizer's state and gradients moved off"
-                               : ": parameters, their gradients and the optimizer's state",
-                   "): raise the budget, or move the optimizer state and gradients to the host "
-                   "(TrainerOptions::offload_optimizer and offload_gradients)");
+                   may_stream    ? ": what the Trainer holds with everything streamed from the host"
+                   : may_offload ? ": the parameters, the optimizer's state and gradients moved off"
+                                 : ": parameters, their gradients and the optimizer's state",
+                   "): raise the budget, or ",
+                   may_stream    ? "use a smaller model"
+                   : may_offload ? "stream the parameters from the host (TrainerOptions::offload_parameters; "
+                                   "not here: " + stream_refusal() + ")"
+                                 : "move the optimizer state and gradients to the host "
+                                   "(TrainerOptions::offload_optimizer and offload_gradients)");
   OutOfMemoryEvent event;
   event.step = step_ + 1;
   event.attempt = attempt;
@@ -127,8 +139,11 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   event.fixed_bytes = fixed;
   event.state_bytes = state;
   event.gradient_bytes = grads;
+  event.parameter_bytes = params;
   event.offload_optimizer = options_.offload_optimizer();
   event.offload_gradients = options_.offload_gradients();
+  event.offload_parameters = options_.offload_parameters();
+  event.may_offload_parameters = may_stream;
   event.may_offload_optimizer = may_offload;
   Recovery r;
   r.step = event.step;
@@ -144,7 +159,10 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
                    ": every rank stops (", what, ")");
   const Offload to_state = next && next->offload_optimizer ? *next->offload_optimizer : options_.offload_optimizer();
   const Offload to_grads = next && next->offload_gradients ? *next->offload_gradients : options_.offload_gradients();
-  const bool moves = next && (to_state != options_.offload_optimizer() || to_grads != options_.offload_gradients());
+  const Offload to_params =
+      next && next->offload_parameters ? *next->offload_parameters : options_.offload_parameters();
+  const bool moves = next && (to_state != options_.offload_optimizer() || to_grads != options_.offload_gradients() ||
+                              to_params != options_.offload_parameters());
   TORCH_CHECK_WITH(OutOfMemoryError, !moves || may_offload, "step ", step_ + 1, " ran out of memory (", what,
                    ") and the re-plan moves the optimizer state or gradients, which this Trainer cannot (", r.before,
                    "): it needs one process and the model's float32 parameters stepped directly; "
@@ -152,8 +170,16 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   TORCH_CHECK(!moves || to_grads == Offload::kNone || to_state == Offload::kHost,
               "Replan::offload_gradients Offload::kHost adds the gradients into host masters, which only a state "
               "on the host has: set Replan::offload_optimizer to Offload::kHost too");
+  const bool streams = moves && to_params == Offload::kHost && options_.offload_parameters() != Offload::kHost;
+  TORCH_CHECK(!moves || to_params == Offload::kNone || (to_grads == Offload::kHost && to_state == Offload::kHost),
+              "Replan::offload_parameters Offload::kHost streams the parameters from host masters that also take "
+              "the gradients and the optimizer state: set Replan::offload_optimizer and offload_gradients to "
+              "Offload::kHost too");
+  TORCH_CHECK_WITH(OutOfMemoryError, !streams || may_stream, "step ", step_ + 1, " ran out of memory (", what,
+                   ") and the re-plan streams the parameters, which this Trainer cannot (", r.before, "): ",
+                   stream_refusal(), "; return Replan::offload_parameters unset");
   if (next) {
-    if (moves) move_state(to_state, to_grads);
+    if (moves) move_state(to_state, to_grads, to_params);
     options_.micro_batch_size(next->micro_batch_size);
     if (next->apply) next->apply();
     replanned_ = false;
@@ -198,9 +224,9 @@ bool state_can_move(const torch::optim::Optimizer& optimizer) {
 } // namespace
 
 bool Trainer::may_offload_optimizer() const {
-  if (options_.process_group() != nullptr || pipeline_ || zero_ != nullptr || stream_ ||
-      options_.master_weights() != MasterWeightsMode::kNone || options_.offload_parameters() != Offload::kNone ||
-      optimizer_ == nullptr || !state_can_move(*optimizer_)) {
+  if (options_.process_group() != nullptr || pipeline_ || zero_ != nullptr ||
+      options_.master_weights() != MasterWeightsMode::kNone || optimizer_ == nullptr ||
+      !state_can_move(*optimizer_)) {
     return false;
   }
   for (const auto& p : module_->parameters()) {
@@ -209,27 +235,62 @@ bool Trainer::may_offload_optimizer() const {
   return true;
 }
 
+// Why the parameters cannot be streamed at a re-plan ("" when they can, or
+// already are): streaming runs in fp32 through the Sequential form or the
+// module's chains (ParameterStream::refusal).
+std::string Trainer::stream_refusal() const {
+  if (stream_) return "";
+  if (!may_offload_optimizer()) return "the optimizer state cannot move to the host";
+  if (options_.precision() != Precision::kFP32) return "parameters are streamed in fp32 only";
+  return classifier_ ? std::string() : ParameterStream::refusal(*module_);
+}
+
+bool Trainer::may_offload_parameters() const { return stream_refusal().empty(); }
+
 // Moves the optimizer's state to the host with float32 host masters
-// (Offload::kHost), or back next to the model's parameters (kNone), and the
-// gradients with it (`gradients` kHost: into the host masters as backward
-// makes them), between steps. The optimizer stays the same object (an LR
-// scheduler holds it): its parameters become the masters (or the model's
-// again) and its state moves with them. The masters and the state's copies
-// are made before anything changes, so a failure (no room on the device)
-// changes nothing.
-void Trainer::move_state(Offload where, Offload gradients) {
-  if (where == options_.offload_optimizer() && gradients == options_.offload_gradients()) return;
+// (Offload::kHost), or back next to the model's parameters (kNone), with
+// the gradients (`gradients` kHost: into the host masters as backward makes
+// them) and the parameters (`parameters` kHost: streamed from the masters),
+// between steps. The optimizer stays the same object (an LR scheduler holds
+// it): its parameters become the masters (or the model's again) and its
+// state moves with them. What can run out of memory (the state's copies on
+// the device, the parameters' when the stream ends) is made before anything
+// changes, so such a failure changes nothing.
+void Trainer::move_state(Offload where, Offload gradients, Offload parameters) {
+  if (where == options_.offload_optimizer() && gradients == options_.offload_gradients() &&
+      parameters == options_.offload_parameters()) {
+    return;
+  }
   TORCH_INTERNAL_ASSERT(may_offload_optimizer());
   TORCH_INTERNAL_ASSERT(gradients == Offload::kNone || where == Offload::kHost);
+  TORCH_INTERNAL_ASSERT(parameters == Offload::kNone || gradients == Offload::kHost);
   if (auto* k = dynamic_cast<optim::KernelChoice*>(optimizer_.get())) k->steps_to_host();
   const std::vector<torch::Tensor> model_params = module_->parameters();
+  // Leaving the stream: the parameters' values on the device, from their masters.
+  std::vector<torch::Tensor> whole;
+  if (stream_ && parameters != Offload::kHost) {
+    torch::NoGradGuard no_grad;
+    for (const auto& m : master_->master_parameters()) {
+      whole.push_back(torch::empty(m.sizes(), m.options().device(options_.device()).pinned_memory(false)));
+      whole.back().copy_(m);
+    }
+    if (where == Offload::kHost) {  // the new masters copy the parameters' values
+      for (size_t i = 0; i < model_params.size(); ++i) model_params[i].set_data(whole[i]);
+    }
+  }
   std::unique_ptr<MasterWeights> master;
+  std::shared_ptr<ParameterStream> stream;
   if (where == Offload::kHost) {  // the model's fp32 values: the old masters' too (copied after every step)
     master = std::make_unique<MasterWeights>(*module_, MasterWeightsOptions()
                                                            .dtype(at::kFloat)
                                                            .offload(Offload::kHost)
                                                            .gradients(gradients)
+                                                           .parameters(parameters)
                                                            .stream_to(options_.device()));
+    if (master->streamed()) {
+      stream = classifier_ ? std::make_shared<ParameterStream>(classifier_, *master, options_.stream())
+                           : std::make_shared<ParameterStream>(module_, *master, options_.stream());
+    }
   }
   // What the optimizer steps now and will step, by model parameter.
   const std::vector<torch::Tensor>& now = master_ ? master_->master_parameters() : model_params;
@@ -256,7 +317,7 @@ void Trainer::move_state(Offload where, Offload gradients) {
         if (found != state.end()) {
           m.state = found->second->clone();
           detail::for_each_state_tensor(*m.state, [&](torch::Tensor& t) {
-            if (host_to_host) return;  // only the gradients move: the state stays where it is
+            if (host_to_host) return;  // the state stays where it is
             auto moved = torch::empty(t.sizes(), t.options().device(m.to.device()).pinned_memory(m.to.is_pinned()));
             moved.copy_(t);
             t = moved;
@@ -273,7 +334,14 @@ void Trainer::move_state(Offload where, Offload gradients) {
   }
   options_.offload_optimizer(where);
   options_.offload_gradients(gradients);
+  options_.offload_parameters(parameters);
+  stream_ = std::move(stream);  // the old stream goes before its masters
   master_ = std::move(master);
+  if (!whole.empty()) {  // the old masters gave the parameters their own storage back: the device's again
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < model_params.size(); ++i) model_params[i].set_data(whole[i]);
+  }
+  make_classifier_loss();
   components_.clear();
   build_components();
   for (const auto& c : added_components_) components_.insert(components_.end() - 1, c);  // the timeline stays last

@@ -184,8 +184,8 @@ expect good-data-after-bad 0 'final loss' out -- train --model mlp --width 8 --d
 unset MEMFIT_CACHE_DIR
 expect over-budget 1 'out of memory.*tried to allocate' err -- \
   train --model mlp --budget 1MiB --steps 2 --no-eval -q --plan none --on-out-of-memory throw
-expect over-budget-fixed 1 'the budget 1.00 MiB is smaller than the bytes no re-plan can move .*--offload optimizer,gradients' err -- \
-  train --model mlp --budget 1MiB --steps 2 --no-eval -q --plan none
+expect over-budget-fixed 1 'the budget 1.00 MiB is smaller than the bytes no re-plan can move .*stream the parameters from the host \(--offload parameters; not here: parameters are streamed in fp32 only\)' err -- \
+  train --model mlp --precision bf16 --budget 1MiB --steps 2 --no-eval -q --plan none
 expect over-budget-recovered 0 'recovered from out of memory [0-9]+ times? .*micro-batches of' out -- \
   train --model mlp --width 64 --batch 256 --budget 1.3MiB --steps 2 --no-eval -q --plan none \
   --report "$tmp/recovered.json"
@@ -210,6 +210,15 @@ check over-budget-gradients-offloaded-same-losses python3 -c 'import json, sys
 a, b = (json.load(open(f)) for f in sys.argv[1:])
 assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]], (a["steps"], b["steps"])' \
   "$tmp/gradients-offloaded.json" "$tmp/unbudgeted.json"
+# An MLP of eight small layers under 2 MiB: its parameters alone (2.53 MiB) do not fit; they are streamed.
+expect over-budget-streamed 0 'recovered from out of memory 1 time .*the run ended with optimizer state, gradients and parameters on the host' out -- \
+  train --model mlp --width 256 --depth 8 --budget 2MiB --steps 3 --no-eval -q --plan none --report "$tmp/streamed.json"
+expect unbudgeted-for-streamed 0 'final loss' out -- \
+  train --model mlp --width 256 --depth 8 --steps 3 --no-eval -q --plan none --report "$tmp/unstreamed.json"
+check over-budget-streamed-same-losses python3 -c 'import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:])
+assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]], (a["steps"], b["steps"])' \
+  "$tmp/streamed.json" "$tmp/unstreamed.json"
 expect on-out-of-memory-bad 2 'on-out-of-memory' err -- train --on-out-of-memory retry
 expect over-budget-recomputed 0 "recovered from out of memory 1 time .*the run ended with recomputing '0' \\[0,4\\)\\*" out -- \
   train --model resnet --width 4 --batch 64 --budget 13MiB --steps 2 --no-eval -q --plan none

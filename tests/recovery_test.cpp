@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <unistd.h>
@@ -526,40 +527,79 @@ torch::Tensor even_nll(EvenImpl& net, const torch::data::Example<>& b) {
   return torch::nll_loss(net.forward(b.data), b.target);
 }
 
+// A user's net whose blocks are in a CheckpointedSequential chain, which
+// its parameters can be streamed through: eight layers, none large.
+struct ChainedImpl : torch::nn::Module {
+  ChainedImpl() {
+    torch::nn::Sequential seq(torch::nn::Linear(20, 64), torch::nn::ReLU());
+    for (int i = 0; i < 6; ++i) {
+      seq->push_back(torch::nn::Linear(64, 64));
+      seq->push_back(torch::nn::ReLU());
+    }
+    seq->push_back(torch::nn::Linear(64, 5));
+    chain = register_module("chain", CheckpointedSequential(seq));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::log_softmax(chain->forward(x), 1); }
+  CheckpointedSequential chain{nullptr};
+};
+TORCH_MODULE(Chained);
+
+torch::Tensor chained_nll(ChainedImpl& net, const torch::data::Example<>& b) {
+  return torch::nll_loss(net.forward(b.data), b.target);
+}
+
 struct MovedRun {
   std::vector<double> losses;
   std::vector<torch::Tensor> params;
   std::vector<Recovery> recoveries;
-  std::vector<std::pair<Offload, Offload>> placement;  // each step's optimizer state and gradients
+  std::vector<std::tuple<Offload, Offload, Offload>> placement;  // each step's state, gradients, parameters
 };
 
-// 8 steps of batch 8 whose budget drops at step 3 below the parameters and
-// their gradients (the state aside), by a fifth of the gradients; lifted at
-// `lift_at`.
-MovedRun run_moved(const TrainerOptions& options, bool drop, int64_t lift_at = 0) {
+// The budget a run drops to: from the bytes allocated between steps, the
+// optimizer state's, the gradients' and the parameters'.
+using DropTo = std::function<int64_t(int64_t allocated, int64_t state, int64_t grads, int64_t params)>;
+
+// 8 steps of batch 8 of `Model` whose budget drops at step 3 to `drop_to`;
+// lifted at `lift_at`.
+// The parameters are compared once the Trainer is gone: streamed ones are
+// whole again then.
+template <class Model, class Loss>
+MovedRun run_moved(const TrainerOptions& options, Loss loss, const DropTo& drop_to, int64_t lift_at = 0) {
   torch::manual_seed(7);
-  Even net;
-  Trainer t(net, even_nll, options);
-  torch::optim::StepLR schedule(t.optimizer(), /*step_size=*/3, /*gamma=*/0.5);
+  Model net;
   MovedRun r;
-  for (int64_t step = 1; step <= 8; ++step) {
-    if (drop && step == 3) {
-      const int64_t state = optimizer_state_bytes(t.optimizer());
-      int64_t grads = 0;
-      for (const auto& p : net->parameters()) grads += p.nbytes();
-      set_memory_budget(torch::kCPU, memory_allocated() - state + grads * 4 / 5);
+  {
+    Trainer t(net, loss, options);
+    torch::optim::StepLR schedule(t.optimizer(), /*step_size=*/3, /*gamma=*/0.5);
+    for (int64_t step = 1; step <= 8; ++step) {
+      if (drop_to && step == 3) {
+        int64_t bytes = 0;
+        for (const auto& p : net->parameters()) bytes += p.nbytes();
+        set_memory_budget(torch::kCPU,
+                          drop_to(memory_allocated(), optimizer_state_bytes(t.optimizer()), bytes, bytes));
+      }
+      if (step == lift_at) set_memory_budget(torch::kCPU, 0);
+      r.losses.push_back(t.train_step(batch_of(8, step)).loss);
+      r.placement.emplace_back(t.options().offload_optimizer(), t.options().offload_gradients(),
+                               t.options().offload_parameters());
+      schedule.step();
     }
-    if (step == lift_at) set_memory_budget(torch::kCPU, 0);
-    r.losses.push_back(t.train_step(batch_of(8, step)).loss);
-    r.placement.emplace_back(t.options().offload_optimizer(), t.options().offload_gradients());
-    schedule.step();
+    set_memory_budget(torch::kCPU, 0);
+    r.recoveries = t.recoveries();
   }
-  set_memory_budget(torch::kCPU, 0);
   UntrackedGuard host;
   r.params = copies(net->parameters());
-  r.recoveries = t.recoveries();
   return r;
 }
+
+// Below the parameters and their gradients (the state aside), by a fifth of the gradients.
+int64_t below_gradients(int64_t allocated, int64_t state, int64_t grads, int64_t) {
+  return allocated - state + grads * 4 / 5;
+}
+
+constexpr auto kOnDevice = std::make_tuple(Offload::kNone, Offload::kNone, Offload::kNone);
+constexpr auto kStateAndGradients = std::make_tuple(Offload::kHost, Offload::kHost, Offload::kNone);
+constexpr auto kAllOnHost = std::make_tuple(Offload::kHost, Offload::kHost, Offload::kHost);
 
 // Where the parameters and their gradients alone exceed the limit, moving
 // the state is not enough: the default policy moves the state and the
@@ -568,30 +608,77 @@ MovedRun run_moved(const TrainerOptions& options, bool drop, int64_t lift_at = 0
 // With restore_after both come back once the limit lifts.
 TEST(Recovery, WhenTheGradientsDoNotFitEitherTheyMoveToTheHostWithTheStateAndTrainBitwiseTheSame) {
   const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan);
-  const auto plain = run_moved(options, false);
-  const auto moved = run_moved(options, true);
+  const auto plain = run_moved<Even>(options, even_nll, nullptr);
+  const auto moved = run_moved<Even>(options, even_nll, below_gradients);
   ASSERT_EQ(moved.recoveries.size(), 1u);
   EXPECT_EQ(moved.recoveries[0].step, 3);
   EXPECT_EQ(moved.recoveries[0].after, "optimizer state and gradients on the host");
-  EXPECT_EQ(moved.placement[1], std::make_pair(Offload::kNone, Offload::kNone));
-  for (size_t i = 2; i < 8; ++i) {
-    EXPECT_EQ(moved.placement[i], std::make_pair(Offload::kHost, Offload::kHost)) << "step " << i + 1;
-  }
+  EXPECT_EQ(moved.placement[1], kOnDevice);
+  for (size_t i = 2; i < 8; ++i) EXPECT_EQ(moved.placement[i], kStateAndGradients) << "step " << i + 1;
   EXPECT_EQ(moved.losses, plain.losses);
   expect_bitwise(moved.params, plain.params, "parameters");
 
-  const auto restored = run_moved(TrainerOptions(options).restore_after(2), true, 5);
-  EXPECT_EQ(restored.placement[3], std::make_pair(Offload::kHost, Offload::kHost));
-  EXPECT_EQ(restored.placement.back(), std::make_pair(Offload::kNone, Offload::kNone));
+  const auto restored = run_moved<Even>(TrainerOptions(options).restore_after(2), even_nll, below_gradients, 5);
+  EXPECT_EQ(restored.placement[3], kStateAndGradients);
+  EXPECT_EQ(restored.placement.back(), kOnDevice);
   EXPECT_EQ(restored.losses, plain.losses);
   expect_bitwise(restored.params, plain.params, "parameters after the move back");
 }
 
+// Where the parameters alone exceed the limit, a module whose blocks are in
+// a CheckpointedSequential chain has them streamed from host masters layer
+// by layer, with the state and gradients there too: the same values in the
+// same operations, so the run equals the uninterrupted one bitwise, and
+// nothing but the stream's placeholders stays on the device between steps.
+// With restore_after the parameters come back whole.
+TEST(Recovery, WhenTheParametersDoNotFitTheyAreStreamedFromTheHostAndTrainBitwiseTheSame) {
+  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan);
+  const DropTo below_parameters = [](int64_t allocated, int64_t state, int64_t, int64_t params) {
+    return allocated - state - params * 2 / 5;
+  };
+  const auto plain = run_moved<Chained>(options, chained_nll, nullptr);
+  const auto streamed = run_moved<Chained>(options, chained_nll, below_parameters);
+  ASSERT_EQ(streamed.recoveries.size(), 1u);
+  EXPECT_EQ(streamed.recoveries[0].after, "optimizer state, gradients and parameters on the host");
+  EXPECT_EQ(streamed.placement[1], kOnDevice);
+  for (size_t i = 2; i < 8; ++i) EXPECT_EQ(streamed.placement[i], kAllOnHost) << "step " << i + 1;
+  EXPECT_EQ(streamed.losses, plain.losses);
+  expect_bitwise(streamed.params, plain.params, "parameters (whole again once the Trainer is gone)");
+
+  const auto restored = run_moved<Chained>(TrainerOptions(options).restore_after(2), chained_nll, below_parameters, 5);
+  EXPECT_EQ(restored.placement[3], kAllOnHost);
+  EXPECT_EQ(restored.placement.back(), kOnDevice);
+  EXPECT_EQ(restored.losses, plain.losses);
+  expect_bitwise(restored.params, plain.params, "parameters after the move back");
+
+  torch::manual_seed(7);
+  Chained net;
+  Trainer t(net, chained_nll, options);
+  t.train_step(batch_of(8, 1));
+  int64_t params = 0;
+  for (const auto& p : net->parameters()) params += p.nbytes();
+  {
+    BudgetGuard drop(torch::kCPU, memory_allocated() - optimizer_state_bytes(t.optimizer()) - params * 2 / 5);
+    t.train_step(batch_of(8, 2));
+  }
+  EXPECT_LT(memory_allocated(), 1024) << "between steps the device holds the stream's placeholders only";
+  // While streamed, the Trainer's save() writes the masters' values: a
+  // checkpoint of the whole model, which a Trainer with the first options resumes.
+  const auto dir = (std::filesystem::temp_directory_path() / ("memfit_streamed_" + std::to_string(::getpid()))).string();
+  t.save(dir);
+  Chained other;
+  Trainer resumed(other, chained_nll, options);
+  resumed.resume(dir);
+  EXPECT_EQ(resumed.train_step(batch_of(8, 3)).loss, t.train_step(batch_of(8, 3)).loss);
+  std::filesystem::remove_all(dir);
+}
+
 // The default policy's order for the bytes held between steps: the state
-// first where that is enough, the state and gradients together where it is
-// not; as a last resort, the state and then the gradients. A policy that
-// moves the gradients without the state is refused in one line.
-TEST(Recovery, TheDefaultPolicyMovesTheStateThenTheGradientsAndAGradientMoveNeedsTheState) {
+// first where that is enough, the state and gradients together where that
+// is, else all three with the parameters streamed; as a last resort, the
+// state, then the gradients, then the parameters. A policy that moves the
+// gradients without the state is refused in one line.
+TEST(Recovery, TheDefaultPolicyMovesTheStateThenTheGradientsThenStreamsAndEachNeedsTheOneBefore) {
   Even net;
   const auto policy = more_micro_batches(*net, false);
   OutOfMemoryEvent e;
@@ -614,6 +701,15 @@ TEST(Recovery, TheDefaultPolicyMovesTheStateThenTheGradientsAndAGradientMoveNeed
   EXPECT_EQ(r->description, "micro-batches of 1, optimizer state and gradients on the host");
   e.offload_gradients = Offload::kHost;
   e.gradient_bytes = 0;
+  EXPECT_FALSE(policy(e).has_value()) << "nothing is left where the parameters cannot be streamed";
+  e.may_offload_parameters = true;
+  e.parameter_bytes = 300;
+  r = policy(e);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->offload_parameters, Offload::kHost);
+  EXPECT_EQ(r->description, "micro-batches of 1, optimizer state, gradients and parameters on the host");
+  e.offload_parameters = Offload::kHost;
+  e.parameter_bytes = 0;
   EXPECT_FALSE(policy(e).has_value()) << "nothing is left";
 
   OutOfMemoryEvent held;  // the bytes held between steps exceed the limit
@@ -632,6 +728,13 @@ TEST(Recovery, TheDefaultPolicyMovesTheStateThenTheGradientsAndAGradientMoveNeed
   ASSERT_TRUE(r.has_value());
   EXPECT_EQ(r->offload_optimizer, Offload::kHost);
   EXPECT_EQ(r->offload_gradients, Offload::kHost) << "the state alone is not enough";
+  EXPECT_FALSE(r->offload_parameters.has_value());
+  held.may_offload_parameters = true;
+  held.parameter_bytes = 700;
+  held.fixed_bytes = 1900;
+  r = policy(held);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->offload_parameters, Offload::kHost) << "the parameters and gradients alone are too many";
 
   torch::manual_seed(7);
   Trainer t(net, even_nll, TrainerOptions().on_out_of_memory(OnOutOfMemory::kReplan)

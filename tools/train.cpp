@@ -267,8 +267,8 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                   "Skip steps whose loss is NaN or infinite instead of stopping");
   train->add_option("--on-out-of-memory", a.on_out_of_memory,
                     "A step that runs out of memory: replan (undo it, re-plan with more micro-batches, or "
-                    "recomputation where micro-batches would change batch statistics, then the optimizer state "
-                    "and gradients on the host, and run it again: the same gradients; data-parallel ranks re-plan together), throw (end the run, exit 1), or auto "
+                    "recomputation where micro-batches would change batch statistics, then the optimizer state, "
+                    "gradients and parameters on the host, and run it again: the same gradients; data-parallel ranks re-plan together), throw (end the run, exit 1), or auto "
                     "(replan, except for a pipeline or --zero-stage 1)")
       ->check(CLI::IsMember({"auto", "replan", "throw"}))
       ->capture_default_str();

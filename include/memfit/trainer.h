@@ -157,15 +157,24 @@ struct OutOfMemoryEvent {
   /// Of fixed_bytes, the gradients' on the device: what moving them to the
   /// host as well (Replan::offload_gradients) takes off.
   int64_t gradient_bytes = 0;
+  /// Of fixed_bytes, the parameters' on the device: what streaming them from
+  /// the host (Replan::offload_parameters) takes off, less the layer in use.
+  int64_t parameter_bytes = 0;
   /// Where the failed attempt kept the optimizer state (TrainerOptions::offload_optimizer).
   Offload offload_optimizer = Offload::kNone;
   /// Where the failed attempt's gradients went (TrainerOptions::offload_gradients).
   Offload offload_gradients = Offload::kNone;
+  /// Where the failed attempt kept the parameters (TrainerOptions::offload_parameters).
+  Offload offload_parameters = Offload::kNone;
   /// Whether this Trainer can move its optimizer state and gradients at a
   /// re-plan: one process, and the optimizer steps the model's float32
-  /// parameters (no low-precision masters, ZeRO, pipeline or parameter
-  /// stream) with a LibTorch or memfit SGD, Adam, AdamW, Adagrad or RMSprop.
+  /// parameters (no low-precision masters, ZeRO or pipeline) with a LibTorch
+  /// or memfit SGD, Adam, AdamW, Adagrad or RMSprop.
   bool may_offload_optimizer = false;
+  /// Whether it can also stream the parameters from the host: fp32, and the
+  /// Sequential form or a module whose blocks are in CheckpointedSequential
+  /// chains (ParameterStream::refusal).
+  bool may_offload_parameters = false;
 };
 
 /// The settings a step is retried with after running out of memory.
@@ -189,6 +198,15 @@ struct Replan {
   /// the same order, so the same math. Needs the optimizer state on the host
   /// (offload_optimizer Offload::kHost, now or in this Replan).
   std::optional<Offload> offload_gradients;
+  /// Where the retry keeps the parameters; unset: where they are.
+  /// Offload::kHost streams them from their host masters layer by layer
+  /// (TrainerOptions::offload_parameters, TrainerOptions::stream): the same
+  /// values in the same operations. Needs the state and gradients on the
+  /// host, and OutOfMemoryEvent::may_offload_parameters. While streamed, the
+  /// module's parameters are placeholders: Trainer::save writes their values
+  /// (the masters'), and they are whole again when the move back
+  /// (TrainerOptions::restore_after) or the Trainer's end puts them back.
+  std::optional<Offload> offload_parameters;
 };
 
 /// Re-plans a step that ran out of memory: returns the settings to retry
@@ -213,10 +231,11 @@ std::optional<std::string> batch_statistics_layer(const torch::nn::Module& modul
 /// micro-batch unless `batch_statistics_may_change`, since micro-batches
 /// normalise with their own statistics: its chains recompute first. Then,
 /// where the Trainer can (OutOfMemoryEvent::may_offload_optimizer), the
-/// optimizer state moves to the host, and then the gradients. Either moves
-/// first when the bytes no micro-batch can move exceed the limit: the state
-/// where that is enough, else the state and the gradients together. Gives
-/// up when nothing is left.
+/// optimizer state moves to the host, then the gradients, then (where
+/// OutOfMemoryEvent::may_offload_parameters) the parameters are streamed.
+/// These move first when the bytes no micro-batch can move exceed the
+/// limit: the state where that is enough, else the state and gradients
+/// together, else all three. Gives up when nothing is left.
 ///
 /// Example:
 /// \code
@@ -775,7 +794,10 @@ class Trainer {
   // Recovery's offload: whether the optimizer state and gradients can move
   // now, and the move.
   bool may_offload_optimizer() const;
-  void move_state(Offload optimizer, Offload gradients);
+  bool may_offload_parameters() const;
+  std::string stream_refusal() const;
+  void move_state(Offload optimizer, Offload gradients, Offload parameters);
+  void make_classifier_loss();
   StepMemory breakdown(int64_t peak, int64_t model_grad_bytes) const;
   bool state_on_host() const;
   int64_t device_state_bytes() const;
@@ -817,6 +839,7 @@ class Trainer {
   int64_t first_micro_batch_ = 0;
   Offload first_offload_ = Offload::kNone;
   Offload first_offload_gradients_ = Offload::kNone;
+  Offload first_offload_parameters_ = Offload::kNone;
   std::function<void()> restore_first_schedules_;  // the chains' schedules when the Trainer was built
   bool replanned_ = false;                          // the settings are a recovery's, not the first
   std::string replanned_settings_;                  // a recovery's settings in words
