@@ -2,15 +2,17 @@
 # Recovery that moves the optimizer state to the host: `memfit train` of
 # the MLP under 7 MiB (its parameters, gradients and Adam state need 10.2),
 # and under 5 MiB, where its parameters and gradients alone (5.11) do not
-# fit and the gradients move too; and an MLP of eight small layers under
-# 2 MiB, where its parameters alone (2.53) do not fit and are streamed;
-# each against the same model's run without a budget, step by step.
+# fit and the gradients move too, and under 1 MiB, where its first weight
+# and gradient (3.06) fit only in tiles; and an MLP of eight 256-wide
+# layers under 2 MiB, where its parameters alone (2.53) do not fit and are
+# streamed; each against the same model's run without a budget, step by
+# step.
 # Usage: bash bench/recovery_offload.sh [BUILD]
 set -euo pipefail
 build=${1:-build}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-for run in "7MiB" "5MiB" "2MiB --width 256 --depth 8"; do
+for run in "7MiB" "5MiB" "1MiB" "2MiB --width 256 --depth 8"; do
   read -r budget shape <<< "$run"
   echo "## without a budget${shape:+: $shape}"
   "$build/memfit" train --model mlp $shape --steps 3 --no-eval --plan none --report "$tmp/plain.json"

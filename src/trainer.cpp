@@ -221,6 +221,7 @@ void Trainer::remember_first_settings() {
   first_offload_ = options_.offload_optimizer();
   first_offload_gradients_ = options_.offload_gradients();
   first_offload_parameters_ = options_.offload_parameters();
+  first_stream_ = options_.stream();
   restore_first_schedules_ = [chains = find_chains(*module_)]() mutable {
     std::vector<Schedule> first;
     for (const auto& c : chains) first.push_back(c.chain->schedule());

@@ -96,16 +96,23 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
     const bool may_grads = e.may_offload_optimizer && e.offload_gradients != Offload::kHost && e.gradient_bytes > 0;
     const bool may_params =
         e.may_offload_parameters && e.offload_parameters != Offload::kHost && e.parameter_bytes > 0;
+    // Streamed parameters come in tiles where the largest weight and its
+    // gradient, together on the device untiled, take over half the limit.
+    const int64_t tile = e.limit_bytes / 4;
+    const bool wants_tiles = e.stream.tile_bytes() == 0 && e.limit_bytes > 0 &&
+                             2 * e.largest_parameter_bytes > e.limit_bytes / 2 && tile > 0;
     const auto to_host = [&](int level) {  // 1: the state, 2: and the gradients, 3: and the parameters
       Replan r;
       r.micro_batch_size = e.micro_batch_size;
       r.offload_optimizer = Offload::kHost;
       if (level >= 2) r.offload_gradients = Offload::kHost;
       if (level >= 3) r.offload_parameters = Offload::kHost;
+      if (level >= 3 && wants_tiles) r.stream = StreamOptions().tile_bytes(tile);
       r.description = (micro_text.empty() ? std::string() : micro_text + ", ") +
                       (level == 3   ? "optimizer state, gradients and parameters on the host"
                        : level == 2 ? "optimizer state and gradients on the host"
-                                    : "optimizer state on the host");
+                                    : "optimizer state on the host") +
+                      (r.stream ? ", streamed in tiles of " + format_bytes(tile) : "");
       return r;
     };
     const auto last_resort = [&]() -> std::optional<Replan> {
@@ -114,6 +121,7 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
       if (may_params) return to_host(3);
       return std::nullopt;
     };
+    if (e.offload_parameters == Offload::kHost && wants_tiles) return to_host(3);  // streamed untiled: tiles first
     if ((may_state || may_grads || may_params) && e.limit_bytes > 0 && e.fixed_bytes > e.limit_bytes) {
       if (may_state && e.fixed_bytes - e.state_bytes <= e.limit_bytes) return to_host(1);
       const bool without_grads = e.fixed_bytes - e.state_bytes - e.gradient_bytes <= e.limit_bytes;

@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -37,7 +38,7 @@ StepRecord Trainer::run_step(const detail::StepInput& in) {
     restore_first_schedules_();
     bool state_back = true;
     try {
-      move_state(first_offload_, first_offload_gradients_, first_offload_parameters_);
+      move_state(first_offload_, first_offload_gradients_, first_offload_parameters_, first_stream_);
     } catch (const c10::OutOfMemoryError&) {
       state_back = false;  // no room on the device: the move changed nothing, and is tried again later
     }
@@ -108,9 +109,10 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
     for (const auto& p : module_->parameters()) grads += p.requires_grad() ? int64_t(p.nbytes()) : 0;
   }
   fixed += grads;
-  int64_t params = 0;
-  if (options_.offload_parameters() != Offload::kHost) {
-    for (const auto& p : module_->parameters()) params += int64_t(p.nbytes());
+  int64_t params = 0, largest = 0;
+  for (const auto& p : (master_ ? master_->master_parameters() : module_->parameters())) {
+    largest = std::max(largest, int64_t(p.nbytes()));
+    if (options_.offload_parameters() != Offload::kHost) params += int64_t(p.nbytes());
   }
   const bool may_offload = may_offload_optimizer(), may_stream = may_offload_parameters();
   const int64_t movable = (may_offload ? state + grads : 0) + (may_stream ? params : 0);
@@ -140,6 +142,8 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   event.state_bytes = state;
   event.gradient_bytes = grads;
   event.parameter_bytes = params;
+  event.largest_parameter_bytes = largest;
+  event.stream = options_.stream();
   event.offload_optimizer = options_.offload_optimizer();
   event.offload_gradients = options_.offload_gradients();
   event.offload_parameters = options_.offload_parameters();
@@ -178,8 +182,14 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   TORCH_CHECK_WITH(OutOfMemoryError, !streams || may_stream, "step ", step_ + 1, " ran out of memory (", what,
                    ") and the re-plan streams the parameters, which this Trainer cannot (", r.before, "): ",
                    stream_refusal(), "; return Replan::offload_parameters unset");
+  const StreamOptions to_stream = next && next->stream ? *next->stream : options_.stream();
+  TORCH_CHECK(to_stream.tile_bytes() >= 0, "Replan::stream: tile_bytes must be >= 0 (0: no tiling), got ",
+              to_stream.tile_bytes());
+  const bool retiles = next && to_stream.tile_bytes() != options_.stream().tile_bytes();
+  TORCH_CHECK(!retiles || to_params == Offload::kHost, "Replan::stream tiles streamed parameters only: set "
+              "Replan::offload_parameters to Offload::kHost too, or leave Replan::stream unset");
   if (next) {
-    if (moves) move_state(to_state, to_grads, to_params);
+    if (moves || retiles) move_state(to_state, to_grads, to_params, to_stream);
     options_.micro_batch_size(next->micro_batch_size);
     if (next->apply) next->apply();
     replanned_ = false;
@@ -250,15 +260,23 @@ bool Trainer::may_offload_parameters() const { return stream_refusal().empty(); 
 // Moves the optimizer's state to the host with float32 host masters
 // (Offload::kHost), or back next to the model's parameters (kNone), with
 // the gradients (`gradients` kHost: into the host masters as backward makes
-// them) and the parameters (`parameters` kHost: streamed from the masters),
-// between steps. The optimizer stays the same object (an LR scheduler holds
+// them) and the parameters (`parameters` kHost: streamed from the masters
+// with the stream options `tiles`), between steps. The optimizer stays the same object (an LR scheduler holds
 // it): its parameters become the masters (or the model's again) and its
 // state moves with them. What can run out of memory (the state's copies on
 // the device, the parameters' when the stream ends) is made before anything
 // changes, so such a failure changes nothing.
-void Trainer::move_state(Offload where, Offload gradients, Offload parameters) {
+void Trainer::move_state(Offload where, Offload gradients, Offload parameters, const StreamOptions& tiles) {
+  const bool retiles = parameters == Offload::kHost && tiles.tile_bytes() != options_.stream().tile_bytes();
   if (where == options_.offload_optimizer() && gradients == options_.offload_gradients() &&
       parameters == options_.offload_parameters()) {
+    if (retiles) {  // the same masters, streamed in other tiles
+      stream_.reset();  // its runners go from the chains before the new stream's come
+      stream_ = classifier_ ? std::make_shared<ParameterStream>(classifier_, *master_, tiles)
+                            : std::make_shared<ParameterStream>(module_, *master_, tiles);
+      options_.stream(tiles);
+      rebuild_after_move();
+    }
     return;
   }
   TORCH_INTERNAL_ASSERT(may_offload_optimizer());
@@ -288,8 +306,8 @@ void Trainer::move_state(Offload where, Offload gradients, Offload parameters) {
                                                            .parameters(parameters)
                                                            .stream_to(options_.device()));
     if (master->streamed()) {
-      stream = classifier_ ? std::make_shared<ParameterStream>(classifier_, *master, options_.stream())
-                           : std::make_shared<ParameterStream>(module_, *master, options_.stream());
+      stream = classifier_ ? std::make_shared<ParameterStream>(classifier_, *master, tiles)
+                           : std::make_shared<ParameterStream>(module_, *master, tiles);
     }
   }
   // What the optimizer steps now and will step, by model parameter.
@@ -335,12 +353,19 @@ void Trainer::move_state(Offload where, Offload gradients, Offload parameters) {
   options_.offload_optimizer(where);
   options_.offload_gradients(gradients);
   options_.offload_parameters(parameters);
+  options_.stream(tiles);
   stream_ = std::move(stream);  // the old stream goes before its masters
   master_ = std::move(master);
   if (!whole.empty()) {  // the old masters gave the parameters their own storage back: the device's again
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < model_params.size(); ++i) model_params[i].set_data(whole[i]);
   }
+  rebuild_after_move();
+}
+
+// After a move: the Sequential form's loss through the new stream (or none),
+// and the step's components over the new masters, the user's included.
+void Trainer::rebuild_after_move() {
   make_classifier_loss();
   components_.clear();
   build_components();

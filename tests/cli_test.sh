@@ -219,6 +219,13 @@ check over-budget-streamed-same-losses python3 -c 'import json, sys
 a, b = (json.load(open(f)) for f in sys.argv[1:])
 assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]], (a["steps"], b["steps"])' \
   "$tmp/streamed.json" "$tmp/unstreamed.json"
+# The default MLP under 1 MiB: its first weight (1.53 MiB) and gradient fit only in tiles.
+expect over-budget-tiled 0 'recovered from out of memory [0-9]+ times? .*the run ended with .*parameters on the host, streamed in tiles of 256.00 KiB' out -- \
+  train --model mlp --budget 1MiB --steps 3 --no-eval -q --plan none --report "$tmp/tiled.json"
+check over-budget-tiled-losses-within-1e-5 python3 -c 'import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:])
+assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a["steps"], b["steps"])), (a["steps"], b["steps"])' \
+  "$tmp/tiled.json" "$tmp/unbudgeted.json"
 expect on-out-of-memory-bad 2 'on-out-of-memory' err -- train --on-out-of-memory retry
 expect over-budget-recomputed 0 "recovered from out of memory 1 time .*the run ended with recomputing '0' \\[0,4\\)\\*" out -- \
   train --model resnet --width 4 --batch 64 --budget 13MiB --steps 2 --no-eval -q --plan none

@@ -633,8 +633,9 @@ TEST(Recovery, WhenTheGradientsDoNotFitEitherTheyMoveToTheHostWithTheStateAndTra
 // With restore_after the parameters come back whole.
 TEST(Recovery, WhenTheParametersDoNotFitTheyAreStreamedFromTheHostAndTrainBitwiseTheSame) {
   const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan);
+  // Below the parameters by a fifth: room for the largest weight and its gradient untiled.
   const DropTo below_parameters = [](int64_t allocated, int64_t state, int64_t, int64_t params) {
-    return allocated - state - params * 2 / 5;
+    return allocated - state - params / 5;
   };
   const auto plain = run_moved<Chained>(options, chained_nll, nullptr);
   const auto streamed = run_moved<Chained>(options, chained_nll, below_parameters);
@@ -658,7 +659,7 @@ TEST(Recovery, WhenTheParametersDoNotFitTheyAreStreamedFromTheHostAndTrainBitwis
   int64_t params = 0;
   for (const auto& p : net->parameters()) params += p.nbytes();
   {
-    BudgetGuard drop(torch::kCPU, memory_allocated() - optimizer_state_bytes(t.optimizer()) - params * 2 / 5);
+    BudgetGuard drop(torch::kCPU, memory_allocated() - optimizer_state_bytes(t.optimizer()) - params / 5);
     t.train_step(batch_of(8, 2));
   }
   EXPECT_LT(memory_allocated(), 1024) << "between steps the device holds the stream's placeholders only";
@@ -671,6 +672,26 @@ TEST(Recovery, WhenTheParametersDoNotFitTheyAreStreamedFromTheHostAndTrainBitwis
   resumed.resume(dir);
   EXPECT_EQ(resumed.train_step(batch_of(8, 3)).loss, t.train_step(batch_of(8, 3)).loss);
   std::filesystem::remove_all(dir);
+}
+
+// Where the largest weight and its gradient take over half the limit, the
+// streamed parameters come in tiles of a quarter of it: a tile's product
+// rounds differently from the whole weight's, so the run stays within 1e-5
+// of the uninterrupted one.
+TEST(Recovery, WhereTheLargestWeightDoesNotFitWholeTheParametersAreStreamedInTiles) {
+  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan);
+  const DropTo tight = [](int64_t allocated, int64_t state, int64_t, int64_t params) {
+    return allocated - state - params * 7 / 10;
+  };
+  const auto plain = run_moved<Chained>(options, chained_nll, nullptr);
+  const auto tiled = run_moved<Chained>(options, chained_nll, tight);
+  ASSERT_FALSE(tiled.recoveries.empty());
+  EXPECT_NE(tiled.recoveries[0].after.find("optimizer state, gradients and parameters on the host, streamed in "
+                                           "tiles of "),
+            std::string::npos)
+      << tiled.recoveries[0].after;
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(tiled.losses[i], plain.losses[i], 1e-5) << "step " << i + 1;
+  EXPECT_LT(testing::max_relative_difference(tiled.params, plain.params), 1e-5);
 }
 
 // The default policy's order for the bytes held between steps: the state
@@ -704,13 +725,28 @@ TEST(Recovery, TheDefaultPolicyMovesTheStateThenTheGradientsThenStreamsAndEachNe
   EXPECT_FALSE(policy(e).has_value()) << "nothing is left where the parameters cannot be streamed";
   e.may_offload_parameters = true;
   e.parameter_bytes = 300;
+  e.largest_parameter_bytes = 200;  // with its gradient, under half the limit: whole
   r = policy(e);
   ASSERT_TRUE(r.has_value());
   EXPECT_EQ(r->offload_parameters, Offload::kHost);
+  EXPECT_FALSE(r->stream.has_value());
   EXPECT_EQ(r->description, "micro-batches of 1, optimizer state, gradients and parameters on the host");
+  e.largest_parameter_bytes = 300;  // with its gradient, over half: in tiles of a quarter of the limit
+  r = policy(e);
+  ASSERT_TRUE(r.has_value() && r->stream.has_value());
+  EXPECT_EQ(r->stream->tile_bytes(), 250);
+  EXPECT_EQ(r->description, "micro-batches of 1, optimizer state, gradients and parameters on the host, "
+                            "streamed in tiles of 250 bytes");
+  e.largest_parameter_bytes = 200;
   e.offload_parameters = Offload::kHost;
   e.parameter_bytes = 0;
   EXPECT_FALSE(policy(e).has_value()) << "nothing is left";
+  e.largest_parameter_bytes = 300;  // streamed whole, and its largest weight is too large: tiles
+  r = policy(e);
+  ASSERT_TRUE(r.has_value() && r->stream.has_value());
+  EXPECT_EQ(r->stream->tile_bytes(), 250);
+  e.stream = *r->stream;
+  EXPECT_FALSE(policy(e).has_value()) << "tiled already: nothing is left";
 
   OutOfMemoryEvent held;  // the bytes held between steps exceed the limit
   held.examples = 8;

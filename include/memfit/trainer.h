@@ -160,6 +160,11 @@ struct OutOfMemoryEvent {
   /// Of fixed_bytes, the parameters' on the device: what streaming them from
   /// the host (Replan::offload_parameters) takes off, less the layer in use.
   int64_t parameter_bytes = 0;
+  /// The largest parameter's bytes: streamed untiled, it and its gradient
+  /// are on the device together (Replan::stream's tiles split it).
+  int64_t largest_parameter_bytes = 0;
+  /// The failed attempt's stream options (TrainerOptions::stream).
+  StreamOptions stream;
   /// Where the failed attempt kept the optimizer state (TrainerOptions::offload_optimizer).
   Offload offload_optimizer = Offload::kNone;
   /// Where the failed attempt's gradients went (TrainerOptions::offload_gradients).
@@ -207,6 +212,10 @@ struct Replan {
   /// (the masters'), and they are whole again when the move back
   /// (TrainerOptions::restore_after) or the Trainer's end puts them back.
   std::optional<Offload> offload_parameters;
+  /// The retry's stream options (TrainerOptions::stream), for streamed
+  /// parameters only; unset: as they are. Tiles (StreamOptions::tile_bytes)
+  /// split a large weight's product, which rounds within 1e-5 of the whole.
+  std::optional<StreamOptions> stream;
 };
 
 /// Re-plans a step that ran out of memory: returns the settings to retry
@@ -235,7 +244,9 @@ std::optional<std::string> batch_statistics_layer(const torch::nn::Module& modul
 /// OutOfMemoryEvent::may_offload_parameters) the parameters are streamed.
 /// These move first when the bytes no micro-batch can move exceed the
 /// limit: the state where that is enough, else the state and gradients
-/// together, else all three. Gives up when nothing is left.
+/// together, else all three. Streamed parameters come in tiles of a quarter
+/// of the limit where the largest weight and its gradient take more than
+/// half of it. Gives up when nothing is left.
 ///
 /// Example:
 /// \code
@@ -796,8 +807,9 @@ class Trainer {
   bool may_offload_optimizer() const;
   bool may_offload_parameters() const;
   std::string stream_refusal() const;
-  void move_state(Offload optimizer, Offload gradients, Offload parameters);
+  void move_state(Offload optimizer, Offload gradients, Offload parameters, const StreamOptions& stream);
   void make_classifier_loss();
+  void rebuild_after_move();
   StepMemory breakdown(int64_t peak, int64_t model_grad_bytes) const;
   bool state_on_host() const;
   int64_t device_state_bytes() const;
@@ -840,6 +852,7 @@ class Trainer {
   Offload first_offload_ = Offload::kNone;
   Offload first_offload_gradients_ = Offload::kNone;
   Offload first_offload_parameters_ = Offload::kNone;
+  StreamOptions first_stream_;
   std::function<void()> restore_first_schedules_;  // the chains' schedules when the Trainer was built
   bool replanned_ = false;                          // the settings are a recovery's, not the first
   std::string replanned_settings_;                  // a recovery's settings in words
