@@ -75,6 +75,110 @@ std::string Trainer::settings_text() const {
   return micro > 0 ? "micro-batches of " + std::to_string(micro) : "no micro-batching";
 }
 
+namespace {
+
+// The bytes no micro-batch can move: what the Trainer holds between steps
+// (the parameters, their masters and the optimizer's state on the device)
+// and one gradient per parameter (none on the device when they go to the
+// host); of them, what moving the state, gradients and parameters takes off.
+struct HeldBytes {
+  int64_t fixed = 0, state = 0, grads = 0, params = 0, largest = 0;
+};
+
+HeldBytes held_bytes(const TrainerOptions& o, torch::optim::Optimizer* state_optimizer, bool state_on_host,
+                     const std::vector<torch::Tensor>& model_params, const MasterWeights* master) {
+  HeldBytes b;
+  b.fixed = memory_allocated(o.device());
+  if (!state_on_host && state_optimizer != nullptr) {
+    const int64_t lazy = optim::lazy_state_bytes(*state_optimizer);
+    b.state = optimizer_state_bytes(*state_optimizer) + lazy;
+    b.fixed += lazy;
+  }
+  if (o.offload_gradients() != Offload::kHost) {
+    for (const auto& p : model_params) b.grads += p.requires_grad() ? int64_t(p.nbytes()) : 0;
+  }
+  b.fixed += b.grads;
+  for (const auto& p : (master ? master->master_parameters() : model_params)) {
+    b.largest = std::max(b.largest, int64_t(p.nbytes()));
+    if (o.offload_parameters() != Offload::kHost) b.params += int64_t(p.nbytes());
+  }
+  return b;
+}
+
+// An event's bytes and placements: what the Trainer holds (`held`), where,
+// and what it can move.
+OutOfMemoryEvent placements_of(const TrainerOptions& o, const HeldBytes& held, bool may_offload, bool may_stream) {
+  OutOfMemoryEvent e;
+  e.micro_batch_size = o.micro_batch_size();
+  e.fixed_bytes = held.fixed;
+  e.state_bytes = held.state;
+  e.gradient_bytes = held.grads;
+  e.parameter_bytes = held.params;
+  e.largest_parameter_bytes = held.largest;
+  e.stream = o.stream();
+  e.offload_optimizer = o.offload_optimizer();
+  e.offload_gradients = o.offload_gradients();
+  e.offload_parameters = o.offload_parameters();
+  e.may_offload_optimizer = may_offload;
+  e.may_offload_parameters = may_stream;
+  return e;
+}
+
+// Where a re-plan puts the state, gradients and parameters, and with which
+// stream options; `moves` or `retiles` when that differs from `o`.
+struct Placement {
+  Offload state = Offload::kNone, grads = Offload::kNone, params = Offload::kNone;
+  StreamOptions stream;
+  bool moves = false, retiles = false;
+};
+
+// `next`'s placement, checked against what the Trainer can do (`may_offload`,
+// `may_stream`, else why not: `refusal`); `failed` opens the errors.
+Placement placement_of(const TrainerOptions& o, const std::optional<Replan>& next, bool may_offload,
+                       bool may_stream, const std::string& refusal, const std::string& failed) {
+  Placement t;
+  t.state = next && next->offload_optimizer ? *next->offload_optimizer : o.offload_optimizer();
+  t.grads = next && next->offload_gradients ? *next->offload_gradients : o.offload_gradients();
+  t.params = next && next->offload_parameters ? *next->offload_parameters : o.offload_parameters();
+  t.stream = next && next->stream ? *next->stream : o.stream();
+  t.moves = next && (t.state != o.offload_optimizer() || t.grads != o.offload_gradients() ||
+                     t.params != o.offload_parameters());
+  t.retiles = next && t.stream.tile_bytes() != o.stream().tile_bytes();
+  TORCH_CHECK_WITH(OutOfMemoryError, !t.moves || may_offload, failed, " and the re-plan moves the optimizer state "
+                   "or gradients, which this Trainer cannot: it needs one process and the model's float32 parameters "
+                   "stepped directly; return Replan::offload_optimizer and offload_gradients unset");
+  TORCH_CHECK(!t.moves || t.grads == Offload::kNone || t.state == Offload::kHost,
+              "Replan::offload_gradients Offload::kHost adds the gradients into host masters, which only a state "
+              "on the host has: set Replan::offload_optimizer to Offload::kHost too");
+  TORCH_CHECK(!t.moves || t.params == Offload::kNone || (t.grads == Offload::kHost && t.state == Offload::kHost),
+              "Replan::offload_parameters Offload::kHost streams the parameters from host masters that also take "
+              "the gradients and the optimizer state: set Replan::offload_optimizer and offload_gradients to "
+              "Offload::kHost too");
+  const bool streams = t.moves && t.params == Offload::kHost && o.offload_parameters() != Offload::kHost;
+  TORCH_CHECK_WITH(OutOfMemoryError, !streams || may_stream, failed, " and the re-plan streams the parameters, "
+                   "which this Trainer cannot: ", refusal, "; return Replan::offload_parameters unset");
+  TORCH_CHECK(t.stream.tile_bytes() >= 0, "Replan::stream: tile_bytes must be >= 0 (0: no tiling), got ",
+              t.stream.tile_bytes());
+  TORCH_CHECK(!t.retiles || t.params == Offload::kHost, "Replan::stream tiles streamed parameters only: set "
+              "Replan::offload_parameters to Offload::kHost too, or leave Replan::stream unset");
+  return t;
+}
+
+// The recovery's one line: from the rank that failed, or from one that a
+// vote told of another's failure.
+void warn_recovered(const Recovery& r, const std::string& what, bool peer_failed) {
+  if (peer_failed) {
+    TORCH_WARN(what, ": re-planned from ", r.before, " to ", r.after, " and run again (",
+               fmt::format("{:.3f}", r.seconds), " s lost)");
+  } else {
+    TORCH_WARN("step ", r.step, " ran out of memory at ", format_bytes(r.peak_bytes), " under ",
+               format_bytes(r.limit_bytes), " with ", r.before, "; re-planned to ", r.after, " and run again (",
+               fmt::format("{:.3f}", r.seconds), " s lost)");
+  }
+}
+
+} // namespace
+
 // After a failed attempt: true to run the step again under the policy's
 // settings; false to let the error propagate (kThrow). Gives up with one
 // line naming what was tried and the closest peak.
@@ -92,28 +196,10 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
                    "(OptimizerKind, memfit::optim)");
   if (vote_) vote_->failed();  // the other ranks learn it at their next vote, and recover too
   empty_cache(options_.device());
-  // The bytes no micro-batch can move: what the Trainer holds between steps
-  // (the parameters, their masters and the optimizer's state on the device)
-  // and one gradient per parameter (none on the device when they go to the
-  // host). The state and gradients, where they may move to the host, are
-  // what a re-plan can still take off.
   const int64_t budget = memory_budget(options_.device());
-  int64_t fixed = memory_allocated(options_.device());
-  const int64_t state =
-      state_on_host() || state_optimizer() == nullptr
-          ? 0
-          : optimizer_state_bytes(*state_optimizer()) + optim::lazy_state_bytes(*state_optimizer());
-  if (!state_on_host() && state_optimizer() != nullptr) fixed += optim::lazy_state_bytes(*state_optimizer());
-  int64_t grads = 0;
-  if (options_.offload_gradients() != Offload::kHost) {
-    for (const auto& p : module_->parameters()) grads += p.requires_grad() ? int64_t(p.nbytes()) : 0;
-  }
-  fixed += grads;
-  int64_t params = 0, largest = 0;
-  for (const auto& p : (master_ ? master_->master_parameters() : module_->parameters())) {
-    largest = std::max(largest, int64_t(p.nbytes()));
-    if (options_.offload_parameters() != Offload::kHost) params += int64_t(p.nbytes());
-  }
+  const HeldBytes held =
+      held_bytes(options_, state_optimizer(), state_on_host(), module_->parameters(), master_.get());
+  const int64_t fixed = held.fixed, state = held.state, grads = held.grads, params = held.params;
   const bool may_offload = may_offload_optimizer(), may_stream = may_offload_parameters();
   const int64_t movable = (may_offload ? state + grads : 0) + (may_stream ? params : 0);
   const bool fits = budget <= 0 || fixed - movable <= budget;
@@ -130,25 +216,13 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
                                    "not here: " + stream_refusal() + ")"
                                  : "move the optimizer state and gradients to the host "
                                    "(TrainerOptions::offload_optimizer and offload_gradients)");
-  OutOfMemoryEvent event;
+  OutOfMemoryEvent event = placements_of(options_, held, may_offload, may_stream);
   event.step = step_ + 1;
   event.attempt = attempt;
   event.examples = in.examples;
-  event.micro_batch_size = options_.micro_batch_size();
   event.peak_bytes = peak;
   event.limit_bytes = budget > 0 ? budget : peak;
   event.what = what;
-  event.fixed_bytes = fixed;
-  event.state_bytes = state;
-  event.gradient_bytes = grads;
-  event.parameter_bytes = params;
-  event.largest_parameter_bytes = largest;
-  event.stream = options_.stream();
-  event.offload_optimizer = options_.offload_optimizer();
-  event.offload_gradients = options_.offload_gradients();
-  event.offload_parameters = options_.offload_parameters();
-  event.may_offload_parameters = may_stream;
-  event.may_offload_optimizer = may_offload;
   Recovery r;
   r.step = event.step;
   r.what = what;
@@ -161,35 +235,11 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   const std::string ranks_stop = vote_ ? vote_->agree(next.has_value(), next ? next->micro_batch_size : 0) : "";
   TORCH_CHECK_WITH(OutOfMemoryError, ranks_stop.empty(), "step ", step_ + 1, " ran out of memory and ", ranks_stop,
                    ": every rank stops (", what, ")");
-  const Offload to_state = next && next->offload_optimizer ? *next->offload_optimizer : options_.offload_optimizer();
-  const Offload to_grads = next && next->offload_gradients ? *next->offload_gradients : options_.offload_gradients();
-  const Offload to_params =
-      next && next->offload_parameters ? *next->offload_parameters : options_.offload_parameters();
-  const bool moves = next && (to_state != options_.offload_optimizer() || to_grads != options_.offload_gradients() ||
-                              to_params != options_.offload_parameters());
-  TORCH_CHECK_WITH(OutOfMemoryError, !moves || may_offload, "step ", step_ + 1, " ran out of memory (", what,
-                   ") and the re-plan moves the optimizer state or gradients, which this Trainer cannot (", r.before,
-                   "): it needs one process and the model's float32 parameters stepped directly; "
-                   "return Replan::offload_optimizer and offload_gradients unset");
-  TORCH_CHECK(!moves || to_grads == Offload::kNone || to_state == Offload::kHost,
-              "Replan::offload_gradients Offload::kHost adds the gradients into host masters, which only a state "
-              "on the host has: set Replan::offload_optimizer to Offload::kHost too");
-  const bool streams = moves && to_params == Offload::kHost && options_.offload_parameters() != Offload::kHost;
-  TORCH_CHECK(!moves || to_params == Offload::kNone || (to_grads == Offload::kHost && to_state == Offload::kHost),
-              "Replan::offload_parameters Offload::kHost streams the parameters from host masters that also take "
-              "the gradients and the optimizer state: set Replan::offload_optimizer and offload_gradients to "
-              "Offload::kHost too");
-  TORCH_CHECK_WITH(OutOfMemoryError, !streams || may_stream, "step ", step_ + 1, " ran out of memory (", what,
-                   ") and the re-plan streams the parameters, which this Trainer cannot (", r.before, "): ",
-                   stream_refusal(), "; return Replan::offload_parameters unset");
-  const StreamOptions to_stream = next && next->stream ? *next->stream : options_.stream();
-  TORCH_CHECK(to_stream.tile_bytes() >= 0, "Replan::stream: tile_bytes must be >= 0 (0: no tiling), got ",
-              to_stream.tile_bytes());
-  const bool retiles = next && to_stream.tile_bytes() != options_.stream().tile_bytes();
-  TORCH_CHECK(!retiles || to_params == Offload::kHost, "Replan::stream tiles streamed parameters only: set "
-              "Replan::offload_parameters to Offload::kHost too, or leave Replan::stream unset");
+  const Placement to = placement_of(options_, next, may_offload, may_stream, stream_refusal(),
+                                    "step " + std::to_string(step_ + 1) + " ran out of memory (" + what + ") with " +
+                                        r.before);
   if (next) {
-    if (moves || retiles) move_state(to_state, to_grads, to_params, to_stream);
+    if (to.moves || to.retiles) move_state(to.state, to.grads, to.params, to.stream);
     options_.micro_batch_size(next->micro_batch_size);
     if (next->apply) next->apply();
     replanned_ = false;
@@ -208,14 +258,7 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
                    format_bytes(r.limit_bytes), " and could not be re-planned after ", attempt, " attempt",
                    attempt == 1 ? "" : "s", " (", tried, "); the last reached ", format_bytes(peak),
                    " before an allocation failed: raise the budget, or lower the batch size");
-  if (vote_ && vote_->peer_failed()) {
-    TORCH_WARN(what, ": re-planned from ", r.before, " to ", r.after, " and run again (",
-               fmt::format("{:.3f}", r.seconds), " s lost)");
-  } else {
-    TORCH_WARN("step ", r.step, " ran out of memory at ", format_bytes(peak), " under ",
-               format_bytes(r.limit_bytes), " with ", r.before, "; re-planned to ", r.after, " and run again (",
-               fmt::format("{:.3f}", r.seconds), " s lost)");
-  }
+  warn_recovered(r, what, vote_ && vote_->peer_failed());
   return true;
 }
 
@@ -256,6 +299,54 @@ std::string Trainer::stream_refusal() const {
 }
 
 bool Trainer::may_offload_parameters() const { return stream_refusal().empty(); }
+
+namespace {
+
+// Points `optimizer` from the tensors `now` to `next` (by model parameter)
+// and moves their state with them: to host memory (`to_host`) or next to
+// `next`; kept where it is (`keep`) when only the gradients or parameters
+// move. All copies are made before the optimizer changes.
+void move_optimizer_state(torch::optim::Optimizer& optimizer, const std::vector<torch::Tensor>& now,
+                          const std::vector<torch::Tensor>& next, bool to_host, bool keep) {
+  std::unordered_map<const c10::TensorImpl*, size_t> index;
+  for (size_t i = 0; i < now.size(); ++i) index[now[i].unsafeGetTensorImpl()] = i;
+  struct Move {
+    torch::Tensor* slot;  // the optimizer's parameter
+    torch::Tensor to;
+    std::unique_ptr<torch::optim::OptimizerParamState> state;  // its state next to `to`, if it has any
+  };
+  std::vector<Move> moves;
+  auto& state = optimizer.state();
+  {
+    std::optional<UntrackedGuard> host;
+    if (to_host) host.emplace();
+    for (auto& group : optimizer.param_groups()) {
+      for (auto& p : group.params()) {
+        const auto i = index.find(p.unsafeGetTensorImpl());
+        TORCH_INTERNAL_ASSERT(i != index.end(), "the optimizer steps a tensor that is not the model's");
+        Move m{&p, next[i->second], nullptr};
+        const auto found = state.find(compat::optimizer_state_key(p));
+        if (found != state.end()) {
+          m.state = found->second->clone();
+          detail::for_each_state_tensor(*m.state, [&](torch::Tensor& t) {
+            if (keep) return;
+            auto moved = torch::empty(t.sizes(), t.options().device(m.to.device()).pinned_memory(m.to.is_pinned()));
+            moved.copy_(t);
+            t = moved;
+          });
+        }
+        moves.push_back(std::move(m));
+      }
+    }
+  }
+  for (auto& m : moves) {
+    state.erase(compat::optimizer_state_key(*m.slot));
+    *m.slot = m.to;
+    if (m.state) state[compat::optimizer_state_key(m.to)] = std::move(m.state);
+  }
+}
+
+} // namespace
 
 // Moves the optimizer's state to the host with float32 host masters
 // (Offload::kHost), or back next to the model's parameters (kNone), with
@@ -310,46 +401,11 @@ void Trainer::move_state(Offload where, Offload gradients, Offload parameters, c
                            : std::make_shared<ParameterStream>(module_, *master, tiles);
     }
   }
-  // What the optimizer steps now and will step, by model parameter.
-  const std::vector<torch::Tensor>& now = master_ ? master_->master_parameters() : model_params;
-  const std::vector<torch::Tensor>& next = master ? master->master_parameters() : model_params;
-  std::unordered_map<const c10::TensorImpl*, size_t> index;
-  for (size_t i = 0; i < now.size(); ++i) index[now[i].unsafeGetTensorImpl()] = i;
-  struct Move {
-    torch::Tensor* slot;  // the optimizer's parameter
-    torch::Tensor to;
-    std::unique_ptr<torch::optim::OptimizerParamState> state;  // its state next to `to`, if it has any
-  };
-  std::vector<Move> moves;
-  auto& state = optimizer_->state();
-  const bool host_to_host = where == Offload::kHost && options_.offload_optimizer() == Offload::kHost;
-  {
-    std::optional<UntrackedGuard> host;
-    if (where == Offload::kHost) host.emplace();
-    for (auto& group : optimizer_->param_groups()) {
-      for (auto& p : group.params()) {
-        const auto i = index.find(p.unsafeGetTensorImpl());
-        TORCH_INTERNAL_ASSERT(i != index.end(), "the optimizer steps a tensor that is not the model's");
-        Move m{&p, next[i->second], nullptr};
-        const auto found = state.find(compat::optimizer_state_key(p));
-        if (found != state.end()) {
-          m.state = found->second->clone();
-          detail::for_each_state_tensor(*m.state, [&](torch::Tensor& t) {
-            if (host_to_host) return;  // the state stays where it is
-            auto moved = torch::empty(t.sizes(), t.options().device(m.to.device()).pinned_memory(m.to.is_pinned()));
-            moved.copy_(t);
-            t = moved;
-          });
-        }
-        moves.push_back(std::move(m));
-      }
-    }
-  }
-  for (auto& m : moves) {
-    state.erase(compat::optimizer_state_key(*m.slot));
-    *m.slot = m.to;
-    if (m.state) state[compat::optimizer_state_key(m.to)] = std::move(m.state);
-  }
+  // The state's copies are made before anything changes, then the optimizer
+  // steps the new tensors.
+  move_optimizer_state(*optimizer_, master_ ? master_->master_parameters() : model_params,
+                       master ? master->master_parameters() : model_params, where == Offload::kHost,
+                       where == Offload::kHost && options_.offload_optimizer() == Offload::kHost);
   options_.offload_optimizer(where);
   options_.offload_gradients(gradients);
   options_.offload_parameters(parameters);
