@@ -109,9 +109,7 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
       if (level >= 3) r.offload_parameters = Offload::kHost;
       if (level >= 3 && wants_tiles) r.stream = StreamOptions().tile_bytes(tile);
       r.description = (micro_text.empty() ? std::string() : micro_text + ", ") +
-                      (level == 3   ? "optimizer state, gradients and parameters on the host"
-                       : level == 2 ? "optimizer state and gradients on the host"
-                                    : "optimizer state on the host") +
+                      detail::on_host_text(level >= 2, level >= 3) +
                       (r.stream ? ", streamed in tiles of " + format_bytes(tile) : "");
       return r;
     };

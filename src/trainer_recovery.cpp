@@ -44,11 +44,9 @@ StepRecord Trainer::run_step(const detail::StepInput& in) {
     }
     replanned_ = false;
     if (!state_back) {
-      replanned_settings_ = settings_text() + (options_.offload_parameters() == Offload::kHost
-                                                   ? ", optimizer state, gradients and parameters on the host"
-                                               : options_.offload_gradients() == Offload::kHost
-                                                   ? ", optimizer state and gradients on the host"
-                                                   : ", optimizer state on the host");
+      replanned_settings_ = settings_text() + ", " +
+                            detail::on_host_text(options_.offload_gradients() == Offload::kHost,
+                                                 options_.offload_parameters() == Offload::kHost);
       replanned_ = true;
     }
     clean_steps_ = 0;
@@ -362,9 +360,17 @@ void Trainer::move_state(Offload where, Offload gradients, Offload parameters, c
   if (where == options_.offload_optimizer() && gradients == options_.offload_gradients() &&
       parameters == options_.offload_parameters()) {
     if (retiles) {  // the same masters, streamed in other tiles
+      const auto streamed = [&](const StreamOptions& o) {
+        return classifier_ ? std::make_shared<ParameterStream>(classifier_, *master_, o)
+                           : std::make_shared<ParameterStream>(module_, *master_, o);
+      };
       stream_.reset();  // its runners go from the chains before the new stream's come
-      stream_ = classifier_ ? std::make_shared<ParameterStream>(classifier_, *master_, tiles)
-                            : std::make_shared<ParameterStream>(module_, *master_, tiles);
+      try {
+        stream_ = streamed(tiles);
+      } catch (...) {
+        stream_ = streamed(options_.stream());  // the old tiles again, as built before on these masters
+        throw;
+      }
       options_.stream(tiles);
       rebuild_after_move();
     }

@@ -7,6 +7,7 @@
 #include "memfit/optim.h"
 #include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
+#include "memfit/stream.h"
 #include "memfit/trainer.h"
 #include "test_util.h"
 
@@ -692,6 +693,77 @@ TEST(Recovery, WhereTheLargestWeightDoesNotFitWholeTheParametersAreStreamedInTil
       << tiled.recoveries[0].after;
   for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(tiled.losses[i], plain.losses[i], 1e-5) << "step " << i + 1;
   EXPECT_LT(testing::max_relative_difference(tiled.params, plain.params), 1e-5);
+}
+
+// A move back from the stream that runs out of memory (its first copy, a
+// parameter's on the device, fails) changes nothing: the parameters stay
+// streamed, the step runs, and the move is tried again after restore_after
+// more clean steps; the run equals the uninterrupted one bitwise throughout.
+TEST(Recovery, AMoveBackFromTheStreamThatRunsOutOfMemoryLeavesTheParametersStreamedAndIsTriedAgain) {
+  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan).restore_after(1);
+  auto run = [&](bool drop) {
+    torch::manual_seed(7);
+    Chained net;
+    std::vector<double> losses;
+    std::vector<std::tuple<Offload, Offload, Offload>> placement;
+    size_t recoveries = 0;
+    {
+      Trainer t(net, chained_nll, options);
+      for (int64_t step = 1; step <= 6; ++step) {
+        std::optional<BudgetGuard> budget;
+        std::optional<AllocationFault> fault;
+        if (drop && step == 3) {
+          int64_t params = 0;
+          for (const auto& p : net->parameters()) params += p.nbytes();
+          budget.emplace(torch::kCPU, memory_allocated() - optimizer_state_bytes(t.optimizer()) - params / 5);
+        }
+        if (drop && step == 4) fault.emplace(1);  // the move back's first copy
+        losses.push_back(t.train_step(batch_of(8, step)).loss);
+        placement.emplace_back(t.options().offload_optimizer(), t.options().offload_gradients(),
+                               t.options().offload_parameters());
+        if (fault) EXPECT_TRUE(fault->failed()) << "the move back's first copy failed";
+      }
+      recoveries = t.recoveries().size();
+    }
+    UntrackedGuard host;
+    return std::make_tuple(losses, placement, copies(net->parameters()), recoveries);
+  };
+  const auto [plain_losses, plain_placement, plain_params, plain_recoveries] = run(false);
+  const auto [losses, placement, params, recoveries] = run(true);
+  EXPECT_EQ(recoveries, 1u) << "the failed move back is no recovery";
+  EXPECT_EQ(placement[2], kAllOnHost);
+  EXPECT_EQ(placement[3], kAllOnHost) << "the move back failed: the parameters stayed streamed";
+  EXPECT_EQ(placement[4], kOnDevice) << "tried again after a clean step";
+  EXPECT_EQ(losses, plain_losses);
+  expect_bitwise(params, plain_params, "parameters");
+}
+
+// A policy's re-plan that the Trainer cannot take ends the step in one line
+// that says what would do: tiles for parameters that are not streamed, a
+// negative tile, and streaming a module that ParameterStream refuses.
+TEST(Recovery, ARePlanTheTrainerCannotTakeIsRefusedInALine) {
+  const auto refused = [](auto net, auto loss, const Replan& r, const std::string& text) {
+    torch::manual_seed(7);
+    Trainer t(net, loss, TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan).replan(
+                             [r](const OutOfMemoryEvent&) { return std::optional<Replan>(r); }));
+    t.train_step(batch_of(8, 1));
+    BudgetGuard none_left(torch::kCPU, memory_allocated());
+    expect_error([&] { t.train_step(batch_of(8, 2)); }, text);
+  };
+  Replan tiles;
+  tiles.stream = StreamOptions().tile_bytes(1024);
+  refused(Chained(), chained_nll, tiles,
+          "Replan::stream tiles streamed parameters only: set Replan::offload_parameters to Offload::kHost too, "
+          "or leave Replan::stream unset");
+  Replan negative;
+  negative.offload_optimizer = negative.offload_gradients = negative.offload_parameters = Offload::kHost;
+  negative.stream = StreamOptions().tile_bytes(-1);
+  refused(Chained(), chained_nll, negative, "Replan::stream: tile_bytes must be >= 0 (0: no tiling), got -1");
+  Replan stream_all = negative;
+  stream_all.stream.reset();
+  refused(Wide(), wide_nll, stream_all,
+          "and the re-plan streams the parameters, which this Trainer cannot: " +
+              ParameterStream::refusal(*Wide()) + "; return Replan::offload_parameters unset");
 }
 
 // The default policy's order for the bytes held between steps: the state
