@@ -66,6 +66,18 @@
 //
 //   build/bench/memfit_plan_bench --benchmark_filter=extrapolation
 //
+// replan/transformer/N: recovery re-planned from the step model
+// (replan_from_model) against the default policy's fixed order
+// (more_micro_batches), on the same LM at batch 64 with Adam: a run planned
+// without a budget (the plain step) whose budget drops to 1/N of the plain
+// step's predicted peak before its third step of eight. Reported for each
+// policy: the re-plans (failed attempts), the milliseconds they cost, the
+// settings it ended with and the peak of its last step; the largest loss
+// difference from the run without a budget; and, side by side without a
+// budget, the steps of the two settings they ended with (model_vs_default).
+//
+//   build/bench/memfit_plan_bench --benchmark_filter=replan
+//
 // stream/transformer/B: the same LM trained at batch B three ways, side by
 // side: plain; the optimizer state and gradients on the host (offloaded);
 // and also its parameters streamed, the blocks of its chain one at a time
@@ -614,6 +626,93 @@ void BM_Stream(benchmark::State& state, int64_t batch_size) {
   memfit::bench::side_by_side(state, variants, {{2, 1}});
 }
 
+// What a run of replan/transformer/N ended with.
+struct Replanned {
+  memfit::TrainerOptions options;
+  std::vector<memfit::Schedule> schedules;  // the chains' at the end
+  std::vector<double> losses;
+  std::vector<memfit::Recovery> recoveries;
+  int64_t last_peak = 0;
+  bool gave_up = false;
+};
+
+void BM_Replan(benchmark::State& state, int64_t divisor) {
+  const auto corpus = memfit::load_jargon_file();
+  const auto batch = jargon_batch(corpus, 64);
+  const int64_t vocab = corpus.vocab_size();
+  const auto make = [vocab] {
+    torch::manual_seed(0);
+    return std::make_shared<LanguageModel>(vocab, 64, 128, 6, 4);
+  };
+  auto net = make();
+  std::vector<torch::Tensor> start;
+  {
+    memfit::UntrackedGuard host;
+    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+  }
+  auto model = std::make_shared<memfit::ModuleStepModel>(memfit::detail::make_probe(net, next_token_loss, batch));
+  const auto first = memfit::plan(*model, int64_t(1) << 40);  // no budget: the plain step
+  const int64_t drop = first.plain_peak_bytes / divisor;
+  const auto run = [&](memfit::OutOfMemoryPolicy policy, int64_t limit) {
+    {
+      torch::NoGradGuard g;
+      for (size_t i = 0; i < start.size(); ++i) net->parameters()[i].copy_(start[i]);
+    }
+    Replanned out;
+    memfit::Trainer t(net, next_token_loss,
+                      first.apply(*net, memfit::TrainerOptions()
+                                            .on_out_of_memory(memfit::OnOutOfMemory::kReplan)
+                                            .replan(std::move(policy))));
+    try {
+      for (int i = 0; i < 8; ++i) {
+        if (i == 2 && limit > 0) memfit::set_memory_budget(torch::kCPU, limit);
+        const auto rec = t.train_step(batch);
+        out.losses.push_back(rec.loss);
+        out.last_peak = rec.peak_bytes;
+      }
+    } catch (const c10::OutOfMemoryError&) {
+      out.gave_up = true;
+    }
+    memfit::set_memory_budget(torch::kCPU, 0);
+    out.options = memfit::TrainerOptions(t.options()).on_out_of_memory(memfit::OnOutOfMemory::kThrow);
+    out.recoveries = t.recoveries();
+    for (const auto& c : memfit::find_chains(*net)) out.schedules.push_back(c.chain->schedule());
+    return out;
+  };
+  const auto plain = run(nullptr, 0);
+  const std::vector<std::pair<std::string, Replanned>> runs = {
+      {"model", run(memfit::replan_from_model(model, first), drop)}, {"default", run(nullptr, drop)}};
+  std::vector<std::shared_ptr<memfit::Trainer>> trainers;
+  std::vector<memfit::bench::Variant> variants;
+  for (const auto& [name, r] : runs) {
+    double lost = 0, most = 0;
+    for (const auto& x : r.recoveries) lost += x.seconds;
+    for (size_t i = 0; i < r.losses.size(); ++i) most = std::max(most, std::abs(r.losses[i] - plain.losses[i]));
+    state.counters[name + "_replans"] = double(r.recoveries.size());
+    state.counters[name + "_lost_ms"] = 1e3 * lost;
+    state.counters[name + "_gave_up"] = r.gave_up ? 1 : 0;
+    state.counters[name + "_last_peak_MiB"] = double(r.last_peak) / (1 << 20);
+    state.counters[name + "_most_loss_difference"] = most;
+    std::fprintf(stderr, "replan/transformer/%lld: budget %s (plain %s); %s: %zu re-plans, %.1f ms, %s; ended with %s\n",
+                 static_cast<long long>(divisor), memfit::format_bytes(drop).c_str(),
+                 memfit::format_bytes(first.plain_peak_bytes).c_str(), name.c_str(), r.recoveries.size(), 1e3 * lost,
+                 r.gave_up ? "gave up" : "all 8 steps done",
+                 r.recoveries.empty() ? "its first settings" : r.recoveries.back().after.c_str());
+    if (r.gave_up) continue;
+    auto copy = make();  // the same weights, and the chains' schedules the run ended with
+    auto chains = memfit::find_chains(*copy);
+    for (size_t c = 0; c < chains.size(); ++c) chains[c].chain->set_schedule(r.schedules[c]);
+    auto t = std::make_shared<memfit::Trainer>(copy, next_token_loss, r.options);
+    trainers.push_back(t);
+    variants.push_back({name, [t, &batch] { t->train_step(batch); }});
+  }
+  if (variants.size() == 2) {
+    memfit::bench::side_by_side(state, variants, {{0, 1}});
+  } else {
+    for (auto _ : state) benchmark::DoNotOptimize(variants.size());  // a policy gave up: nothing to time
+  }
+}
+
 // cost/{mlp,resnet,gpt}: what planning costs, as `memfit plan --budget B`
 // plans (plan(module, sample, budget): measuring within the budget, the
 // closest candidates timed), at batch 64 and at batch 4096 side by side:
@@ -689,6 +788,11 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark(("own/" + name + "/" + std::to_string(divisor)).c_str(), BM_Own, name, divisor)
           ->Unit(benchmark::kMillisecond)->Iterations(name == "mnist" ? 20 : 6);
     }
+  }
+  for (int64_t divisor : {2, 4}) {
+    benchmark::RegisterBenchmark(("replan/transformer/" + std::to_string(divisor)).c_str(), BM_Replan, divisor)
+        ->Unit(benchmark::kMillisecond)
+        ->Iterations(10);
   }
   benchmark::RegisterBenchmark("extrapolation/transformer", BM_Extrapolation)->Unit(benchmark::kSecond)->Iterations(1);
   for (int64_t batch : {4, 64}) {

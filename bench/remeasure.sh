@@ -7,7 +7,7 @@
 #
 # Usage (after `make build`): bash bench/remeasure.sh [NAME...]
 #   NAMES: main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed
-#          recovery_offload
+#          recovery_offload replan
 #          stability_gpt (bench/peers.py's GPT table, quiet runs only)
 #          probes (scripts/probe-bad-input.sh: careless and hostile input, by class)
 #          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
@@ -63,6 +63,7 @@ measure() {
     stability_gpt) MODES=quiet run plan_stability_peers_gpt bash bench/plan_stability.sh "$build" 5 peers_gpt ;;
     probes) run probes bash scripts/probe-bad-input.sh "$build/memfit" ;;
     recovery_offload) run recovery_offload bash bench/recovery_offload.sh "$build" ;;
+    replan) bench replan memfit_plan_bench --benchmark_filter=replan ;;
     fresh_make_run) run fresh_make_run bash scripts/fresh-make-run.sh "$(mktemp -d)/debian12" ;;
     distributed) bench distributed memfit_distributed_bench --steps 60 --pairs 5 ;;
     gpt_train) run gpt_train "$build/memfit" train --model gpt --width 64 --depth 2 --context 64 --batch 32 --steps 100 ;;
@@ -87,7 +88,7 @@ measure() {
 }
 
 all=(main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed
-  recovery_offload gpt_train gpt_budget peers peers_gpt)
+  recovery_offload replan gpt_train gpt_budget peers peers_gpt)
 known=("${all[@]}" stability_gpt probes fresh_make_run peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2 optim_step optim_step_torch2
   tax_optim_torch2)
 names=("$@")

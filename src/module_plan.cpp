@@ -99,6 +99,103 @@ TrainerOptions ModulePlan::apply(torch::nn::Module& module, TrainerOptions base)
 }
 
 namespace {
+// Whether moving from `now` to `next` takes something back to the device,
+// which a re-plan does not do (TrainerOptions::restore_after does).
+bool moves_back(Offload now, Offload next) { return now == Offload::kHost && next != Offload::kHost; }
+
+// The failed attempt's settings as the step model names them: the event's
+// micro-batch and placements, with `precision` and `selective`.
+StepSettings settings_of(const OutOfMemoryEvent& e, Precision precision, bool selective) {
+  const bool whole = e.micro_batch_size <= 0 || e.micro_batch_size >= e.examples;
+  return StepSettings()
+      .micro_batch(whole ? 0 : e.micro_batch_size)
+      .precision(precision)
+      .offload_optimizer(e.offload_optimizer)
+      .offload_gradients(e.offload_gradients)
+      .offload_parameters(e.offload_parameters)
+      .tile_bytes(e.offload_parameters == Offload::kHost ? e.stream.tile_bytes() : 0)
+      .selective_recompute(selective);
+}
+
+// Whether the Trainer of event `e`, now at `now`, may retry with `next`:
+// the same math (precision, selective recomputation, and the micro-batch
+// where the module may not be split), nothing moved back, and each move one
+// the Trainer can make.
+bool may_take(const StepSettings& now, const StepSettings& next, const OutOfMemoryEvent& e, bool may_split) {
+  if (next.precision() != now.precision() || next.selective_recompute() != now.selective_recompute()) return false;
+  if (!may_split && next.micro_batch() != now.micro_batch()) return false;
+  if (moves_back(now.offload_optimizer(), next.offload_optimizer()) ||
+      moves_back(now.offload_gradients(), next.offload_gradients()) ||
+      moves_back(now.offload_parameters(), next.offload_parameters())) {
+    return false;
+  }
+  const bool moves = next.offload_optimizer() != now.offload_optimizer() ||
+                     next.offload_gradients() != now.offload_gradients();
+  if (moves && !e.may_offload_optimizer) return false;
+  return next.offload_parameters() == now.offload_parameters() || e.may_offload_parameters;
+}
+
+// The Replan that takes a Trainer at `now` to candidate `c`.
+Replan replan_to(const Candidate& c, const StepSettings& now, const OutOfMemoryEvent& e,
+                 const std::vector<FoundChain>& chains, const std::vector<std::string>& names) {
+  Replan r;
+  const auto& s = c.settings;
+  r.micro_batch_size = s.micro_batch();
+  if (s.offload_optimizer() != now.offload_optimizer()) r.offload_optimizer = s.offload_optimizer();
+  if (s.offload_gradients() != now.offload_gradients()) r.offload_gradients = s.offload_gradients();
+  if (s.offload_parameters() != now.offload_parameters()) r.offload_parameters = s.offload_parameters();
+  if (s.offload_parameters() == Offload::kHost && s.tile_bytes() != now.tile_bytes()) {
+    r.stream = StreamOptions(e.stream).tile_bytes(s.tile_bytes());
+  }
+  r.apply = [chains = std::vector<FoundChain>(chains), schedules = c.schedules]() mutable {
+    for (size_t i = 0; i < chains.size(); ++i) {
+      const auto n = static_cast<int64_t>(chains[i].chain->sequential()->size());
+      chains[i].chain->set_schedule(i < schedules.size() && !schedules[i].segments.empty() ? schedules[i]
+                                                                                          : schedule_none(n));
+    }
+  };
+  r.description = "by the step model: " + detail::candidate_text(c, e.examples, names);
+  return r;
+}
+} // namespace
+
+OutOfMemoryPolicy replan_from_model(std::shared_ptr<const ModuleStepModel> model, const ModulePlan& plan,
+                                    OutOfMemoryPolicy fallback) {
+  TORCH_CHECK(model != nullptr, "replan_from_model: the step model is null; pass the model plan() was given");
+  const ModuleStepModel::Impl* im = model->impl_.get();
+  TORCH_CHECK(plan.chains == im->chain_names() && plan.model == model_signature(*im->probe.module),
+              "replan_from_model: the plan was not made for this step model's module (", plan.model,
+              "); pass the plan that plan(model, ...) returned");
+  const bool may_split = detail::may_micro_batch(im->options, im->batch_statistics);
+  if (!fallback) {
+    fallback = more_micro_batches(*im->probe.module, im->options.batch_statistics() == BatchStatistics::kPerMicroBatch);
+  }
+  const Precision precision = plan.settings.precision();
+  return [model, im, may_split, precision, fallback](const OutOfMemoryEvent& e) -> std::optional<Replan> {
+    const auto now = settings_of(e, precision, selective_recompute(*im->probe.module));
+    const auto measured = model->measured_settings();
+    const bool known = std::any_of(measured.begin(), measured.end(), [&](const StepSettings& m) {
+      return m.precision() == now.precision() && m.selective_recompute() == now.selective_recompute() &&
+             m.offload_optimizer() == now.offload_optimizer() && m.offload_gradients() == now.offload_gradients() &&
+             m.offload_parameters() == now.offload_parameters() && m.tile_bytes() == now.tile_bytes();
+    });
+    if (!known || e.examples <= 0) return fallback(e);
+    std::vector<Schedule> schedules;  // as the chains run now; streamed chains run as measured
+    if (now.offload_parameters() != Offload::kHost) {
+      for (const auto& c : im->chains) schedules.push_back(c.chain->schedule());
+    }
+    const int64_t predicted = model->predict(e.examples, now, schedules).peak_bytes;
+    const int64_t target = e.limit_bytes > 0 ? std::min(e.limit_bytes, predicted) : predicted;
+    const Search found = search(*model, *im, e.examples, target, may_split, 1.0,
+                                [&](const StepSettings& s) { return may_take(now, s, e, may_split); });
+    const auto limit = static_cast<int64_t>(std::floor(im->options.margin() * double(target)));
+    const auto best = best_fitting(found.fitting, 1.0, limit);  // edge candidates lie above the limit
+    if (!best) return fallback(e);
+    return replan_to(found.fitting[*best], now, e, im->chains, im->chain_names());
+  };
+}
+
+namespace {
 // Each chain's schedule, "; "-separated ("none" for a plain one, and for no chain).
 std::string schedules_only_text(const std::vector<Schedule>& schedules) {
   std::vector<std::string> out;

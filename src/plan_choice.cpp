@@ -374,7 +374,7 @@ bool same_candidate(const Candidate& a, const Candidate& b) {
 }
 
 Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int64_t batch, int64_t budget,
-              bool micro_batching, double room) {
+              bool micro_batching, double room, const std::function<bool(const StepSettings&)>& allowed) {
   const auto& o = im.options;
   const auto& chains = im.chains;
   const int64_t limit = static_cast<int64_t>(std::floor(o.margin() * room * double(budget)));
@@ -387,6 +387,7 @@ Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int
   for (const auto& measured : model.measured_settings()) {
     for (int64_t m : micro) {
       auto s = StepSettings(measured).micro_batch(m == batch ? 0 : m);
+      if (allowed && !allowed(s)) continue;
       Candidate c{s, std::vector<Schedule>(chains.size()), model.predict(batch, s, {})};
       ++out.candidates;
       if (detail::is_edge(o, o.verify(), c.predicted.peak_bytes, limit, budget)) {

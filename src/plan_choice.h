@@ -292,8 +292,10 @@ struct Search {
 // unless `micro_batching`), with each chain's schedule solved where the plain
 // chains do not fit: under PlanOptions::margin of the budget, scaled by `room`
 // (the share of reserved bytes that the device's allocator leaves allocated).
+// Settings that `allowed` refuses (where given) are not considered.
 Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int64_t batch, int64_t budget,
-              bool micro_batching, double room = 1.0);
+              bool micro_batching, double room = 1.0,
+              const std::function<bool(const StepSettings&)>& allowed = nullptr);
 
 // The one of `all[pool]` to choose (detail::choose) among those whose
 // prediction, scaled by `correction`, fits `limit`; nullopt when none.

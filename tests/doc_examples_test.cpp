@@ -982,6 +982,19 @@ TEST_F(DocExamples, PlanASmallerBatchOfTheMeasuredSample) {
   EXPECT_TRUE(p.batch == 64 && p.fits);
 }
 
+TEST_F(DocExamples, ReplanFromTheStepModel) {
+  auto chain = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                                     torch::nn::Linear(64, 4));
+  auto net = torch::nn::Sequential(memfit::CheckpointedSequential(chain));
+  torch::data::Example<> sample(torch::randn({64, 32}), torch::zeros({64}, torch::kLong));
+  auto model = std::make_shared<memfit::ModuleStepModel>(memfit::detail::make_probe(net, sample));
+  auto p = memfit::plan(*model, 1 << 20);
+  memfit::Trainer trainer(net, p.apply(*net, memfit::TrainerOptions()
+                                                 .on_out_of_memory(memfit::OnOutOfMemory::kReplan)
+                                                 .replan(memfit::replan_from_model(model, p))));
+  trainer.train_step(sample);
+}
+
 TEST_F(DocExamples, PlanASequentialClassifier) {
   auto chain = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
                                      torch::nn::Linear(64, 4));

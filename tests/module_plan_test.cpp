@@ -1396,3 +1396,140 @@ TEST_F(ModulePlanTest, FindBatchGivenTheLargestExampleAnswersABatchThatFitsTheWo
 }
 
 } // namespace
+
+namespace {
+// A run of `net` under `plan` with `policy` (null: the default), whose
+// budget drops to `drop` bytes (0: none) before step 3 of 6, from the
+// parameters `start`: its losses and recoveries, and whether it gave up.
+struct DropRun {
+  std::vector<double> losses;
+  std::vector<memfit::Recovery> recoveries;
+  bool gave_up = false;
+  memfit::TrainerOptions ended;
+};
+DropRun run_with_drop(BlockNet& net, const std::vector<torch::Tensor>& start, const memfit::ModulePlan& plan,
+                      memfit::OutOfMemoryPolicy policy, int64_t drop, const torch::data::Example<>& batch) {
+  {
+    torch::NoGradGuard g;
+    for (size_t i = 0; i < start.size(); ++i) net->parameters()[i].copy_(start[i]);
+  }
+  DropRun out;
+  memfit::Trainer t(net, block_loss,
+                    plan.apply(*net, memfit::TrainerOptions()
+                                         .on_out_of_memory(memfit::OnOutOfMemory::kReplan)
+                                         .replan(std::move(policy))));
+  try {
+    for (int i = 0; i < 6; ++i) {
+      if (i == 2 && drop > 0) memfit::set_memory_budget(torch::kCPU, drop);
+      out.losses.push_back(t.train_step(batch).loss);
+    }
+  } catch (const c10::OutOfMemoryError&) {
+    out.gave_up = true;
+  }
+  memfit::set_memory_budget(torch::kCPU, 0);
+  out.recoveries = t.recoveries();
+  out.ended = t.options();
+  return out;
+}
+} // namespace
+
+TEST_F(ModulePlanTest, ReplanFromTheModelTakesThePlannersChoiceUnderTheLimitInOneAttemptWithTheSameMath) {
+  // The budget drops below the plain step's peak at step 3 of 6. Re-planned
+  // from the step model, the step runs again at once under what plan()
+  // chooses by prediction under that budget, and trains as the run without
+  // a budget does, within 1e-5 (micro-batches sum the gradients in another
+  // order). The default policy's fixed order (micro-batches first, while the
+  // parameters, gradients and Adam's state are most of the step) fails
+  // several times, and under 30% gives up after max_replans.
+  BlockNet net(64, 16);
+  const auto batch = sample(256);
+  auto model = std::make_shared<memfit::ModuleStepModel>(memfit::detail::make_probe(net.ptr(), block_loss, batch),
+                                                         memfit::PlanOptions().measure_candidates(0).verify(false));
+  const auto first = memfit::plan(*model, int64_t(1) << 40);
+  ASSERT_EQ(first.settings.micro_batch(), 0) << first.explain();
+  std::vector<torch::Tensor> start;
+  {
+    memfit::UntrackedGuard host;
+    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+  }
+  const auto plain = run_with_drop(net, start, first, nullptr, 0, batch);
+  for (double f : {0.6, 0.45, 0.3}) {
+    const auto drop = static_cast<int64_t>(f * double(first.plain_peak_bytes));
+    SCOPED_TRACE("budget " + memfit::format_bytes(drop));
+    const auto expected = memfit::plan(*model, drop);
+    const auto by_model = run_with_drop(net, start, first, memfit::replan_from_model(model, first), drop, batch);
+    ASSERT_FALSE(by_model.gave_up);
+    ASSERT_EQ(by_model.recoveries.size(), 1u) << "one re-plan, at the drop";
+    const auto& r = by_model.recoveries[0];
+    EXPECT_EQ(r.step, 3);
+    const memfit::Candidate chosen{expected.settings, expected.schedules, expected.predicted};
+    EXPECT_EQ(r.after, "by the step model: " + memfit::detail::candidate_text(chosen, 256, expected.chains));
+    EXPECT_EQ(by_model.ended.micro_batch_size(), expected.settings.micro_batch());
+    EXPECT_EQ(memfit::detail::recomputes(net->body->schedule()),
+              !expected.schedules.empty() && memfit::detail::recomputes(expected.schedules[0]))
+        << net->body->schedule().to_string() << " against " << expected.explain();
+    for (size_t i = 0; i < plain.losses.size(); ++i) EXPECT_NEAR(by_model.losses[i], plain.losses[i], 1e-5) << i;
+    const auto by_default = run_with_drop(net, start, first, nullptr, drop, batch);
+    EXPECT_GT(by_default.recoveries.size(), 2u);
+    EXPECT_EQ(by_default.gave_up, f == 0.3) << by_default.recoveries.back().after;
+    std::cerr << "under " << memfit::format_bytes(drop) << ": " << r.after << " (" << r.seconds * 1e3
+              << " ms lost); the default policy: " << by_default.recoveries.size() << " re-plans, "
+              << (by_default.gave_up ? "then gave up" : "ending with " + by_default.recoveries.back().after) << "\n";
+    for (size_t i = 0; i < by_default.losses.size(); ++i) {
+      EXPECT_NEAR(by_default.losses[i], plain.losses[i], 1e-5) << i;
+    }
+  }
+}
+
+TEST_F(ModulePlanTest, ReplanFromTheModelAsksForLessEachTimeAndFallsBackWhereTheModelCannotAnswer) {
+  BlockNet net(32, 8);
+  const auto batch = sample(64);
+  auto model = std::make_shared<memfit::ModuleStepModel>(
+      memfit::detail::make_probe(net.ptr(), block_loss, batch),
+      memfit::PlanOptions().offload(false).measure_candidates(0).verify(false));
+  const auto p = memfit::plan(*model, int64_t(1) << 40);
+  int fallbacks = 0;
+  const auto policy = memfit::replan_from_model(model, p, [&](const memfit::OutOfMemoryEvent&) {
+    ++fallbacks;
+    memfit::Replan r;
+    r.description = "fallback";
+    return std::optional<memfit::Replan>(r);
+  });
+  memfit::OutOfMemoryEvent e;
+  e.examples = 64;
+  e.may_offload_optimizer = true;
+  // A step that ran out of memory although the model says it fits (a batch
+  // longer than the sample's): the answer is predicted within the margin of
+  // the failed step's own prediction, not of the limit.
+  e.limit_bytes = 100 * p.plain_peak_bytes;
+  auto r = policy(e);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->description.rfind("by the step model: ", 0), 0u) << r->description;
+  EXPECT_FALSE(r->offload_optimizer.has_value()) << "the state on the host was not measured (PlanOptions::offload)";
+  r->apply();
+  const auto settings = memfit::StepSettings().micro_batch(r->micro_batch_size);
+  const int64_t asked = model->predict(64, settings, {net->body->schedule()}).peak_bytes;
+  EXPECT_LE(asked, static_cast<int64_t>(0.97 * double(p.plain_peak_bytes)));
+  // Asked again from there, it asks for less again.
+  e.micro_batch_size = r->micro_batch_size;
+  r = policy(e);
+  ASSERT_TRUE(r.has_value());
+  r->apply();
+  EXPECT_LE(model->predict(64, memfit::StepSettings().micro_batch(r->micro_batch_size), {net->body->schedule()})
+                .peak_bytes,
+            static_cast<int64_t>(0.97 * double(asked)));
+  EXPECT_EQ(fallbacks, 0);
+  // Placements the model did not measure, and a limit nothing fits: the fallback answers.
+  e.offload_optimizer = memfit::Offload::kHost;
+  EXPECT_EQ(policy(e)->description, "fallback");
+  e.offload_optimizer = memfit::Offload::kNone;
+  e.limit_bytes = 1024;
+  EXPECT_EQ(policy(e)->description, "fallback");
+  EXPECT_EQ(fallbacks, 2);
+  // Another module's plan, or no model, is refused in a line.
+  auto other = p;
+  other.model = "4 tensors of 10 values, shapes' CRC-32 00000000";
+  expect_error([&] { memfit::replan_from_model(model, other); },
+               "replan_from_model: the plan was not made for this step model's module (4 tensors of 10 values");
+  expect_error([&] { memfit::replan_from_model(nullptr, p); }, "replan_from_model: the step model is null");
+}

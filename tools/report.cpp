@@ -1,6 +1,7 @@
 #include "report.h"
 #include "usage.h"
 
+#include "memfit/environment.h"
 #include "memfit/state.h"
 
 #include <fmt/format.h>
@@ -319,6 +320,18 @@ int run_report(const ReportArgs& args) {
   memfit::write_file_atomically(args.output, html);
   fmt::print("report written to {}\n", args.output);
   return 0;
+}
+
+void write_run_report(const std::string& path, const memfit::TrainReport& report,
+                      const std::optional<memfit::ModulePlan>& plan) {
+  auto json = nlohmann::json::parse(report.to_json());
+  json["environment"] = nlohmann::json::parse(memfit::environment().to_json());
+  if (plan) {
+    json["plan"] = nlohmann::json::parse(plan->to_json());
+    json["summary"]["predicted_peak_bytes"] = plan->predicted.peak_bytes;
+  }
+  memfit::write_file_atomically(path, json.dump(2) + "\n");
+  fmt::print("report written to {}\n", path);
 }
 
 } // namespace tools

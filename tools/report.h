@@ -1,8 +1,12 @@
 #pragma once
 // memfit report: one self-contained HTML page from a `memfit train --report` JSON.
 
+#include "memfit/module_plan.h"
+#include "memfit/trainer.h"
+
 #include <CLI/CLI.hpp>
 
+#include <optional>
 #include <string>
 
 namespace memfit {
@@ -20,6 +24,11 @@ void add_report_command(CLI::App& app, ReportArgs& args);
 /// Writes the page; a file that is not a report memfit wrote is a usage
 /// error (before any output). Returns the exit code.
 int run_report(const ReportArgs& args);
+
+/// Writes `memfit train --report`'s JSON to `path` (atomically): the run's
+/// `report`, the environment, and the `plan` it trained under, if any.
+void write_run_report(const std::string& path, const memfit::TrainReport& report,
+                      const std::optional<memfit::ModulePlan>& plan);
 
 /// The HTML page for the run report `json_text`: the memory of the largest
 /// step phase by phase and by category, the peak of every step with the

@@ -16,6 +16,7 @@
 #include "generate.h"
 #include "workload.h"
 #include "progress.h"
+#include "report.h"
 #include "usage.h"
 
 #include <c10/core/DeviceGuard.h>
@@ -266,10 +267,11 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
   train->add_flag("--skip-nonfinite", a.skip_nonfinite,
                   "Skip steps whose loss is NaN or infinite instead of stopping");
   train->add_option("--on-out-of-memory", a.on_out_of_memory,
-                    "A step that runs out of memory: replan (undo it, re-plan with more micro-batches, or "
-                    "recomputation where micro-batches would change batch statistics, then the optimizer state, "
-                    "gradients and parameters on the host, and run it again: the same gradients; data-parallel ranks re-plan together), throw (end the run, exit 1), or auto "
-                    "(replan, except for a pipeline or --zero-stage 1)")
+                    "A step that runs out of memory: replan (undo it and run it again with the same gradients, "
+                    "re-planned by the plan's step model where this run planned itself in one process, else with "
+                    "more micro-batches, or recomputation where micro-batches would change batch statistics, then "
+                    "the optimizer state, gradients and parameters on the host; data-parallel ranks re-plan "
+                    "together), throw (end the run, exit 1), or auto (replan, except for a pipeline or --zero-stage 1)")
       ->check(CLI::IsMember({"auto", "replan", "throw"}))
       ->capture_default_str();
   train->add_option("--micro-batch", a.micro_batch,
@@ -555,18 +557,23 @@ memfit::TrainerOptions trainer_options(const TrainArgs& a, const torch::Device& 
 
 // The plan for --budget or --plan FILE, applied to `options` and explained;
 // nullopt when the knobs are the flags'. Planning measures this run's own
-// step (Trainer(model, options)) in one process, saving nothing.
+// step (Trainer(model, options)) in one process, saving nothing; a plan
+// made here keeps its step model in `step_model`, for recovery to re-plan from.
 std::optional<memfit::ModulePlan> plan_run(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given,
                                            torch::nn::Sequential& model, int64_t budget,
                                            const std::vector<memfit::Precision>& precisions,
-                                           const memfit::ImageDataset& data, memfit::TrainerOptions& options) {
+                                           const memfit::ImageDataset& data, memfit::TrainerOptions& options,
+                                           std::shared_ptr<const memfit::ModuleStepModel>& step_model) {
   std::optional<memfit::ModulePlan> plan;
   if (planned(a)) {
     const auto measured = memfit::TrainerOptions(options).process_group(nullptr).zero_stage(0).save_dir("");
     const auto planning = plan_options(a, precisions);
     plan = given ? given_plan(a, *given, *model, budget, planning, measured)
                  : resumed_plan(a, *model, budget, planning, measured);
-    if (!plan) plan = memfit::plan(model, sample_of(data, a.batch), budget, planning, measured);
+    if (!plan) step_model = std::make_shared<memfit::ModuleStepModel>(
+                   memfit::detail::make_probe(model, sample_of(data, a.batch)),
+                   memfit::detail::measuring_within(planning, budget), measured);
+    if (!plan) plan = memfit::plan(*step_model, budget);
     // Data-parallel ranks planned alike but timed apart: they train with rank 0's plan.
     if (options.process_group()) memfit::broadcast_plan(*plan, *options.process_group());
     options = plan->apply(*model, options);
@@ -714,18 +721,6 @@ void print_results(const TrainArgs& a, const memfit::TrainReport& report, const 
   if (!a.save.empty() && !report.stopped) fmt::print("checkpoint saved to {}/checkpoint.pt\n", a.save);
 }
 
-// --report: the run's JSON with the environment and the plan.
-void write_report(const TrainArgs& a, const memfit::TrainReport& report, const std::optional<memfit::ModulePlan>& plan) {
-  auto json = nlohmann::json::parse(report.to_json());
-  json["environment"] = nlohmann::json::parse(memfit::environment().to_json());
-  if (plan) {
-    json["plan"] = nlohmann::json::parse(plan->to_json());
-    json["summary"]["predicted_peak_bytes"] = plan->predicted.peak_bytes;
-  }
-  memfit::write_file_atomically(a.report, json.dump(2) + "\n");
-  fmt::print("report written to {}\n", a.report);
-}
-
 } // namespace
 
 int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given) {
@@ -752,13 +747,16 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
   auto options = trainer_options(a, device, precisions.front(), group,
                                  pipeline_balance(a, world, chain, workload.train, device));
   torch::nn::Sequential model = pipelined ? chain : torch::nn::Sequential(checkpointed);
-  const auto plan = plan_run(a, given, model, budget, precisions, workload.train, options);
-  // Recovery from out of memory (--on-out-of-memory): every model here is a
-  // chain, so a model with batch statistics recomputes it rather than
-  // micro-batching, unless --batch-statistics allows it.
+  std::shared_ptr<const memfit::ModuleStepModel> step_model;
+  const auto plan = plan_run(a, given, model, budget, precisions, workload.train, options, step_model);
+  // Recovery (--on-out-of-memory): from the step model of a run planned here
+  // in one process (ranks' limits may differ), else in the default order,
+  // which recomputes a model with batch statistics (every model here is a chain).
   if (a.on_out_of_memory == "replan" || (a.on_out_of_memory == "auto" && !pipelined && a.zero_stage == 0)) {
+    auto in_order = memfit::more_micro_batches(*model, a.batch_statistics == "per-micro-batch");
     options.on_out_of_memory(memfit::OnOutOfMemory::kReplan)
-        .replan(memfit::more_micro_batches(*model, a.batch_statistics == "per-micro-batch"));
+        .replan(step_model && !options.process_group() ? memfit::replan_from_model(step_model, *plan, in_order)
+                                                       : in_order);
   }
   memfit::set_memory_budget(device, budget);
   const std::string schedule_text = pipelined ? "none (pipeline stages)" : checkpointed->schedule().to_string();
@@ -793,7 +791,7 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
     report.evaluated = true;
   }
   print_results(a, report, workload, schedule_text, device, budget, plan);
-  if (!a.report.empty() && world.rank == 0) write_report(a, report, plan);
+  if (!a.report.empty() && world.rank == 0) write_run_report(a.report, report, plan);
   return report.stopped ? 128 + static_cast<int>(g_signal) : 0;  // as a shell reports the signal
 }
 

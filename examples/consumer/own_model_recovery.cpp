@@ -2,16 +2,21 @@
 // the user's own loop, where another process takes memory mid-run (the
 // budget drops to 40% of the plain step's peak at step 5 of 20). With
 // OnOutOfMemory::kReplan each step that runs out of memory is undone,
-// re-planned with more micro-batches and run again on the same batch; the
-// run finishes, and its losses follow the uninterrupted run's.
+// re-planned and run again on the same batch; the run finishes, and its
+// losses follow the uninterrupted run's. Re-planned in the default order
+// (more micro-batches, one failed attempt at a time), and from the
+// planner's step model of the net (replan_from_model: the fastest settings
+// predicted to fit the memory the step found, at once).
 #include "mnist_net.h"
 
 #include <memfit/data.h>
 #include <memfit/memory.h>
+#include <memfit/module_plan.h>
 #include <memfit/trainer.h>
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <vector>
@@ -27,12 +32,18 @@ int main() {
     return torch::data::Example<>(data.images.narrow(0, i * kBatch, kBatch).clone(),
                                   data.labels.narrow(0, i * kBatch, kBatch).clone());
   };
-  auto run = [&](bool drop, int64_t& recoveries) {
+  auto run = [&](bool drop, bool from_model, int64_t& recoveries) {
     torch::manual_seed(1);
     auto net = std::make_shared<Net>();
     net->eval();  // no dropout: micro-batches would draw their own masks
-    memfit::Trainer trainer(net, nll,
-                            memfit::TrainerOptions().lr(1e-3).on_out_of_memory(memfit::OnOutOfMemory::kReplan));
+    auto options = memfit::TrainerOptions().lr(1e-3).on_out_of_memory(memfit::OnOutOfMemory::kReplan);
+    if (from_model) {  // the planner measures the net's step on a sample batch, and re-plans from that
+      auto model = std::make_shared<memfit::ModuleStepModel>(memfit::detail::make_probe(net, nll, batch(0)),
+                                                             memfit::PlanOptions(), options);
+      const auto plan = memfit::plan(*model, int64_t(1) << 40);  // no budget yet: the plain step
+      options = plan.apply(*net, options).replan(memfit::replan_from_model(model, plan));
+    }
+    memfit::Trainer trainer(net, nll, options);
     std::vector<double> losses;
     int64_t plain_peak = 0;  // the plain step's, once the optimizer's state exists
     for (int64_t i = 0; i < kSteps; ++i) {
@@ -49,14 +60,20 @@ int main() {
     }
     return losses;
   };
-  int64_t none = 0, recovered = 0;
-  const auto plain = run(false, none);
-  const auto dropped = run(true, recovered);
+  int64_t none = 0, in_order = 0, from_model = 0;
+  const auto plain = run(false, false, none);
+  const auto dropped = run(true, false, in_order);
+  const auto replanned = run(true, true, from_model);
   double most = 0;
-  for (size_t i = 0; i < plain.size(); ++i) most = std::max(most, std::abs(plain[i] - dropped[i]));
-  std::printf("%zu of %lld steps done, %lld recoveries, losses at most %.2g from the uninterrupted run's\n",
-              dropped.size(), static_cast<long long>(kSteps), static_cast<long long>(recovered), most);
-  const bool ok = dropped.size() == static_cast<size_t>(kSteps) && recovered > 0 && none == 0 && most <= 1e-5;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    most = std::max({most, std::abs(plain[i] - dropped[i]), std::abs(plain[i] - replanned[i])});
+  }
+  std::printf("%zu and %zu of %lld steps done, %lld recoveries in the default order and %lld from the step model, "
+              "losses at most %.2g from the uninterrupted run's\n",
+              dropped.size(), replanned.size(), static_cast<long long>(kSteps), static_cast<long long>(in_order),
+              static_cast<long long>(from_model), most);
+  const bool ok = dropped.size() == static_cast<size_t>(kSteps) && replanned.size() == dropped.size() &&
+                  in_order > 0 && from_model > 0 && from_model <= in_order && none == 0 && most <= 1e-5;
   std::printf("%s\n", ok ? "the run recovered from out of memory" : "FAILED");
   return ok ? 0 : 1;
 }

@@ -191,6 +191,8 @@ class ModuleStepModel {
  private:
   friend ModulePlan plan(const ModuleStepModel& model, int64_t budget, int64_t batch);
   friend ModuleProfile profile(const ModuleStepModel& model);
+  friend OutOfMemoryPolicy replan_from_model(std::shared_ptr<const ModuleStepModel> model, const ModulePlan& plan,
+                                             OutOfMemoryPolicy fallback);
   friend ModuleBatchSearch find_batch(const ModuleStepModel& model, int64_t budget,
                                       const FindBatchOptions& options);
   std::unique_ptr<Impl> impl_;
@@ -448,6 +450,52 @@ ModulePlan plan(std::shared_ptr<M> module, Loss loss, const typename detail::Los
 /// \endcode
 ModulePlan plan(torch::nn::Sequential model, const torch::data::Example<>& sample, int64_t budget,
                 PlanOptions options = PlanOptions(), TrainerOptions base = TrainerOptions());
+
+/// Re-plans a step that ran out of memory (TrainerOptions::replan) from the
+/// step model that planned the run: the settings plan() would choose by
+/// prediction alone under the memory the step found, rather than the
+/// default policy's fixed order (more_micro_batches).
+///
+/// The failed step's own settings (the event's micro-batch, offloads and
+/// tiles, `plan`'s precision, the chains' schedules and selective
+/// recomputation as the module has them now) are predicted first. The new
+/// settings must be predicted within PlanOptions::margin of the lesser of
+/// the limit and that prediction: where the step ran out of memory although
+/// the model said it fits (a longer batch, fragmentation), each attempt then
+/// asks for less than the one before. Among the grid's settings that keep
+/// the math (`plan`'s precision, the same selective recomputation,
+/// micro-batches only where PlanOptions::batch_statistics lets the module
+/// have them) and that the Trainer can take (nothing moves back to the
+/// device; offload and streaming where the event's may_offload_optimizer
+/// and may_offload_parameters say so), the fastest predicted wins, ties going
+/// to the one that does least (docs/planner.md, "The tie rule"). Each chain's
+/// schedule is solved for the memory left, as plan() solves it. Nothing is
+/// measured: streamed settings that plan() held back (ModuleStepModel::
+/// measure_held_back) are not among them. Where none fits, `fallback`
+/// answers (empty: more_micro_batches over the module, with micro-batches
+/// where PlanOptions::batch_statistics allows them), as it does for an
+/// event whose settings the model did not measure.
+///
+/// Every rank must get the same answer, so with a process group use it only
+/// where the ranks' limits agree; `memfit train` installs it in one process.
+/// Sync points: none. Extra memory: none on the device; the model and `plan`
+/// are kept, and the policy holds the module through the model.
+///
+/// Example:
+/// \code
+///   auto chain = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+///                                      torch::nn::Linear(64, 4));
+///   auto net = torch::nn::Sequential(memfit::CheckpointedSequential(chain));
+///   torch::data::Example<> sample(torch::randn({64, 32}), torch::zeros({64}, torch::kLong));
+///   auto model = std::make_shared<memfit::ModuleStepModel>(memfit::detail::make_probe(net, sample));
+///   auto p = memfit::plan(*model, 1 << 20);
+///   memfit::Trainer trainer(net, p.apply(*net, memfit::TrainerOptions()
+///                                                  .on_out_of_memory(memfit::OnOutOfMemory::kReplan)
+///                                                  .replan(memfit::replan_from_model(model, p))));
+///   trainer.train_step(sample);
+/// \endcode
+OutOfMemoryPolicy replan_from_model(std::shared_ptr<const ModuleStepModel> model, const ModulePlan& plan,
+                                    OutOfMemoryPolicy fallback = nullptr);
 
 /// What profile() measured on a user's module: its plain training step as
 /// the Trainer runs it, and each chain's layers.
