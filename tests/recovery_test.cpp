@@ -426,43 +426,61 @@ TEST(Recovery, TheOptimizerStateMovesBackToTheDeviceAfterRestoreAfterOnceTheLimi
   EXPECT_LT(testing::max_relative_difference(restored.params, plain.params), 1e-5);
 }
 
+// Bytes the budget drops to at step 3, given the Trainer and its module's parameters.
+using BudgetAt = std::function<int64_t(Trainer&, const std::vector<torch::Tensor>&)>;
+
+struct MoveBackRun {
+  std::vector<double> losses;
+  std::vector<std::tuple<Offload, Offload, Offload>> placement;  // each step's state, gradients, parameters
+  std::vector<torch::Tensor> params;  // once the Trainer is gone (streamed ones whole again)
+  size_t recoveries = 0;
+};
+
+// 6 steps of batch 8 of `Model` with restore_after(1); with `drop`, the
+// budget drops to `budget` at step 3 and lifts at step 4, where the move
+// back's first copy fails.
+template <class Model, class Loss>
+MoveBackRun run_failing_move_back(Loss loss, const BudgetAt& budget, bool drop) {
+  torch::manual_seed(7);
+  Model net;
+  MoveBackRun r;
+  {
+    Trainer t(net, loss, TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan).restore_after(1));
+    for (int64_t step = 1; step <= 6; ++step) {
+      std::optional<BudgetGuard> dropped;
+      std::optional<AllocationFault> fault;
+      if (drop && step == 3) dropped.emplace(torch::kCPU, budget(t, net->parameters()));
+      if (drop && step == 4) fault.emplace(1);  // the move back's first copy
+      r.losses.push_back(t.train_step(batch_of(8, step)).loss);
+      r.placement.emplace_back(t.options().offload_optimizer(), t.options().offload_gradients(),
+                               t.options().offload_parameters());
+      if (fault) EXPECT_TRUE(fault->failed()) << "the move back's first copy failed";
+    }
+    r.recoveries = t.recoveries().size();
+  }
+  UntrackedGuard host;
+  r.params = copies(net->parameters());
+  return r;
+}
+
 // A move back that runs out of memory (its first copy fails) changes
 // nothing: the state stays on the host, the step runs, and the move is
 // tried again after restore_after more clean steps; the run equals the
 // uninterrupted one bitwise throughout.
 TEST(Recovery, AMoveBackThatRunsOutOfMemoryLeavesTheStateOnTheHostAndIsTriedAgain) {
-  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan).restore_after(1);
-  auto run = [&](bool drop) {
-    torch::manual_seed(7);
-    Wide net;
-    Trainer t(net, wide_nll, options);
-    std::vector<double> losses;
-    std::vector<Offload> placement;
-    for (int64_t step = 1; step <= 6; ++step) {
-      std::optional<BudgetGuard> budget;
-      std::optional<AllocationFault> fault;
-      if (drop && step == 3) {
-        const int64_t state = optimizer_state_bytes(t.optimizer());
-        int64_t grads = 0;
-        for (const auto& p : net->parameters()) grads += p.nbytes();
-        budget.emplace(torch::kCPU, memory_allocated() + grads - state / 2);
-      }
-      if (drop && step == 4) fault.emplace(1);  // the move back's first copy
-      losses.push_back(t.train_step(batch_of(8, step)).loss);
-      placement.push_back(t.options().offload_optimizer());
-      if (fault) EXPECT_TRUE(fault->failed()) << "the move back's first copy failed";
-    }
-    UntrackedGuard host;
-    return std::make_tuple(losses, placement, copies(net->parameters()), t.recoveries().size());
+  const BudgetAt below_state = [](Trainer& t, const std::vector<torch::Tensor>& params) {
+    int64_t grads = 0;
+    for (const auto& p : params) grads += p.nbytes();
+    return memory_allocated() + grads - optimizer_state_bytes(t.optimizer()) / 2;
   };
-  const auto [plain_losses, plain_placement, plain_params, plain_recoveries] = run(false);
-  const auto [losses, placement, params, recoveries] = run(true);
-  EXPECT_EQ(recoveries, 1u) << "the failed move back is no recovery";
-  EXPECT_EQ(placement[2], Offload::kHost);
-  EXPECT_EQ(placement[3], Offload::kHost) << "the move back failed: the state stayed";
-  EXPECT_EQ(placement[4], Offload::kNone) << "tried again after a clean step";
-  EXPECT_EQ(losses, plain_losses);
-  expect_bitwise(params, plain_params, "parameters");
+  const auto plain = run_failing_move_back<Wide>(wide_nll, below_state, false);
+  const auto run = run_failing_move_back<Wide>(wide_nll, below_state, true);
+  EXPECT_EQ(run.recoveries, 1u) << "the failed move back is no recovery";
+  EXPECT_EQ(std::get<0>(run.placement[2]), Offload::kHost);
+  EXPECT_EQ(std::get<0>(run.placement[3]), Offload::kHost) << "the move back failed: the state stayed";
+  EXPECT_EQ(std::get<0>(run.placement[4]), Offload::kNone) << "tried again after a clean step";
+  EXPECT_EQ(run.losses, plain.losses);
+  expect_bitwise(run.params, plain.params, "parameters");
 }
 
 // A run whose state moved to the host saves a checkpoint that a Trainer
@@ -700,42 +718,19 @@ TEST(Recovery, WhereTheLargestWeightDoesNotFitWholeTheParametersAreStreamedInTil
 // streamed, the step runs, and the move is tried again after restore_after
 // more clean steps; the run equals the uninterrupted one bitwise throughout.
 TEST(Recovery, AMoveBackFromTheStreamThatRunsOutOfMemoryLeavesTheParametersStreamedAndIsTriedAgain) {
-  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan).restore_after(1);
-  auto run = [&](bool drop) {
-    torch::manual_seed(7);
-    Chained net;
-    std::vector<double> losses;
-    std::vector<std::tuple<Offload, Offload, Offload>> placement;
-    size_t recoveries = 0;
-    {
-      Trainer t(net, chained_nll, options);
-      for (int64_t step = 1; step <= 6; ++step) {
-        std::optional<BudgetGuard> budget;
-        std::optional<AllocationFault> fault;
-        if (drop && step == 3) {
-          int64_t params = 0;
-          for (const auto& p : net->parameters()) params += p.nbytes();
-          budget.emplace(torch::kCPU, memory_allocated() - optimizer_state_bytes(t.optimizer()) - params / 5);
-        }
-        if (drop && step == 4) fault.emplace(1);  // the move back's first copy
-        losses.push_back(t.train_step(batch_of(8, step)).loss);
-        placement.emplace_back(t.options().offload_optimizer(), t.options().offload_gradients(),
-                               t.options().offload_parameters());
-        if (fault) EXPECT_TRUE(fault->failed()) << "the move back's first copy failed";
-      }
-      recoveries = t.recoveries().size();
-    }
-    UntrackedGuard host;
-    return std::make_tuple(losses, placement, copies(net->parameters()), recoveries);
+  const BudgetAt below_parameters = [](Trainer& t, const std::vector<torch::Tensor>& params) {
+    int64_t bytes = 0;
+    for (const auto& p : params) bytes += p.nbytes();
+    return memory_allocated() - optimizer_state_bytes(t.optimizer()) - bytes / 5;
   };
-  const auto [plain_losses, plain_placement, plain_params, plain_recoveries] = run(false);
-  const auto [losses, placement, params, recoveries] = run(true);
-  EXPECT_EQ(recoveries, 1u) << "the failed move back is no recovery";
-  EXPECT_EQ(placement[2], kAllOnHost);
-  EXPECT_EQ(placement[3], kAllOnHost) << "the move back failed: the parameters stayed streamed";
-  EXPECT_EQ(placement[4], kOnDevice) << "tried again after a clean step";
-  EXPECT_EQ(losses, plain_losses);
-  expect_bitwise(params, plain_params, "parameters");
+  const auto plain = run_failing_move_back<Chained>(chained_nll, below_parameters, false);
+  const auto run = run_failing_move_back<Chained>(chained_nll, below_parameters, true);
+  EXPECT_EQ(run.recoveries, 1u) << "the failed move back is no recovery";
+  EXPECT_EQ(run.placement[2], kAllOnHost);
+  EXPECT_EQ(run.placement[3], kAllOnHost) << "the move back failed: the parameters stayed streamed";
+  EXPECT_EQ(run.placement[4], kOnDevice) << "tried again after a clean step";
+  EXPECT_EQ(run.losses, plain.losses);
+  expect_bitwise(run.params, plain.params, "parameters");
 }
 
 // A policy's re-plan that the Trainer cannot take ends the step in one line
