@@ -154,7 +154,7 @@ Replan replan_to(const Candidate& c, const StepSettings& now, const OutOfMemoryE
                                                                                           : schedule_none(n));
     }
   };
-  r.description = "by the step model: " + detail::candidate_text(c, e.examples, names);
+  r.description = detail::candidate_text(c, e.examples, names) + " (the step model's choice)";
   return r;
 }
 } // namespace

@@ -1463,7 +1463,7 @@ TEST_F(ModulePlanTest, ReplanFromTheModelTakesThePlannersChoiceUnderTheLimitInOn
     const auto& r = by_model.recoveries[0];
     EXPECT_EQ(r.step, 3);
     const memfit::Candidate chosen{expected.settings, expected.schedules, expected.predicted};
-    EXPECT_EQ(r.after, "by the step model: " + memfit::detail::candidate_text(chosen, 256, expected.chains));
+    EXPECT_EQ(r.after, memfit::detail::candidate_text(chosen, 256, expected.chains) + " (the step model's choice)");
     EXPECT_EQ(by_model.ended.micro_batch_size(), expected.settings.micro_batch());
     EXPECT_EQ(memfit::detail::recomputes(net->body->schedule()),
               !expected.schedules.empty() && memfit::detail::recomputes(expected.schedules[0]))
@@ -1504,7 +1504,7 @@ TEST_F(ModulePlanTest, ReplanFromTheModelAsksForLessEachTimeAndFallsBackWhereThe
   e.limit_bytes = 100 * p.plain_peak_bytes;
   auto r = policy(e);
   ASSERT_TRUE(r.has_value());
-  EXPECT_EQ(r->description.rfind("by the step model: ", 0), 0u) << r->description;
+  EXPECT_NE(r->description.find(" (the step model's choice)"), std::string::npos) << r->description;
   EXPECT_FALSE(r->offload_optimizer.has_value()) << "the state on the host was not measured (PlanOptions::offload)";
   r->apply();
   const auto settings = memfit::StepSettings().micro_batch(r->micro_batch_size);
@@ -1532,4 +1532,56 @@ TEST_F(ModulePlanTest, ReplanFromTheModelAsksForLessEachTimeAndFallsBackWhereThe
   expect_error([&] { memfit::replan_from_model(model, other); },
                "replan_from_model: the plan was not made for this step model's module (4 tensors of 10 values");
   expect_error([&] { memfit::replan_from_model(nullptr, p); }, "replan_from_model: the step model is null");
+}
+
+TEST_F(ModulePlanTest, ReplanFromTheModelStreamsTheParametersWhereOnlyStreamingFits) {
+  // Parameters dominate (as in StreamsTheChainsParametersWhereOffloadingTheirStateAndGradientsIsNotEnough):
+  // under a limit between the streamed and the offloaded step's predicted
+  // peaks, the step model moves the state, gradients and parameters to the
+  // host in one re-plan, and the run trains as the plain one does.
+  ChainNet net(256, 8);
+  const auto batch = sample(8);
+  auto model = std::make_shared<memfit::ModuleStepModel>(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
+                                                         memfit::PlanOptions().measure_candidates(0).verify(false));
+  ASSERT_TRUE(model->measure_held_back());
+  const auto settings = model->measured_settings();
+  const int64_t budget =
+      (model->predict(8, settings[3], {}).peak_bytes + model->predict(8, settings[2], {}).peak_bytes) / 2;
+  const auto first = memfit::plan(*model, int64_t(1) << 40);
+  const auto expected = memfit::plan(*model, budget);
+  ASSERT_EQ(expected.settings.offload_parameters(), memfit::Offload::kHost) << expected.explain();
+  std::vector<torch::Tensor> start;
+  {
+    memfit::UntrackedGuard host;
+    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+  }
+  const auto run = [&](int64_t drop, std::vector<memfit::Recovery>& recoveries, memfit::TrainerOptions& ended) {
+    {
+      torch::NoGradGuard g;
+      for (size_t i = 0; i < start.size(); ++i) net->parameters()[i].copy_(start[i]);
+    }
+    std::vector<double> losses;
+    memfit::Trainer t(net, chain_loss,
+                      first.apply(*net, memfit::TrainerOptions()
+                                            .on_out_of_memory(memfit::OnOutOfMemory::kReplan)
+                                            .replan(memfit::replan_from_model(model, first))));
+    for (int i = 0; i < 5; ++i) {
+      if (i == 2 && drop > 0) memfit::set_memory_budget(torch::kCPU, drop);
+      losses.push_back(t.train_step(batch).loss);
+    }
+    memfit::set_memory_budget(torch::kCPU, 0);
+    recoveries = t.recoveries();
+    ended = t.options();
+    return losses;
+  };
+  std::vector<memfit::Recovery> none, recovered;
+  memfit::TrainerOptions plain_options, ended;
+  const auto plain = run(0, none, plain_options);
+  const auto losses = run(budget, recovered, ended);
+  ASSERT_EQ(recovered.size(), 1u);
+  const memfit::Candidate chosen{expected.settings, expected.schedules, expected.predicted};
+  EXPECT_EQ(recovered[0].after, memfit::detail::candidate_text(chosen, 8, expected.chains) + " (the step model's choice)");
+  EXPECT_EQ(ended.offload_parameters(), memfit::Offload::kHost);
+  EXPECT_EQ(ended.stream().tile_bytes(), expected.settings.tile_bytes());
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_NEAR(losses[i], plain[i], 1e-5) << "step " << i + 1;
 }
