@@ -189,7 +189,8 @@ OutOfMemoryPolicy replan_from_model(std::shared_ptr<const ModuleStepModel> model
     const Search found = search(*model, *im, e.examples, target, may_split, 1.0,
                                 [&](const StepSettings& s) { return may_take(now, s, e, may_split); });
     const auto limit = static_cast<int64_t>(std::floor(im->options.margin() * double(target)));
-    const auto best = best_fitting(found.fitting, 1.0, limit);  // edge candidates lie above the limit
+    // Edge candidates lie above the limit; untimed predictions tie within kPredictionTie.
+    const auto best = best_fitting(found.fitting, 1.0, limit, detail::kPredictionTie);
     if (!best) return fallback(e);
     return replan_to(found.fitting[*best], now, e, im->chains, im->chain_names());
   };

@@ -419,12 +419,13 @@ std::vector<size_t> all_of(const std::vector<Candidate>& candidates) {
 }
 } // namespace
 
-std::optional<size_t> best_fitting(const std::vector<Candidate>& all, double correction, int64_t limit) {
-  return best_fitting(all, all_of(all), correction, limit);
+std::optional<size_t> best_fitting(const std::vector<Candidate>& all, double correction, int64_t limit,
+                                   double tie) {
+  return best_fitting(all, all_of(all), correction, limit, tie);
 }
 
 std::optional<size_t> best_fitting(const std::vector<Candidate>& all, const std::vector<size_t>& pool,
-                                   double correction, int64_t limit) {
+                                   double correction, int64_t limit, double tie) {
   std::vector<detail::Ranked> ranked;
   std::vector<size_t> at;
   for (size_t i : pool) {
@@ -433,7 +434,7 @@ std::optional<size_t> best_fitting(const std::vector<Candidate>& all, const std:
     ranked.push_back(detail::ranked(c.settings, c.predicted, any_recompute(c.schedules)));
     at.push_back(i);
   }
-  const int64_t chosen = detail::choose(ranked);
+  const int64_t chosen = detail::choose(ranked, tie);
   if (chosen < 0) return std::nullopt;
   return at[static_cast<size_t>(chosen)];
 }

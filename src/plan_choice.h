@@ -72,6 +72,13 @@ constexpr int64_t kTimedExamples = 64;
 // micro-batches of 2 and 3, were 0.8x to 5.9x its runs' times at 21 to 85
 // times them (docs/planner.md, "Plans under ½, ¼ and ⅛ of the plain peak").
 constexpr int64_t kTimeExtrapolation = 8;
+// Where nothing can be timed (a recovery re-plans mid-step: replan_from_model),
+// predicted times this close to the fastest are a tie, settled by what a
+// plan does: the time model's error on this machine's plans reaches 25%
+// (docs/planner.md), and a re-plan chosen at 3% once recomputed the LM's
+// blocks at 1.28x the time of the micro-batches it passed over
+// (docs/measurements/replan.txt, the second run of 2026-11-29).
+constexpr double kPredictionTie = 0.25;
 
 // ---- Ranking and timing ----
 
@@ -299,10 +306,12 @@ Search search(const ModuleStepModel& model, const ModuleStepModel::Impl& im, int
 
 // The one of `all[pool]` to choose (detail::choose) among those whose
 // prediction, scaled by `correction`, fits `limit`; nullopt when none.
+// Predicted times within `tie` of the fastest are a tie (detail::choose).
 std::optional<size_t> best_fitting(const std::vector<Candidate>& all, const std::vector<size_t>& pool,
-                                   double correction, int64_t limit);
+                                   double correction, int64_t limit, double tie = detail::kTimeTie);
 // The same among all of `all`.
-std::optional<size_t> best_fitting(const std::vector<Candidate>& all, double correction, int64_t limit);
+std::optional<size_t> best_fitting(const std::vector<Candidate>& all, double correction, int64_t limit,
+                                   double tie = detail::kTimeTie);
 
 // `steps` real steps of `c` under `budget`, of `batch` examples or, for a
 // large micro-batched batch, of timed_examples: the steady steps' peak and

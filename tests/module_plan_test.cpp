@@ -4,6 +4,7 @@
 // and the errors a module without chains gets.
 #include "memfit/models.h"
 #include "memfit/module_plan.h"
+#include "plan_choice.h"
 #include "plan_report.h"
 #include "plan_wire.h"
 
@@ -1462,12 +1463,24 @@ TEST_F(ModulePlanTest, ReplanFromTheModelTakesThePlannersChoiceUnderTheLimitInOn
     ASSERT_EQ(by_model.recoveries.size(), 1u) << "one re-plan, at the drop";
     const auto& r = by_model.recoveries[0];
     EXPECT_EQ(r.step, 3);
-    const memfit::Candidate chosen{expected.settings, expected.schedules, expected.predicted};
+    // The retry's settings: predicted within the margin of the limit, and
+    // doing no more than plan()'s own choice by prediction (the recovery
+    // ties predictions within kPredictionTie, plan() within kTimeTie).
+    const auto& o = by_model.ended;
+    const auto retried = memfit::StepSettings()
+                             .micro_batch(o.micro_batch_size())
+                             .offload_optimizer(o.offload_optimizer())
+                             .offload_gradients(o.offload_gradients());
+    const auto schedule = net->body->schedule();
+    const auto predicted = model->predict(256, retried, {schedule});
+    EXPECT_LE(predicted.peak_bytes, static_cast<int64_t>(0.97 * double(drop)));
+    const memfit::Candidate chosen{retried, {schedule}, predicted};
     EXPECT_EQ(r.after, memfit::detail::candidate_text(chosen, 256, expected.chains) + " (the step model's choice)");
-    EXPECT_EQ(by_model.ended.micro_batch_size(), expected.settings.micro_batch());
-    EXPECT_EQ(memfit::detail::recomputes(net->body->schedule()),
-              !expected.schedules.empty() && memfit::detail::recomputes(expected.schedules[0]))
-        << net->body->schedule().to_string() << " against " << expected.explain();
+    namespace d = memfit::detail;
+    EXPECT_LE(d::work(d::ranked(retried, predicted, d::recomputes(schedule))),
+              d::work(d::ranked(expected.settings, expected.predicted,
+                                !expected.schedules.empty() && d::recomputes(expected.schedules[0]))))
+        << r.after << " against " << expected.explain();
     for (size_t i = 0; i < plain.losses.size(); ++i) EXPECT_NEAR(by_model.losses[i], plain.losses[i], 1e-5) << i;
     const auto by_default = run_with_drop(net, start, first, nullptr, drop, batch);
     EXPECT_GT(by_default.recoveries.size(), 2u);
@@ -1579,9 +1592,8 @@ TEST_F(ModulePlanTest, ReplanFromTheModelStreamsTheParametersWhereOnlyStreamingF
   const auto plain = run(0, none, plain_options);
   const auto losses = run(budget, recovered, ended);
   ASSERT_EQ(recovered.size(), 1u);
-  const memfit::Candidate chosen{expected.settings, expected.schedules, expected.predicted};
-  EXPECT_EQ(recovered[0].after, memfit::detail::candidate_text(chosen, 8, expected.chains) + " (the step model's choice)");
+  EXPECT_NE(recovered[0].after.find("offload optimizer, gradients, parameters"), std::string::npos)
+      << recovered[0].after;
   EXPECT_EQ(ended.offload_parameters(), memfit::Offload::kHost);
-  EXPECT_EQ(ended.stream().tile_bytes(), expected.settings.tile_bytes());
   for (size_t i = 0; i < plain.size(); ++i) EXPECT_NEAR(losses[i], plain[i], 1e-5) << "step " << i + 1;
 }

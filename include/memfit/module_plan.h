@@ -452,9 +452,9 @@ ModulePlan plan(torch::nn::Sequential model, const torch::data::Example<>& sampl
                 PlanOptions options = PlanOptions(), TrainerOptions base = TrainerOptions());
 
 /// Re-plans a step that ran out of memory (TrainerOptions::replan) from the
-/// step model that planned the run: the settings plan() would choose by
-/// prediction alone under the memory the step found, rather than the
-/// default policy's fixed order (more_micro_batches).
+/// step model that planned the run: settings chosen by prediction under the
+/// memory the step found, in one attempt where the prediction holds, rather
+/// than by the default policy's fixed order (more_micro_batches).
 ///
 /// The failed step's own settings (the event's micro-batch, offloads and
 /// tiles, `plan`'s precision, the chains' schedules and selective
@@ -467,11 +467,13 @@ ModulePlan plan(torch::nn::Sequential model, const torch::data::Example<>& sampl
 /// micro-batches only where PlanOptions::batch_statistics lets the module
 /// have them) and that the Trainer can take (nothing moves back to the
 /// device; offload and streaming where the event's may_offload_optimizer
-/// and may_offload_parameters say so), the fastest predicted wins, ties going
-/// to the one that does least (docs/planner.md, "The tie rule"). Each chain's
-/// schedule is solved for the memory left, as plan() solves it. Nothing is
-/// measured: streamed settings that plan() held back (ModuleStepModel::
-/// measure_held_back) are not among them. Where none fits, `fallback`
+/// and may_offload_parameters say so), the fastest predicted wins. Nothing is
+/// timed, so predictions within 25% of the fastest (the time model's error)
+/// tie, and the tie goes to the one that does least: no recomputation, then
+/// less offload, then fewer micro-batches (docs/planner.md, "The tie rule").
+/// Each chain's schedule is solved for the memory left, as plan() solves it.
+/// Nothing is measured: streamed settings that plan() held back
+/// (ModuleStepModel::measure_held_back) are not among them. Where none fits, `fallback`
 /// answers (empty: more_micro_batches over the module, with micro-batches
 /// where PlanOptions::batch_statistics allows them), as it does for an
 /// event whose settings the model did not measure.
