@@ -135,9 +135,9 @@ bool may_take(const StepSettings& now, const StepSettings& next, const OutOfMemo
   return next.offload_parameters() == now.offload_parameters() || e.may_offload_parameters;
 }
 
-// The Replan that takes a Trainer at `now` to candidate `c`.
+// The Replan that takes a Trainer of `module` at `now` to candidate `c`.
 Replan replan_to(const Candidate& c, const StepSettings& now, const OutOfMemoryEvent& e,
-                 const std::vector<FoundChain>& chains, const std::vector<std::string>& names) {
+                 std::shared_ptr<torch::nn::Module> module, const std::vector<std::string>& names) {
   Replan r;
   const auto& s = c.settings;
   r.micro_batch_size = s.micro_batch();
@@ -147,12 +147,8 @@ Replan replan_to(const Candidate& c, const StepSettings& now, const OutOfMemoryE
   if (s.offload_parameters() == Offload::kHost && s.tile_bytes() != now.tile_bytes()) {
     r.stream = StreamOptions(e.stream).tile_bytes(s.tile_bytes());
   }
-  r.apply = [chains = std::vector<FoundChain>(chains), schedules = c.schedules]() mutable {
-    for (size_t i = 0; i < chains.size(); ++i) {
-      const auto n = static_cast<int64_t>(chains[i].chain->sequential()->size());
-      chains[i].chain->set_schedule(i < schedules.size() && !schedules[i].segments.empty() ? schedules[i]
-                                                                                          : schedule_none(n));
-    }
+  r.apply = [module = std::move(module), names, schedules = c.schedules] {
+    set_schedules(*module, names, schedules, "replan_from_model");
   };
   r.description = detail::candidate_text(c, e.examples, names) + " (the step model's choice)";
   return r;
@@ -174,11 +170,8 @@ OutOfMemoryPolicy replan_from_model(std::shared_ptr<const ModuleStepModel> model
   return [model, im, may_split, precision, fallback](const OutOfMemoryEvent& e) -> std::optional<Replan> {
     const auto now = settings_of(e, precision, selective_recompute(*im->probe.module));
     const auto measured = model->measured_settings();
-    const bool known = std::any_of(measured.begin(), measured.end(), [&](const StepSettings& m) {
-      return m.precision() == now.precision() && m.selective_recompute() == now.selective_recompute() &&
-             m.offload_optimizer() == now.offload_optimizer() && m.offload_gradients() == now.offload_gradients() &&
-             m.offload_parameters() == now.offload_parameters() && m.tile_bytes() == now.tile_bytes();
-    });
+    const bool known = std::any_of(measured.begin(), measured.end(),
+                                   [&](const StepSettings& m) { return detail::same_measurement(m, now); });
     if (!known || e.examples <= 0) return fallback(e);
     std::vector<Schedule> schedules;  // as the chains run now; streamed chains run as measured
     if (now.offload_parameters() != Offload::kHost) {
@@ -192,7 +185,7 @@ OutOfMemoryPolicy replan_from_model(std::shared_ptr<const ModuleStepModel> model
     // Edge candidates lie above the limit; untimed predictions tie within kPredictionTie.
     const auto best = best_fitting(found.fitting, 1.0, limit, detail::kPredictionTie);
     if (!best) return fallback(e);
-    return replan_to(found.fitting[*best], now, e, im->chains, im->chain_names());
+    return replan_to(found.fitting[*best], now, e, im->probe.module, im->chain_names());
   };
 }
 

@@ -261,16 +261,13 @@ ChainProfile scale_profile(const ChainProfile& a, const ChainProfile& b, int64_t
   return out;
 }
 
-namespace {
-// Whether settings `a` and `b` are measured as one (ModuleStepModel::Impl::measure):
-// the same precision, selective recomputation and offload; the micro-batch
-// and schedules are the planner's to vary.
-bool same_measurement(const StepSettings& a, const StepSettings& b) {
+bool detail::same_measurement(const StepSettings& a, const StepSettings& b) {
   return a.precision() == b.precision() && a.selective_recompute() == b.selective_recompute() &&
          a.offload_optimizer() == b.offload_optimizer() && a.offload_gradients() == b.offload_gradients() &&
          a.offload_parameters() == b.offload_parameters() && a.tile_bytes() == b.tile_bytes();
 }
 
+namespace {
 // The profile with each layer's kept bytes as the module's own run kept them:
 // the growth from its start to the next layer's. profile_chain reads the
 // same in-chain bytes from which tensors autograd holds (profile.h); this
@@ -347,7 +344,7 @@ Measurement ModuleStepModel::Impl::measure(const StepSettings& s) {
   out.large = measure_at(s, m_large, profile_chains ? &large : nullptr, &out.state_bytes);
   // Micro-batches of 1, for times; not with batch statistics (BatchNorm1d refuses one example).
   if (m_small > 1 && !batch_statistics) {
-    const bool plain = plain_one && same_measurement(s, plain_settings());
+    const bool plain = plain_one && detail::same_measurement(s, plain_settings());
     out.one = plain ? *std::exchange(plain_one, std::nullopt) : measure_at(s, 1, nullptr, nullptr);
   }
   check_same_marks(out.small, out.large, m_small, m_large);
@@ -396,7 +393,7 @@ std::vector<int64_t> tile_choices(const std::vector<FoundChain>& chains) {
 
 const Measurement& ModuleStepModel::Impl::find(const StepSettings& s) const {
   for (const auto& m : measured) {
-    if (same_measurement(m.settings, s)) return m;
+    if (detail::same_measurement(m.settings, s)) return m;
   }
   TORCH_CHECK(false, "ModuleStepModel: precision ", to_string(s.precision()), " with offload '",
               offload_text(s), "'", s.selective_recompute() ? " and selective recomputation" : "",

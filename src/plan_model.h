@@ -95,6 +95,11 @@ class ModuleStateGuard {
 // Whether `s` recomputes some segment.
 bool recomputes(const Schedule& s);
 
+// Whether settings `a` and `b` are measured as one (ModuleStepModel::Impl::measure):
+// the same precision, selective recomputation and offload; the micro-batch
+// and schedules are the planner's to vary.
+bool same_measurement(const StepSettings& a, const StepSettings& b);
+
 // How much a plan copies to and from the host: 0 nothing, 1 the optimizer
 // state, 2 and the gradients, 3 and the parameters streamed whole, above 3
 // streamed in tiles, the smaller the tiles the higher (more, smaller copies).
