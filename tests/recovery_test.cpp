@@ -620,28 +620,40 @@ constexpr auto kOnDevice = std::make_tuple(Offload::kNone, Offload::kNone, Offlo
 constexpr auto kStateAndGradients = std::make_tuple(Offload::kHost, Offload::kHost, Offload::kNone);
 constexpr auto kAllOnHost = std::make_tuple(Offload::kHost, Offload::kHost, Offload::kHost);
 
+// A run of `Model` whose budget drops at step 3 to `drop_to` recovers once,
+// to `after`, and keeps everything where `where` says from then on, training
+// bitwise as the uninterrupted run; with restore_after(2) and the limit
+// lifted at step 5, everything comes back to the device, still bitwise.
+// (Parameters are compared once the Trainer is gone: streamed ones are whole again.)
+template <class Model, class Loss>
+void expect_moved_bitwise(Loss loss, const DropTo& drop_to, const std::string& after,
+                          const std::tuple<Offload, Offload, Offload>& where) {
+  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan);
+  const auto plain = run_moved<Model>(options, loss, nullptr);
+  const auto moved = run_moved<Model>(options, loss, drop_to);
+  ASSERT_EQ(moved.recoveries.size(), 1u);
+  EXPECT_EQ(moved.recoveries[0].step, 3);
+  EXPECT_EQ(moved.recoveries[0].after, after);
+  EXPECT_EQ(moved.placement[1], kOnDevice);
+  for (size_t i = 2; i < 8; ++i) EXPECT_EQ(moved.placement[i], where) << "step " << i + 1;
+  EXPECT_EQ(moved.losses, plain.losses);
+  expect_bitwise(moved.params, plain.params, "parameters");
+
+  const auto restored = run_moved<Model>(TrainerOptions(options).restore_after(2), loss, drop_to, 5);
+  EXPECT_EQ(restored.placement[3], where);
+  EXPECT_EQ(restored.placement.back(), kOnDevice);
+  EXPECT_EQ(restored.losses, plain.losses);
+  expect_bitwise(restored.params, plain.params, "parameters after the move back");
+}
+
 // Where the parameters and their gradients alone exceed the limit, moving
 // the state is not enough: the default policy moves the state and the
 // gradients together, at once (each gradient is added into its host master
 // as backward makes it), and the run equals the uninterrupted one bitwise.
 // With restore_after both come back once the limit lifts.
 TEST(Recovery, WhenTheGradientsDoNotFitEitherTheyMoveToTheHostWithTheStateAndTrainBitwiseTheSame) {
-  const auto options = TrainerOptions().lr(0.01).on_out_of_memory(OnOutOfMemory::kReplan);
-  const auto plain = run_moved<Even>(options, even_nll, nullptr);
-  const auto moved = run_moved<Even>(options, even_nll, below_gradients);
-  ASSERT_EQ(moved.recoveries.size(), 1u);
-  EXPECT_EQ(moved.recoveries[0].step, 3);
-  EXPECT_EQ(moved.recoveries[0].after, "optimizer state and gradients on the host");
-  EXPECT_EQ(moved.placement[1], kOnDevice);
-  for (size_t i = 2; i < 8; ++i) EXPECT_EQ(moved.placement[i], kStateAndGradients) << "step " << i + 1;
-  EXPECT_EQ(moved.losses, plain.losses);
-  expect_bitwise(moved.params, plain.params, "parameters");
-
-  const auto restored = run_moved<Even>(TrainerOptions(options).restore_after(2), even_nll, below_gradients, 5);
-  EXPECT_EQ(restored.placement[3], kStateAndGradients);
-  EXPECT_EQ(restored.placement.back(), kOnDevice);
-  EXPECT_EQ(restored.losses, plain.losses);
-  expect_bitwise(restored.params, plain.params, "parameters after the move back");
+  expect_moved_bitwise<Even>(even_nll, below_gradients, "optimizer state and gradients on the host",
+                             kStateAndGradients);
 }
 
 // Where the parameters alone exceed the limit, a module whose blocks are in
@@ -656,20 +668,8 @@ TEST(Recovery, WhenTheParametersDoNotFitTheyAreStreamedFromTheHostAndTrainBitwis
   const DropTo below_parameters = [](int64_t allocated, int64_t state, int64_t, int64_t params) {
     return allocated - state - params / 5;
   };
-  const auto plain = run_moved<Chained>(options, chained_nll, nullptr);
-  const auto streamed = run_moved<Chained>(options, chained_nll, below_parameters);
-  ASSERT_EQ(streamed.recoveries.size(), 1u);
-  EXPECT_EQ(streamed.recoveries[0].after, "optimizer state, gradients and parameters on the host");
-  EXPECT_EQ(streamed.placement[1], kOnDevice);
-  for (size_t i = 2; i < 8; ++i) EXPECT_EQ(streamed.placement[i], kAllOnHost) << "step " << i + 1;
-  EXPECT_EQ(streamed.losses, plain.losses);
-  expect_bitwise(streamed.params, plain.params, "parameters (whole again once the Trainer is gone)");
-
-  const auto restored = run_moved<Chained>(TrainerOptions(options).restore_after(2), chained_nll, below_parameters, 5);
-  EXPECT_EQ(restored.placement[3], kAllOnHost);
-  EXPECT_EQ(restored.placement.back(), kOnDevice);
-  EXPECT_EQ(restored.losses, plain.losses);
-  expect_bitwise(restored.params, plain.params, "parameters after the move back");
+  expect_moved_bitwise<Chained>(chained_nll, below_parameters, "optimizer state, gradients and parameters on the host",
+                                kAllOnHost);
 
   torch::manual_seed(7);
   Chained net;
