@@ -198,7 +198,8 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   const HeldBytes held =
       held_bytes(options_, state_optimizer(), state_on_host(), module_->parameters(), master_.get());
   const int64_t fixed = held.fixed, state = held.state, grads = held.grads, params = held.params;
-  const bool may_offload = may_offload_optimizer(), may_stream = may_offload_parameters();
+  const std::string refusal = stream_refusal();  // why the parameters cannot be streamed ("": they can)
+  const bool may_offload = may_offload_optimizer(), may_stream = refusal.empty();
   const int64_t movable = (may_offload ? state + grads : 0) + (may_stream ? params : 0);
   const bool fits = budget <= 0 || fixed - movable <= budget;
   if (vote_ && !fits) vote_->agree(false, 0);  // every rank stops
@@ -211,7 +212,7 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
                    "): raise the budget, or ",
                    may_stream    ? "use a smaller model"
                    : may_offload ? "stream the parameters from the host (TrainerOptions::offload_parameters; "
-                                   "not here: " + stream_refusal() + ")"
+                                   "not here: " + refusal + ")"
                                  : "move the optimizer state and gradients to the host "
                                    "(TrainerOptions::offload_optimizer and offload_gradients)");
   OutOfMemoryEvent event = placements_of(options_, held, may_offload, may_stream);
@@ -233,7 +234,7 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   const std::string ranks_stop = vote_ ? vote_->agree(next.has_value(), next ? next->micro_batch_size : 0) : "";
   TORCH_CHECK_WITH(OutOfMemoryError, ranks_stop.empty(), "step ", step_ + 1, " ran out of memory and ", ranks_stop,
                    ": every rank stops (", what, ")");
-  const Placement to = placement_of(options_, next, may_offload, may_stream, stream_refusal(),
+  const Placement to = placement_of(options_, next, may_offload, may_stream, refusal,
                                     "step " + std::to_string(step_ + 1) + " ran out of memory (" + what + ") with " +
                                         r.before);
   if (next) {
