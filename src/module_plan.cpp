@@ -136,11 +136,14 @@ bool may_take(const StepSettings& now, const StepSettings& next, const OutOfMemo
 }
 
 // The Replan that takes a Trainer of `module` at `now` to candidate `c`.
-Replan replan_to(const Candidate& c, const StepSettings& now, const OutOfMemoryEvent& e,
+// Where the module may be split, "the whole batch" becomes micro-batches of
+// the event's batch: the same step for it, and no larger for the next one,
+// which may be longer (after an epoch's short last batch, a full one).
+Replan replan_to(const Candidate& c, const StepSettings& now, const OutOfMemoryEvent& e, bool may_split,
                  std::shared_ptr<torch::nn::Module> module, const std::vector<std::string>& names) {
   Replan r;
   const auto& s = c.settings;
-  r.micro_batch_size = s.micro_batch();
+  r.micro_batch_size = s.micro_batch() == 0 && may_split ? e.examples : s.micro_batch();
   if (s.offload_optimizer() != now.offload_optimizer()) r.offload_optimizer = s.offload_optimizer();
   if (s.offload_gradients() != now.offload_gradients()) r.offload_gradients = s.offload_gradients();
   if (s.offload_parameters() != now.offload_parameters()) r.offload_parameters = s.offload_parameters();
@@ -185,7 +188,7 @@ OutOfMemoryPolicy replan_from_model(std::shared_ptr<const ModuleStepModel> model
     // Edge candidates lie above the limit; untimed predictions tie within kPredictionTie.
     const auto best = best_fitting(found.fitting, 1.0, limit, detail::kPredictionTie);
     if (!best) return fallback(e);
-    return replan_to(found.fitting[*best], now, e, im->probe.module, im->chain_names());
+    return replan_to(found.fitting[*best], now, e, may_split, im->probe.module, im->chain_names());
   };
 }
 

@@ -1597,3 +1597,33 @@ TEST_F(ModulePlanTest, ReplanFromTheModelStreamsTheParametersWhereOnlyStreamingF
   EXPECT_EQ(ended.offload_parameters(), memfit::Offload::kHost);
   for (size_t i = 0; i < plain.size(); ++i) EXPECT_NEAR(losses[i], plain[i], 1e-5) << "step " << i + 1;
 }
+
+TEST_F(ModulePlanTest, ReplanFromTheModelKeepsMicroBatchesOfAShortBatchWhereItAnswersTheWholeBatch) {
+  // An epoch's short last batch of 4 runs out of memory where the parameters
+  // and Adam's state are most of the step: offloading the state fits, and
+  // micro-batches would not help. The answer, "the whole batch", is given as
+  // micro-batches of 4, so that the next full batch of 8 does not run whole
+  // under the limit that 4 examples only just met.
+  ChainNet net(256, 8);
+  const auto batch = sample(8);
+  auto model = std::make_shared<memfit::ModuleStepModel>(memfit::detail::make_probe(net.ptr(), chain_loss, batch),
+                                                         memfit::PlanOptions().measure_candidates(0).verify(false));
+  const auto p = memfit::plan(*model, int64_t(1) << 40);
+  ASSERT_EQ(p.settings.micro_batch(), 0) << p.explain();
+  const auto policy = memfit::replan_from_model(model, p);
+  memfit::OutOfMemoryEvent e;
+  e.examples = 4;
+  e.may_offload_optimizer = true;
+  e.limit_bytes = static_cast<int64_t>(0.9 * double(model->predict(4, memfit::StepSettings(), {}).peak_bytes));
+  const auto r = policy(e);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_NE(r->description.find("(the step model's choice)"), std::string::npos) << r->description;
+  EXPECT_EQ(r->offload_optimizer, memfit::Offload::kHost) << r->description;
+  EXPECT_EQ(r->micro_batch_size, 4) << r->description;
+  // The full batch that follows: the same answer keeps its micro-batches (8, one step of 8).
+  e.examples = 8;
+  e.limit_bytes = static_cast<int64_t>(0.9 * double(model->predict(8, memfit::StepSettings(), {}).peak_bytes));
+  const auto full = policy(e);
+  ASSERT_TRUE(full.has_value());
+  EXPECT_EQ(full->micro_batch_size, 8) << full->description;
+}

@@ -472,7 +472,10 @@ ModulePlan plan(torch::nn::Sequential model, const torch::data::Example<>& sampl
 /// tie, and the tie goes to the one that does least: no recomputation, then
 /// less offload, then fewer micro-batches (docs/planner.md, "The tie rule").
 /// Each chain's schedule is solved for the memory left, as plan() solves it.
-/// Nothing is measured: streamed settings that plan() held back
+/// Where the module may be split, an answer of the whole batch keeps
+/// micro-batches of the event's examples: after an epoch's short last batch,
+/// the next full batch runs in micro-batches no larger than the step that
+/// fitted. Nothing is measured: streamed settings that plan() held back
 /// (ModuleStepModel::measure_held_back) are not among them. Where none fits, `fallback`
 /// answers (empty: more_micro_batches over the module, with micro-batches
 /// where PlanOptions::batch_statistics allows them), as it does for an
