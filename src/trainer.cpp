@@ -14,6 +14,7 @@
 #include "step_components.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/optim.h>
 #include <torch/torch.h>
 
@@ -76,6 +77,19 @@ std::function<torch::Tensor(const torch::data::Example<>&)> classifier_loss(
   };
 }
 
+// Refuses a module whose parameter shares one element over its shape: the
+// placeholders a live Trainer that streams the parameters leaves there
+// (MasterWeights), which no step, plan or in-place write can use.
+void check_own_storage(const torch::nn::Module& module) {
+  for (const auto& p : module.named_parameters()) {
+    TORCH_CHECK(p.value().numel() <= 1 || at::has_internal_overlap(p.value()) != at::MemOverlap::Yes,
+                "Trainer: parameter '", p.key(), "' of shape ", p.value().sizes(), " has no values of its own: "
+                "another Trainer streams this module's parameters (TrainerOptions::offload_parameters) and leaves "
+                "placeholders there until it ends; end that Trainer before building another, planning or writing "
+                "into the module");
+  }
+}
+
 } // namespace
 
 Trainer::Trainer(torch::nn::Sequential model, TrainerOptions options)
@@ -88,6 +102,7 @@ Trainer::Trainer(ErasedLoss loss, TrainerOptions options)
       loss_(std::move(loss.loss)),
       options_(std::move(options)) {
   TORCH_CHECK(module_ != nullptr, "Trainer needs a model, got an empty module holder");
+  check_own_storage(*module_);
   check_options();
   check_ranks_agree(*module_, options_);  // before any other collective
   if (!options_.save_dir().empty() && rank() == 0) save_lock_ = FolderLock(options_.save_dir(), "TrainerOptions::save_dir");

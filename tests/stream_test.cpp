@@ -467,5 +467,22 @@ TEST_F(StreamedTrainerTest, RefusesWhatItCannotStream) {
       "runs in fp32 (got precision bf16)");
 }
 
+TEST_F(StreamedTrainerTest, AModuleAnotherTrainerStreamsIsRefusedUntilThatTrainerEnds) {
+  // While a Trainer streams them, the module's parameters are one-element
+  // placeholders: another Trainer (or a plan's probe) over them is refused
+  // in memfit's own line, and once the first Trainer ends the module is
+  // whole again and trains.
+  auto mlp = make_mlp(ModelOptions().width(16).depth(1));
+  const auto streamed = TrainerOptions().offload_optimizer(Offload::kHost).offload_gradients(Offload::kHost)
+                            .offload_parameters(Offload::kHost);
+  {
+    Trainer first(mlp, streamed);
+    testing::expect_error([&] { Trainer(mlp, TrainerOptions()); },
+                          "Trainer: parameter 'fc0.weight' of shape [16, 784] has no values of its own: another "
+                          "Trainer streams this module's parameters (TrainerOptions::offload_parameters)");
+  }
+  Trainer(mlp, TrainerOptions().batch_size(16).steps(1)).fit(testing::fashion_test_head(64));
+}
+
 } // namespace
 } // namespace memfit

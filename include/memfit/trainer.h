@@ -211,6 +211,7 @@ struct Replan {
   /// module's parameters are placeholders: Trainer::save writes their values
   /// (the masters'), and they are whole again when the move back
   /// (TrainerOptions::restore_after) or the Trainer's end puts them back.
+  /// Until then another Trainer, or a plan, over the module is refused.
   std::optional<Offload> offload_parameters;
   /// The retry's stream options (TrainerOptions::stream), for streamed
   /// parameters only; unset: as they are. Tiles (StreamOptions::tile_bytes)
@@ -329,7 +330,10 @@ struct TrainerOptions {
   /// holds no parameters, gradients or optimizer state between layers. A
   /// Sequential streams its top-level layers; any other module streams the
   /// layers of its chains (CheckpointedSequential) block by block and holds
-  /// its other parameters on the device for each micro-batch.
+  /// its other parameters on the device for each micro-batch. While the
+  /// Trainer lives, the module's streamed parameters are one-element
+  /// placeholders: load values through Trainer::resume, and build another
+  /// Trainer, or plan, over the module once this one has ended.
   TORCH_ARG(Offload, offload_parameters) = Offload::kNone;
   /// How streamed parameters are cut (StreamOptions::tile_bytes tiles large
   /// Linear layers); with offload_parameters kHost.
