@@ -388,6 +388,27 @@ TEST_F(ModulePlanTest, AStreamedStepWhoseActivationsOutgrowItsWeightTilesIsPredi
       << "predicted " << predicted << ", measured " << measured;
 }
 
+TEST_F(ModulePlanTest, PredictsSmallerMicroBatchesNoFasterPerExampleThanTheMeasuredOnes) {
+  // A loss that costs 20 ms a call beyond one example stands for a noisy
+  // measurement: micro-batches of one example measure fast, those of m_small
+  // (16) slow. A smaller micro-batch is still predicted no faster per example
+  // than 16, so no micro-batching below 16 is predicted faster than 16's.
+  // Before, 64 steps of one example came out about as fast as the whole
+  // batch, and a re-plan chose them (`memfit train --budget-change`).
+  ChainNet net(32, 2);
+  const auto batch = sample(64);
+  const auto slow = [](ChainNetImpl& n, const torch::data::Example<>& b) {
+    if (b.data.size(0) > 1) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return chain_loss(n, b);
+  };
+  memfit::ModuleStepModel model(memfit::detail::make_probe(net.ptr(), slow, batch),
+                                memfit::PlanOptions().measure_candidates(0));
+  const auto at = [&](int64_t m) { return model.predict(64, memfit::StepSettings().micro_batch(m), {}).seconds; };
+  const double sixteen = at(16);
+  for (int64_t m : {1, 2, 3, 4, 8, 15}) EXPECT_GE(at(m), sixteen * (1 - 1e-9)) << "micro-batches of " << m;
+  EXPECT_GT(sixteen, 4 * 0.02) << "four micro-batches of 16, each 20 ms or more";
+}
+
 TEST_F(ModulePlanTest, MeasuresStreamingOnlyWhereTheFastestResidentFitHoldsStateAndGradientsOnTheHost) {
   // Parameters dominate (8 Linear(256, 256), 2.1 MB of gradients against
   // activations of 8 x 256 floats a layer), so no micro-batch or schedule
