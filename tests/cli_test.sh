@@ -210,14 +210,16 @@ check over-budget-gradients-offloaded-same-losses python3 -c 'import json, sys
 a, b = (json.load(open(f)) for f in sys.argv[1:])
 assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]], (a["steps"], b["steps"])' \
   "$tmp/gradients-offloaded.json" "$tmp/unbudgeted.json"
-# An MLP of eight small layers under 2 MiB: its parameters alone (2.53 MiB) do not fit; they are streamed.
+# An MLP of eight small layers under 2 MiB: its parameters alone (2.53 MiB) do not fit; they are streamed,
+# the first weight in tiles (it and its gradient take 1.53 MiB). Tiles promise 1e-5, not bitwise: one CI
+# run's first loss came out one float32 ulp from the unbudgeted run's.
 expect over-budget-streamed 0 'recovered from out of memory 1 time .*the run ended with optimizer state, gradients and parameters on the host' out -- \
   train --model mlp --width 256 --depth 8 --budget 2MiB --steps 3 --no-eval -q --plan none --report "$tmp/streamed.json"
 expect unbudgeted-for-streamed 0 'final loss' out -- \
   train --model mlp --width 256 --depth 8 --steps 3 --no-eval -q --plan none --report "$tmp/unstreamed.json"
-check over-budget-streamed-same-losses python3 -c 'import json, sys
+check over-budget-streamed-losses-within-1e-5 python3 -c 'import json, sys
 a, b = (json.load(open(f)) for f in sys.argv[1:])
-assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]], (a["steps"], b["steps"])' \
+assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a["steps"], b["steps"])), (a["steps"], b["steps"])' \
   "$tmp/streamed.json" "$tmp/unstreamed.json"
 # The default MLP under 1 MiB: its first weight (1.53 MiB) and gradient fit only in tiles.
 expect over-budget-tiled 0 'recovered from out of memory [0-9]+ times? .*the run ended with .*parameters on the host, streamed in tiles of 256.00 KiB' out -- \
