@@ -51,7 +51,7 @@ for flag in --model --width --depth --batch --steps --epochs --lr --optimizer --
             --checkpoint-budget --offload-checkpoints --precision --master-weights --device --clip-grad-norm --skip-nonfinite \
             --micro-batch --prefetch-factor --freeze --offload --offload-tile --save --save-every --resume --plan --dist-timeout \
             --zero-stage --parallel --chunks --schedule --heads --context --dropout --selective-recompute --text \
-            --torchscript --on-out-of-memory; do
+            --torchscript --on-out-of-memory --budget-change --restore-after; do
   check "train-help-documents$flag" grep -q -- "$flag" "$tmp/train-help"
 done
 expect version 0 'memfit 0\.' out -- --version
@@ -231,6 +231,33 @@ assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a["steps"], b["ste
 expect on-out-of-memory-bad 2 'on-out-of-memory' err -- train --on-out-of-memory retry
 expect over-budget-recomputed 0 "recovered from out of memory 1 time .*the run ended with recomputing '0' \\[0,4\\)\\*" out -- \
   train --model resnet --width 4 --batch 64 --budget 13MiB --steps 2 --no-eval -q --plan none
+# A rehearsed drop after step 2, under the plain step's 1.67 MiB: the planned run re-plans from its step
+# model once, and trains as the run without the drop (within 1e-5: micro-batches sum in another order).
+expect budget-change-replanned 0 "recovered from out of memory 1 time .*\(the step model's choice\)" out -- \
+  train --model mlp --width 64 --batch 256 --steps 4 --no-eval -q --budget 64MiB --budget-change 2:1.3MiB \
+  --report "$tmp/changed.json"
+check budget-change-said grep -q 'memfit train: after step 2 the budget is 1.30 MiB (--budget-change)' "$tmp/err"
+expect budget-unchanged 0 'final loss' out -- \
+  train --model mlp --width 64 --batch 256 --steps 4 --no-eval -q --budget 64MiB --report "$tmp/unchanged.json"
+check budget-change-same-losses python3 -c 'import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:])
+assert a["summary"]["recoveries"] == 1 and [s["replans"] for s in a["steps"]] == [0, 0, 1, 0], a["steps"]
+assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a["steps"], b["steps"])), (a["steps"], b["steps"])' \
+  "$tmp/changed.json" "$tmp/unchanged.json"
+# Lifted after step 4: two clean steps later the run takes its first settings back.
+expect budget-change-restored 0 'recovered from out of memory [0-9]+ times? .*the run ended with no micro-batching' out -- \
+  train --model mlp --width 64 --batch 256 --steps 8 --no-eval -q --plan none --budget-change 2:1.3MiB \
+  --budget-change 4:none --restore-after 2
+expect budget-change-kept 0 'recovered from out of memory [0-9]+ times? .*the run ended with micro-batches of' out -- \
+  train --model mlp --width 64 --batch 256 --steps 8 --no-eval -q --plan none --budget-change 2:1.3MiB \
+  --budget-change 4:none
+expect budget-change-malformed 2 '--budget-change must be STEP:SIZE.*got 5 ' err -- train --budget-change 5
+expect budget-change-zero-step 2 '--budget-change must be STEP:SIZE.*got 0:1MiB' err -- train --budget-change 0:1MiB
+expect budget-change-bad-size 2 '--budget-change.*12XB' err -- train --budget-change 3:12XB
+expect budget-change-twice 2 '--budget-change 3:1MiB and 3:2MiB both change the budget after step 3' err -- \
+  train --budget-change 3:1MiB --budget-change 3:2MiB
+expect restore-after-without-recovery 2 '--restore-after 2 takes back .*--on-out-of-memory throw' err -- \
+  train --restore-after 2 --on-out-of-memory throw
 expect over-budget-plan 1 'nothing fits 16.00 KiB .*tried micro-batches of 64 down to 1.*the closest predicted peak is .* \(micro-batch 1, fp32, offload .*parameters.*\).*less may fit with --precision any' err -- \
   train --model mlp --budget 16KiB --steps 2 --no-eval -q
 # The default MLP's 2.55 MiB of parameters train in 1 MiB: streamed from the host in tiles.

@@ -27,18 +27,28 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <regex>
+#include <utility>
 
 namespace memfit::tools {
 namespace {
 
-// The signal (SIGINT, SIGTERM or SIGHUP) that asked `memfit train` to stop, 0 if none.
-volatile std::sig_atomic_t g_signal = 0;
-
+// Parses one --budget-change, STEP:SIZE: the step after which the budget
+// becomes SIZE bytes (0 for none).
+std::pair<int64_t, int64_t> budget_change_of(const std::string& text) {
+  static const std::regex pattern(R"(^([1-9][0-9]{0,11}):(.+)$)");
+  std::smatch m;
+  TORCH_CHECK(std::regex_match(text, m, pattern), "must be STEP:SIZE, a step from 1 and a memory size or none, "
+              "e.g. 5:4MiB, got ", text.size() > 40 ? text.substr(0, 40) + "..." : text);
+  const std::string size = m[2].str();
+  const int64_t bytes = size == "none" ? 0 : memfit::parse_memory_size(size);
+  TORCH_CHECK(size == "none" || bytes > 0, "must be STEP:SIZE with a positive SIZE or none, got ", text);
+  return {std::stoll(m[1].str()), bytes};
+}
 
 // Parses --checkpoint's value: none, sqrt, optimal, every:K or uniform:K.
 memfit::CheckpointedSequentialOptions parse_checkpoint(const std::string& spec) {
@@ -274,6 +284,24 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                     "together), throw (end the run, exit 1), or auto (replan, except for a pipeline or --zero-stage 1)")
       ->check(CLI::IsMember({"auto", "replan", "throw"}))
       ->capture_default_str();
+  train->add_option("--budget-change", a.budget_change,
+                    "STEP:SIZE: after step STEP the budget becomes SIZE (none lifts it), to rehearse memory that "
+                    "another process takes and gives back, e.g. 5:4MiB (repeatable)")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            try {
+              budget_change_of(text);
+              return {};
+            } catch (const c10::Error& e) {
+              return e.msg();
+            }
+          },
+          "STEP:SIZE"));
+  train->add_option("--restore-after", a.restore_after,
+                    "After this many steps in a row without running out of memory, a re-planned run tries its "
+                    "first settings again (0: it keeps the re-planned ones)")
+      ->check(memfit::tools::integer(0, kMaxSteps))
+      ->capture_default_str();
   train->add_option("--micro-batch", a.micro_batch,
                     "Examples per forward/backward; gradients accumulate over the --batch "
                     "(0: the whole batch at once)")
@@ -359,6 +387,16 @@ void check_flag_combinations(const TrainArgs& a) {
               "and only a --budget with nothing set by hand (--micro-batch, --checkpoint, --offload, "
               "--master-weights, --parallel pipeline, --plan none) is planned: add --budget SIZE, or name one "
               "precision (fp32, bf16, fp16, auto)");
+  std::map<int64_t, std::string> changes;
+  for (const auto& c : a.budget_change) {
+    const int64_t step = budget_change_of(c).first;
+    const auto [earlier, first] = changes.emplace(step, c);
+    usage_check(first, "--budget-change ", earlier->second, " and ", c, " both change the budget after step ", step,
+                ": give each step one SIZE");
+  }
+  usage_check(a.restore_after == 0 || a.on_out_of_memory != "throw", "--restore-after ", a.restore_after,
+              " takes back the first settings of a re-planned run, and --on-out-of-memory throw re-plans none: "
+              "use --on-out-of-memory replan (or auto), or drop --restore-after");
   usage_check(!plans_knobs(a) || a.batch >= 4, "--batch ", a.batch, " under --budget: the planner measures the "
               "step in micro-batches of two sizes, so it plans batches of 4 examples or more; use --batch 4 or "
               "more, or set the knobs by hand (--plan none)");
@@ -537,6 +575,7 @@ memfit::TrainerOptions trainer_options(const TrainArgs& a, const torch::Device& 
       .master_weights(memfit::parse_master_weights_mode(a.master_weights))
       .max_grad_norm(a.clip_grad_norm)
       .nonfinite_loss(a.skip_nonfinite ? memfit::NonfiniteLoss::kSkip : memfit::NonfiniteLoss::kError)
+      .restore_after(a.restore_after)
       .micro_batch_size(a.micro_batch)
       .offload_optimizer(host("optimizer"))
       .offload_gradients(host("gradients"))
@@ -633,55 +672,11 @@ void print_start(const TrainArgs& a, const memfit::WorldInfo& world, const torch
   std::fflush(stdout);
 }
 
-// Trains to the end (or to a signal), with a progress bar and the
-// library's warnings a line each. SIGINT, SIGTERM and SIGHUP (a closed
-// terminal) end the run after the step in progress, saving first with
-// --save; a second one stops at once.
-memfit::TrainReport train_with_progress(const TrainArgs& a, memfit::Trainer& trainer,
-                                        const memfit::ImageDataset& data, const torch::Device& device) {
-  memfit::tools::ProgressBar bar(trainer.total_steps(data), a.batch, stderr, ::isatty(fileno(stderr)) != 0);
-  const auto start = std::chrono::steady_clock::now();
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
-    std::signal(sig, [](int received) {
-      g_signal = received;
-      std::signal(received, SIG_DFL);
-    });
-  }
-  memfit::compat::WarningCapture warnings;  // e.g. a step re-planned after running out of memory
-  const auto print_warnings = [&warnings, &bar] {
-    for (const auto& w : warnings.messages) bar.note(w);
-    warnings.messages.clear();
-  };
-  auto on_step = [&](const memfit::StepRecord& r) {
-    print_warnings();
-    if (g_signal != 0) trainer.request_stop();
-    if (a.quiet) return;
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    bar.update(r.step, r.loss, secs, r.current_bytes, memfit::max_memory_allocated(device));
-  };
-  memfit::TrainReport report;
-  try {
-    if (trainer.step() >= trainer.total_steps(data)) {
-      fmt::print("the run is complete at step {}: nothing left to train (raise --steps to go on)\n", trainer.step());
-    } else {
-      report = trainer.fit(data, on_step);
-    }
-  } catch (...) {
-    print_warnings();
-    bar.finish();
-    throw;
-  }
-  bar.finish();
-  if (!report.recoveries.empty()) {
-    fmt::print("recovered from out of memory {} time{} (--on-out-of-memory replan); the run ended with {}\n",
-               report.recoveries.size(), report.recoveries.size() == 1 ? "" : "s", report.recoveries.back().after);
-  }
-  if (report.stopped) {
-    fmt::print("stopped by signal {} after step {}{}\n", static_cast<int>(g_signal), trainer.step(),
-               a.save.empty() ? "" : fmt::format("; checkpoint saved to {}/checkpoint.pt (continue with --resume {})",
-                                                 a.save, a.save));
-  }
-  return report;
+// --budget-change's steps and bytes (0: none).
+std::map<int64_t, int64_t> budget_changes(const TrainArgs& a) {
+  std::map<int64_t, int64_t> changes;
+  for (const auto& c : a.budget_change) changes.insert(budget_change_of(c));
+  return changes;
 }
 
 // The run's results: loss, test accuracy, precision, schedule, peak memory.
@@ -785,14 +780,14 @@ int run_train(const TrainArgs& a, const std::optional<memfit::ModulePlan>& given
     model = nullptr;
     checkpointed = nullptr;
   }
-  auto report = train_with_progress(a, trainer, workload.train, device);
+  auto report = train_with_progress(a, trainer, workload.train, device, budget_changes(a));
   if (!a.no_eval && !report.stopped) {
     report.test = trainer.evaluate(workload.test);
     report.evaluated = true;
   }
   print_results(a, report, workload, schedule_text, device, budget, plan);
   if (!a.report.empty() && world.rank == 0) write_run_report(a.report, report, plan);
-  return report.stopped ? 128 + static_cast<int>(g_signal) : 0;  // as a shell reports the signal
+  return report.stopped ? 128 + stop_signal() : 0;  // as a shell reports the signal
 }
 
 } // namespace memfit::tools

@@ -38,6 +38,8 @@ struct TrainArgs : ModelArgs {
   double clip_grad_norm = 0;
   bool skip_nonfinite = false;
   std::string on_out_of_memory = "auto";
+  std::vector<std::string> budget_change;  // STEP:SIZE, each
+  int64_t restore_after = 0;
   int64_t micro_batch = 0;
   int64_t prefetch_factor = 0;
   std::vector<std::string> freeze;

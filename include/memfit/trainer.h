@@ -725,6 +725,11 @@ class Trainer {
   StepMemory last_step_memory() const;
   /// Every recovery from an out-of-memory error so far (OnOutOfMemory::kReplan).
   const std::vector<Recovery>& recoveries() const { return recoveries_; }
+  /// The step's settings now, in words: the last recovery's (Recovery::after,
+  /// with what it moved to the host) until TrainerOptions::restore_after
+  /// takes the first back, else the micro-batching ("micro-batches of 32",
+  /// "no micro-batching").
+  std::string settings_text() const;
 
  private:
   // The module and its loss, with the batch type erased.
@@ -793,7 +798,6 @@ class Trainer {
   StepRecord step_once(const detail::StepInput& in);
   bool recover(const c10::OutOfMemoryError& e, const detail::StepInput& in, int64_t attempt, int64_t peak,
                double seconds);
-  std::string settings_text() const;
   void check_options() const;
   // The constructor's steps, in its order.
   void split_into_stages();
