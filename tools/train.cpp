@@ -240,16 +240,7 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
                     "Activation checkpointing: none, sqrt (Chen et al.), every:K layers, "
                     "uniform:K segments (checkpoint_sequential), or optimal (needs "
                     "--checkpoint-budget)")
-      ->check(CLI::Validator(
-          [](std::string& v) -> std::string {
-            try {
-              parse_checkpoint(v);
-              return {};
-            } catch (const c10::Error& e) {
-              return e.msg();
-            }
-          },
-          "SCHEDULE"))
+      ->check(memfit::tools::parsed_by([](const std::string& v) { parse_checkpoint(v); }, "SCHEDULE"))
       ->capture_default_str();
   train->add_option("--checkpoint-budget", a.checkpoint_budget,
                     "Memory for the model's activations under --checkpoint optimal, e.g. 24MiB: "
@@ -287,16 +278,7 @@ void add_train_command(CLI::App& app, TrainArgs& a) {
   train->add_option("--budget-change", a.budget_change,
                     "STEP:SIZE: after step STEP the budget becomes SIZE (none lifts it), to rehearse memory that "
                     "another process takes and gives back, e.g. 5:4MiB (repeatable)")
-      ->check(CLI::Validator(
-          [](std::string& text) -> std::string {
-            try {
-              budget_change_of(text);
-              return {};
-            } catch (const c10::Error& e) {
-              return e.msg();
-            }
-          },
-          "STEP:SIZE"));
+      ->check(memfit::tools::parsed_by([](const std::string& text) { budget_change_of(text); }, "STEP:SIZE"));
   train->add_option("--restore-after", a.restore_after,
                     "After this many steps in a row without running out of memory, a re-planned run tries its "
                     "first settings again (0: it keeps the re-planned ones)")

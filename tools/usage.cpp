@@ -57,16 +57,24 @@ CLI::Validator path(const std::string& what) {
 }
 
 CLI::Validator memory_size() {
+  return parsed_by(
+      [](const std::string& text) {
+        TORCH_CHECK(memfit::parse_memory_size(text) > 0, "must be positive, e.g. 64MiB, got ", text);
+      },
+      "SIZE");
+}
+
+CLI::Validator parsed_by(std::function<void(const std::string&)> parse, const std::string& name) {
   return CLI::Validator(
-      [](std::string& text) -> std::string {
+      [parse = std::move(parse)](std::string& text) -> std::string {
         try {
-          if (memfit::parse_memory_size(text) > 0) return {};
-          return "must be positive, e.g. 64MiB, got " + text;
+          parse(text);
+          return {};
         } catch (const c10::Error& e) {
           return e.msg();
         }
       },
-      "SIZE");
+      name);
 }
 
 std::string plain_parse_error(const std::string& what) {

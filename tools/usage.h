@@ -12,6 +12,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -50,6 +51,10 @@ CLI::Validator path(const std::string& what);
 
 /// A validator for a memory size (512MiB, 2GiB, bytes) that is positive.
 CLI::Validator memory_size();
+
+/// A validator named `name` (e.g. "SCHEDULE") that runs `parse` on the
+/// flag's text: the c10::Error it throws is the flag's error, in its words.
+CLI::Validator parsed_by(std::function<void(const std::string&)> parse, const std::string& name);
 
 /// CLI11's "--flag: message" for a failed validator, as "--flag message".
 std::string plain_parse_error(const std::string& what);
