@@ -87,6 +87,8 @@ struct Counters {
   std::atomic<int64_t> budget{0};
   std::atomic<uint64_t> meter_mask{0};
   std::atomic<int64_t> meter_peak[kMaxMeters];
+  // Per meter: the most a refused allocation asked for (allocated + request).
+  std::atomic<int64_t> meter_refused[kMaxMeters];
 };
 
 // Deliberately leaked: tensors may be freed by static destructors after main.
@@ -127,6 +129,17 @@ void raise_to(std::atomic<int64_t>& target, int64_t value) {
                   format_bytes(std::max<int64_t>(0, budget - allocated))));
 }
 
+// Tells the live meters that `n` bytes were refused with `allocated` held.
+void note_refusal(int64_t allocated, int64_t n) {
+  Counters& c = counters();
+  uint64_t mask = c.meter_mask.load(std::memory_order_acquire);
+  while (mask != 0) {
+    const int slot = __builtin_ctzll(mask);
+    raise_to(c.meter_refused[slot], allocated + n);
+    mask &= mask - 1;
+  }
+}
+
 // Adds `n` bytes to the counters or throws without changing them.
 void reserve(int64_t n) {
   Counters& c = counters();
@@ -135,6 +148,7 @@ void reserve(int64_t n) {
     const int64_t k = f.count.fetch_add(1, std::memory_order_relaxed) + 1;
     if (k == f.fail_at.load(std::memory_order_relaxed)) {
       f.failed.store(true, std::memory_order_relaxed);
+      note_refusal(c.allocated.load(std::memory_order_relaxed), n);
       TORCH_CHECK_WITH(OutOfMemoryError, false,
                        fmt::format("CPU out of memory: allocation {} of {} failed on purpose (memfit::AllocationFault)",
                                    k, format_bytes(n)));
@@ -147,7 +161,10 @@ void reserve(int64_t n) {
   } else {
     int64_t cur = c.allocated.load(std::memory_order_relaxed);
     do {
-      if (cur + n > budget) throw_over_budget(n, budget, cur);
+      if (cur + n > budget) {
+        note_refusal(cur, n);
+        throw_over_budget(n, budget, cur);
+      }
     } while (!c.allocated.compare_exchange_weak(cur, cur + n, std::memory_order_relaxed));
     now = cur + n;
   }
@@ -413,6 +430,7 @@ PeakMeter::PeakMeter(torch::Device device) : device_(device) {
                                                std::memory_order_acq_rel));
   // The slot is visible to the allocator now; start it at the current count.
   c.meter_peak[slot].store(std::numeric_limits<int64_t>::min(), std::memory_order_relaxed);
+  c.meter_refused[slot].store(0, std::memory_order_relaxed);
   start_ = c.allocated.load(std::memory_order_relaxed);
   raise_to(c.meter_peak[slot], start_);
   slot_ = slot;
@@ -447,7 +465,41 @@ int64_t PeakMeter::peak() const {
   return counters().meter_peak[slot_].load(std::memory_order_relaxed);
 }
 
+void release_failed_backward() {
+  // LibTorch's engine keeps the calling thread's CPU ready queue between
+  // backward calls, and a backward that threw leaves its pending tasks in
+  // it, each holding its node and so the rest of the graph with its saved
+  // activations (pytorch/pytorch#82218), until the thread's next backward
+  // pops them: expired tasks go first. A backward of one host scalar does.
+  UntrackedGuard host;
+  torch::AutoGradMode grad(true);
+  auto x = torch::zeros({}, torch::requires_grad());
+  (x * 2).backward();
+}
+
+int64_t PeakMeter::needed() const {
+  if (slot_ < 0) return peak();
+  return std::max(peak(), counters().meter_refused[slot_].load(std::memory_order_relaxed));
+}
+
 namespace detail {
+int64_t refused_request_bytes(const std::string& what) {
+  // CUDA's caching allocator: "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; ...)".
+  static const std::regex request(R"([Tt]ried to allocate ([0-9.]+) ?([KMGT]i?B|bytes|B))");
+  std::smatch m;
+  if (!std::regex_search(what, m, request)) return 0;
+  try {
+    return parse_memory_size(m[1].str() + (m[2].str() == "bytes" ? "B" : m[2].str()));
+  } catch (const c10::Error&) {
+    return 0;
+  }
+}
+
+int64_t needed_bytes(const PeakMeter& meter, const std::string& what) {
+  if (kind_of(meter.device()) != Kind::kCuda) return meter.needed();
+  return meter.peak() + refused_request_bytes(what);
+}
+
 void for_each_state_tensor(torch::optim::OptimizerParamState& state,
                            const std::function<void(torch::Tensor&)>& fn) {
   using namespace torch::optim;

@@ -241,6 +241,29 @@ TEST_F(DocExamples, MemoryHeader) {
     { auto t = torch::empty({1024}); }
     EXPECT_EQ(meter.peak_delta(), 4096);
   }
+  {  // release_failed_backward
+    auto w = torch::ones({4, 4}, torch::requires_grad());
+    const int64_t before = memfit::memory_allocated();
+    try {
+      auto x = torch::ones({8, 4});
+      auto loss = (x.mm(w).relu() + x.mm(w).sigmoid()).sum();  // two branches
+      memfit::AllocationFault fail(2);
+      loss.backward();
+    } catch (const c10::OutOfMemoryError&) {
+    }
+    memfit::release_failed_backward();
+    w.mutable_grad() = torch::Tensor();
+    EXPECT_EQ(memfit::memory_allocated(), before);
+  }
+  {  // PeakMeter::needed
+    memfit::PeakMeter meter;
+    try {
+      memfit::BudgetGuard tight(torch::kCPU, memfit::memory_allocated() + 1024);
+      auto t = torch::empty({1024});  // 4096 bytes: refused
+    } catch (const c10::OutOfMemoryError&) {
+    }
+    EXPECT_EQ(meter.needed(), meter.start() + 4096);
+  }
   {  // optimizer_state_bytes
     auto w = torch::ones({4}, torch::requires_grad());
     torch::optim::Adam adam({w});

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <iostream>
 #include <thread>
 #include <vector>
 
@@ -199,6 +200,75 @@ TEST_F(PeakStats, PeakMeterMovesWithoutLosingItsSlot) {
   PeakMeter c;
   c = std::move(b);
   EXPECT_EQ(c.peak_delta(), 400);
+}
+
+// What a refused allocation asked for counts in needed(), not in peak():
+// the step that failed would have needed it, and a re-plan sizes from it.
+TEST_F(PeakStats, NeededCountsTheRefusedAllocationOnTopOfWhatWasHeld) {
+  PeakMeter meter;
+  auto held = torch::empty({1000});  // 4000 bytes
+  {
+    BudgetGuard tight(torch::kCPU, now() + 2000);
+    EXPECT_THROW(torch::empty({600}), c10::OutOfMemoryError);  // 2400 bytes: refused
+    EXPECT_THROW(torch::empty({550}), c10::OutOfMemoryError);  // less: needed() keeps the most
+    auto fits = torch::empty({500});
+  }
+  EXPECT_EQ(meter.peak_delta(), 6000);
+  EXPECT_EQ(meter.needed(), meter.start() + 4000 + 2400);
+  PeakMeter later;  // a meter started after the refusals saw none
+  EXPECT_EQ(later.needed(), later.peak());
+  {
+    AllocationFault fail(1);  // a failure on purpose asks as much as its allocation
+    EXPECT_THROW(torch::empty({100}), c10::OutOfMemoryError);
+  }
+  EXPECT_EQ(later.needed(), later.start() + 400);
+}
+
+// A backward that fails at any of its allocations leaves nothing held once
+// release_failed_backward has run: LibTorch's queue kept the tasks it had not
+// run, and with them the graph's other branch and its saved activations.
+class FailedBackward : public Seeded {};
+
+TEST_F(FailedBackward, LeavesItsGraphUntilReleased) {
+  auto w = torch::randn({64, 64}, torch::requires_grad());
+  const auto backward_of_two_branches = [&] {
+    auto x = torch::randn({32, 64});
+    auto loss = (x.mm(w).relu().mm(w) + x.mm(w).sigmoid().mm(w)).sum();
+    loss.backward();
+  };
+  int64_t allocations = 0;
+  {
+    AllocationFault count(0);
+    backward_of_two_branches();
+    allocations = count.allocations();
+  }
+  w.mutable_grad() = torch::Tensor();
+  const int64_t before = now();
+  int64_t held_most = 0;
+  for (int64_t k = 4; k <= allocations; ++k) {  // the first three make the forward's input and outputs
+    try {
+      AllocationFault fail(k);
+      backward_of_two_branches();
+    } catch (const c10::OutOfMemoryError&) {
+    }
+    w.mutable_grad() = torch::Tensor();
+    held_most = std::max(held_most, now() - before);
+    release_failed_backward();
+    EXPECT_EQ(now(), before) << "allocation " << k << " of " << allocations;
+  }
+  std::cout << "a failed backward held at most " << held_most << " bytes until released\n";
+}
+
+// CUDA's out-of-memory messages say what was asked for, rounded as printed.
+TEST(RefusedRequest, ReadsTheRequestFromCudaAndMemfitMessages) {
+  EXPECT_EQ(detail::refused_request_bytes("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 79.10 GiB "
+                                          "total capacity; 1.20 GiB already allocated)"),
+            20LL << 20);
+  EXPECT_EQ(detail::refused_request_bytes("CPU out of memory under memfit's budget: tried to allocate 1.50 KiB; "
+                                          "budget 4.00 KiB"),
+            1536);
+  EXPECT_EQ(detail::refused_request_bytes("Tried to allocate 512 bytes"), 512);
+  EXPECT_EQ(detail::refused_request_bytes("step 3: rank 1 of 2 ran out of memory"), 0);
 }
 
 TEST_F(PeakStats, SixtyFiveLiveMetersAreRefused) {

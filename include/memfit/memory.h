@@ -258,18 +258,62 @@ class PeakMeter {
   PeakMeter(const PeakMeter&) = delete;
   PeakMeter& operator=(const PeakMeter&) = delete;
 
+  /// The device it meters.
+  torch::Device device() const { return device_; }
   /// memory_allocated(device) when the meter started.
   int64_t start() const { return start_; }
   /// The highest memory_allocated(device) since the meter started.
   int64_t peak() const;
   /// peak() - start(): the most extra memory the scope needed at once.
   int64_t peak_delta() const { return peak() - start_; }
+  /// The most memory the scope asked for at once: peak(), or more where the
+  /// tracking allocator refused an allocation (what was allocated then plus
+  /// the request: what the scope would have needed to go on). On CUDA, peak().
+  ///
+  /// Example:
+  /// \code
+  ///   memfit::PeakMeter meter;
+  ///   try {
+  ///     memfit::BudgetGuard tight(torch::kCPU, memfit::memory_allocated() + 1024);
+  ///     auto t = torch::empty({1024});  // 4096 bytes: refused
+  ///   } catch (const c10::OutOfMemoryError&) {
+  ///   }
+  ///   assert(meter.needed() == meter.start() + 4096);
+  /// \endcode
+  int64_t needed() const;
 
  private:
   torch::Device device_;
   int slot_ = -1;
   int64_t start_ = 0;
 };
+
+/// Frees the graph that a backward which threw (an out-of-memory error, an
+/// error in a hook) left behind on this thread.
+///
+/// LibTorch keeps the tasks a failed backward had not run in the calling
+/// thread's queue until that thread's next backward, and they hold the rest
+/// of the graph and its saved activations (pytorch/pytorch#82218): a retry
+/// runs its forward beside them. Call it after catching such an error, before
+/// the retry; Trainer does it for every failed step. Runs a backward of one
+/// host scalar; no device synchronisation, no tracked memory.
+///
+/// Example:
+/// \code
+///   auto w = torch::ones({4, 4}, torch::requires_grad());
+///   const int64_t before = memfit::memory_allocated();
+///   try {
+///     auto x = torch::ones({8, 4});
+///     auto loss = (x.mm(w).relu() + x.mm(w).sigmoid()).sum();  // two branches
+///     memfit::AllocationFault fail(2);
+///     loss.backward();
+///   } catch (const c10::OutOfMemoryError&) {
+///   }
+///   memfit::release_failed_backward();
+///   w.mutable_grad() = torch::Tensor();
+///   assert(memfit::memory_allocated() == before);
+/// \endcode
+void release_failed_backward();
 
 /// A training step's peak split into what persists and what the step made.
 ///
