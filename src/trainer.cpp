@@ -404,6 +404,11 @@ class AbortGuard {
   ~AbortGuard() {
     if (done_) return;
     for (auto it = components_.rbegin(); it != components_.rend(); ++it) (*it)->abort_step(state_);
+    try {
+      release_failed_backward();  // the graph a failed backward left in LibTorch's queue
+    } catch (const std::exception& e) {
+      TORCH_WARN("memfit: could not release a failed backward's graph: ", e.what());
+    }
   }
   AbortGuard(const AbortGuard&) = delete;
   AbortGuard& operator=(const AbortGuard&) = delete;
@@ -457,6 +462,7 @@ bool micro_batch(const std::vector<std::shared_ptr<StepComponent>>& cs, StepStat
 // component's abort_step, which leaves the state as the step found it.
 StepRecord Trainer::step_once(const detail::StepInput& in) {
   committing_ = committed_ = false;
+  phase_ = StepPhase::kForwardBackward;
   const auto& cs = components_;
   const auto start_time = Clock::now();
   PeakMeter meter(options_.device());
@@ -495,6 +501,7 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
     s.loss_value = s.read_loss ? s.loss_sum.item<double>() : std::numeric_limits<double>::quiet_NaN();
   }
   s.loss_sum = torch::Tensor();
+  phase_ = StepPhase::kUpdate;
   call_all(cs, [&](StepComponent& c) { c.finish_backward(s); });
   if (!s.skip) {
     call_all(cs, [&](StepComponent& c) { c.before_optimizer_step(s); });

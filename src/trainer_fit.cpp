@@ -342,23 +342,42 @@ EvalResult Trainer::evaluate(const ImageDataset& data) {
   torch::NoGradGuard no_grad;
   PeakMeter meter(device);
   module_->eval();
+  struct TrainModeAgain {  // also when a chunk throws
+    torch::nn::Module& m;
+    ~TrainModeAgain() { m.train(); }
+  } train_again{*module_};
   const int64_t n = data.size();
   double loss_sum = 0;
   int64_t correct = 0;
-  for (int64_t start = 0; start < n; start += options_.eval_batch_size()) {
-    const int64_t len = std::min(options_.eval_batch_size(), n - start);
-    auto x = data.images.narrow(0, start, len).to(device);
-    auto y = data.labels.narrow(0, start, len).to(device);
-    torch::Tensor logits;
-    {
-      AutocastGuard autocast(device, options_.precision());
-      logits = pipeline_ ? pipeline_->forward(x) : stream_ ? stream_->forward(x) : classifier_->forward(x);
+  int64_t chunk = options_.eval_batch_size();
+  for (int64_t start = 0; start < n;) {
+    const int64_t len = std::min(chunk, n - start);
+    double chunk_loss = 0;
+    int64_t chunk_correct = 0;
+    try {
+      auto x = data.images.narrow(0, start, len).to(device);
+      auto y = data.labels.narrow(0, start, len).to(device);
+      torch::Tensor logits;
+      {
+        AutocastGuard autocast(device, options_.precision());
+        logits = pipeline_ ? pipeline_->forward(x) : stream_ ? stream_->forward(x) : classifier_->forward(x);
+      }
+      if (logits.defined()) {  // a pipeline's output is on its last stage
+        chunk_loss = detail::cross_entropy(logits, y, /*sum=*/true).item<double>();
+        chunk_correct = logits.argmax(-1).eq(y).sum().item<int64_t>();
+      }
+    } catch (const c10::OutOfMemoryError&) {
+      // Evaluating changes nothing: with kReplan a chunk that ran out of
+      // memory is read again in halves, and the rest in chunks that size.
+      if (options_.on_out_of_memory() != OnOutOfMemory::kReplan || len == 1) throw;
+      empty_cache(device);
+      chunk = (len + 1) / 2;
+      continue;
     }
-    if (!logits.defined()) continue;  // a pipeline's output is on its last stage
-    loss_sum += detail::cross_entropy(logits, y, /*sum=*/true).item<double>();
-    correct += logits.argmax(-1).eq(y).sum().item<int64_t>();
+    loss_sum += chunk_loss;
+    correct += chunk_correct;
+    start += len;
   }
-  module_->train();
   if (pipeline_) {  // the last stage's sums, everywhere
     UntrackedGuard host;
     auto sums = torch::tensor({loss_sum, double(correct)}, torch::kDouble);
@@ -371,6 +390,7 @@ EvalResult Trainer::evaluate(const ImageDataset& data) {
   r.loss = loss_sum / labels;
   r.accuracy = double(correct) / labels;
   r.peak_bytes = meter.peak();
+  r.batch_size = chunk;
   return r;
 }
 

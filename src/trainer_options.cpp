@@ -81,6 +81,22 @@ namespace {
 bool recomputes(const std::vector<Segment>& segments) {
   return std::any_of(segments.begin(), segments.end(), [](const Segment& s) { return s.checkpointed; });
 }
+// The micro-batch after `micro` failed: half of it, or fewer examples where
+// the attempt needed more beyond `floor` (the bytes no micro-batch moves)
+// than the limit leaves, as what it needed there grows with the micro-batch;
+// split evenly, in as few micro-batches as that allows.
+int64_t next_micro_batch(const OutOfMemoryEvent& e, int64_t micro, int64_t floor) {
+  int64_t next = (micro + 1) / 2;
+  const int64_t beyond = e.needed_bytes - e.fixed_bytes, room = e.limit_bytes - floor;
+  if (e.limit_bytes > 0 && e.needed_bytes > e.limit_bytes && beyond > 0 && room >= 0) {
+    const int64_t fits = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(micro) * room / beyond));
+    if (fits < next) {
+      const int64_t count = (e.examples + fits - 1) / fits;
+      next = (e.examples + count - 1) / count;
+    }
+  }
+  return next;
+}
 } // namespace
 
 OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch_statistics_may_change) {
@@ -89,6 +105,12 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
   return [keep_micro_batch, chains](const OutOfMemoryEvent& e) -> std::optional<Replan> {
     const int64_t micro = e.micro_batch_size > 0 ? std::min(e.micro_batch_size, e.examples) : e.examples;
     const std::string micro_text = micro < e.examples ? "micro-batches of " + std::to_string(micro) : "";
+    // What a re-plan that moves nothing keeps: where the last ones put things.
+    const std::string kept_text =
+        e.offload_optimizer != Offload::kHost
+            ? ""
+            : ", " + detail::on_host_text(e.offload_gradients == Offload::kHost, e.offload_parameters == Offload::kHost) +
+                  (e.stream.tile_bytes() > 0 ? ", streamed in tiles of " + format_bytes(e.stream.tile_bytes()) : "");
     // The last resorts, or the first where the bytes no micro-batch can move
     // are too many: the state to the host, then the gradients too, then the
     // parameters streamed from there.
@@ -113,42 +135,67 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
                       (r.stream ? ", streamed in tiles of " + format_bytes(tile) : "");
       return r;
     };
-    const auto last_resort = [&]() -> std::optional<Replan> {
-      if (may_state) return to_host(1);
-      if (may_grads) return to_host(2);
+    if (e.offload_parameters == Offload::kHost && wants_tiles) return to_host(3);  // streamed untiled: tiles first
+    const bool limited = e.limit_bytes > 0, movable = may_state || may_grads || may_params;
+    // Gradients sent to the host are still made on the device one at a time:
+    // the largest stays beside the parameters.
+    const bool grads_on_device = e.offload_gradients != Offload::kHost;
+    const int64_t without_grads =
+        e.fixed_bytes - e.state_bytes - e.gradient_bytes + (grads_on_device ? e.largest_gradient_bytes : 0);
+    // The fewest moves, in order, that bring `floor` (what no micro-batch
+    // moves) under the limit; the next move where none does.
+    const auto fewest_moves = [&](int64_t floor) -> std::optional<Replan> {
+      if (may_state && (!limited || floor - e.state_bytes <= e.limit_bytes || !(may_grads || may_params))) {
+        return to_host(1);
+      }
+      if (may_grads && (!limited || without_grads <= e.limit_bytes || !may_params)) return to_host(2);
       if (may_params) return to_host(3);
       return std::nullopt;
     };
-    if (e.offload_parameters == Offload::kHost && wants_tiles) return to_host(3);  // streamed untiled: tiles first
-    if ((may_state || may_grads || may_params) && e.limit_bytes > 0 && e.fixed_bytes > e.limit_bytes) {
-      if (may_state && e.fixed_bytes - e.state_bytes <= e.limit_bytes) return to_host(1);
-      const bool without_grads = e.fixed_bytes - e.state_bytes - e.gradient_bytes <= e.limit_bytes;
-      return to_host(without_grads || !may_params ? 2 : 3);
+    if (limited && movable && e.fixed_bytes > e.limit_bytes) return fewest_moves(e.fixed_bytes);
+    // The update needs what it asked for whatever the micro-batch.
+    if (limited && movable && e.phase == StepPhase::kUpdate) {
+      return fewest_moves(std::max(e.fixed_bytes, e.needed_bytes));
     }
+    // Each micro-batch after the first makes its gradients beside the sums
+    // of the ones before: micro-batches need room for the largest there.
+    const int64_t accumulating = e.fixed_bytes + (grads_on_device ? e.largest_gradient_bytes : 0);
+    const bool may_accumulate = !limited || !movable || accumulating <= e.limit_bytes;
     Replan r;
-    if (!keep_micro_batch && micro > 1) {
-      r.micro_batch_size = (micro + 1) / 2;
-      r.description = "micro-batches of " + std::to_string(r.micro_batch_size);
+    if (!keep_micro_batch && micro > 1 && may_accumulate) {
+      r.micro_batch_size = next_micro_batch(e, micro, accumulating);
+      r.description = "micro-batches of " + std::to_string(r.micro_batch_size) + kept_text;
       return r;
     }
-    // Then the chains that recompute nothing recompute sqrt(n) segments.
+    if (!may_accumulate && micro < e.examples) return fewest_moves(accumulating);  // no recomputation helps
+    // Then the chains that recompute nothing recompute sqrt(n) segments; once
+    // all recompute, those that can recompute each layer alone do.
     std::vector<FoundChain> plain;
+    std::vector<Schedule> schedules;
     for (const auto& c : chains) {
-      if (c.chain->sequential()->size() > 1 && !recomputes(c.chain->schedule().segments)) plain.push_back(c);
+      const auto n = static_cast<int64_t>(c.chain->sequential()->size());
+      if (n > 1 && !recomputes(c.chain->schedule().segments)) {
+        plain.push_back(c);
+        schedules.push_back(avoid_in_place_starts(schedule_sqrt(n), c.chain->in_place()));
+      }
     }
-    if (plain.empty()) return last_resort();
+    for (size_t i = 0; plain.empty() && i < chains.size(); ++i) {
+      const auto& c = chains[i];
+      const auto n = static_cast<int64_t>(c.chain->sequential()->size());
+      auto each = avoid_in_place_starts(schedule_every(n, 1), c.chain->in_place());
+      if (n > 1 && each.to_string() != c.chain->schedule().to_string()) {
+        plain.push_back(c);
+        schedules.push_back(std::move(each));
+      }
+    }
+    if (plain.empty()) return fewest_moves(micro < e.examples ? accumulating : e.fixed_bytes);
     r.micro_batch_size = e.micro_batch_size;
     std::vector<std::string> what;
-    std::vector<Schedule> schedules;
-    for (const auto& c : plain) {
-      const auto n = static_cast<int64_t>(c.chain->sequential()->size());
-      schedules.push_back(avoid_in_place_starts(schedule_sqrt(n), c.chain->in_place()));
-      what.push_back("'" + c.name + "' " + schedules.back().to_string());
-    }
+    for (size_t i = 0; i < plain.size(); ++i) what.push_back("'" + plain[i].name + "' " + schedules[i].to_string());
     r.apply = [plain, schedules]() mutable {
       for (size_t i = 0; i < plain.size(); ++i) plain[i].chain->set_schedule(schedules[i]);
     };
-    r.description = (micro_text.empty() ? std::string() : micro_text + ", ") + "recomputing " + c10::Join(", ", what);
+    r.description = (micro_text.empty() ? std::string() : micro_text + ", ") + "recomputing " + c10::Join(", ", what) + kept_text;
     return r;
   };
 }

@@ -60,9 +60,9 @@ StepRecord Trainer::run_step(const detail::StepInput& in) {
       ++clean_steps_;
       return rec;
     } catch (const c10::OutOfMemoryError& e) {
-      const int64_t peak = meter->peak();
+      const int64_t peak = meter->peak(), needed = detail::needed_bytes(*meter, e.what());
       meter.reset();
-      if (!recover(e, in, attempt, peak, seconds_since(start))) throw;
+      if (!recover(e, in, attempt, peak, needed, seconds_since(start))) throw;
     }
   }
 }
@@ -77,10 +77,10 @@ namespace {
 
 // The bytes no micro-batch can move: what the Trainer holds between steps
 // (the parameters, their masters and the optimizer's state on the device)
-// and one gradient per parameter (none on the device when they go to the
+// and one gradient per parameter (the largest only when they go to the
 // host); of them, what moving the state, gradients and parameters takes off.
 struct HeldBytes {
-  int64_t fixed = 0, state = 0, grads = 0, params = 0, largest = 0;
+  int64_t fixed = 0, state = 0, grads = 0, params = 0, largest = 0, largest_grad = 0;
 };
 
 HeldBytes held_bytes(const TrainerOptions& o, torch::optim::Optimizer* state_optimizer, bool state_on_host,
@@ -92,6 +92,9 @@ HeldBytes held_bytes(const TrainerOptions& o, torch::optim::Optimizer* state_opt
     b.state = optimizer_state_bytes(*state_optimizer) + lazy;
     b.fixed += lazy;
   }
+  for (const auto& p : model_params) {
+    if (p.requires_grad()) b.largest_grad = std::max(b.largest_grad, int64_t(p.nbytes()));
+  }
   if (o.offload_gradients() != Offload::kHost) {
     for (const auto& p : model_params) b.grads += p.requires_grad() ? int64_t(p.nbytes()) : 0;
   }
@@ -100,6 +103,9 @@ HeldBytes held_bytes(const TrainerOptions& o, torch::optim::Optimizer* state_opt
     b.largest = std::max(b.largest, int64_t(p.nbytes()));
     if (o.offload_parameters() != Offload::kHost) b.params += int64_t(p.nbytes());
   }
+  // Gradients that go to the host are made on the device first, one by one:
+  // the largest is there beside parameters that are not streamed.
+  if (o.offload_gradients() == Offload::kHost && o.offload_parameters() != Offload::kHost) b.fixed += b.largest_grad;
   return b;
 }
 
@@ -113,6 +119,7 @@ OutOfMemoryEvent placements_of(const TrainerOptions& o, const HeldBytes& held, b
   e.gradient_bytes = held.grads;
   e.parameter_bytes = held.params;
   e.largest_parameter_bytes = held.largest;
+  e.largest_gradient_bytes = held.largest_grad;
   e.stream = o.stream();
   e.offload_optimizer = o.offload_optimizer();
   e.offload_gradients = o.offload_gradients();
@@ -181,7 +188,7 @@ void warn_recovered(const Recovery& r, const std::string& what, bool peer_failed
 // settings; false to let the error propagate (kThrow). Gives up with one
 // line naming what was tried and the closest peak.
 bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& in, int64_t attempt, int64_t peak,
-                      double seconds) {
+                      int64_t needed, double seconds) {
   if (options_.on_out_of_memory() != OnOutOfMemory::kReplan) return false;
   const auto replan_start = Clock::now();
   const std::string what = compat::first_line(e.what_without_backtrace());
@@ -220,6 +227,8 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   event.attempt = attempt;
   event.examples = in.examples;
   event.peak_bytes = peak;
+  event.needed_bytes = needed;
+  event.phase = phase_;
   event.limit_bytes = budget > 0 ? budget : peak;
   event.what = what;
   Recovery r;

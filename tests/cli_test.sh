@@ -228,6 +228,13 @@ check over-budget-tiled-losses-within-1e-5 python3 -c 'import json, sys
 a, b = (json.load(open(f)) for f in sys.argv[1:])
 assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a["steps"], b["steps"])), (a["steps"], b["steps"])' \
   "$tmp/tiled.json" "$tmp/unbudgeted.json"
+# Eight 128-wide layers under 1 MiB: the parameters (849 KiB) fit, but not beside the first weight's
+# gradient (392 KiB), which micro-batches and gradients sent to the host both make on the device: streamed at once.
+expect over-budget-beside-gradient 0 'recovered from out of memory 1 time .*the run ended with .*parameters on the host, streamed in tiles' out -- \
+  train --model mlp --width 128 --depth 8 --budget 1MiB --steps 2 --no-eval -q --plan none
+# Evaluating under a budget the training fitted by streaming: the test set is read in smaller batches.
+expect over-budget-evaluated 0 'test accuracy .*evaluated under no-grad in batches of [0-9]+' out -- \
+  train --model mlp --budget 1.2MiB --steps 2 -q --plan none
 expect on-out-of-memory-bad 2 'on-out-of-memory' err -- train --on-out-of-memory retry
 expect over-budget-recomputed 0 "recovered from out of memory 1 time .*the run ended with recomputing '0' \\[0,4\\)\\*" out -- \
   train --model resnet --width 4 --batch 64 --budget 13MiB --steps 2 --no-eval -q --plan none

@@ -62,7 +62,9 @@ torch::data::Example<> batch_of(int64_t n, int64_t seed) {
 
 // Everything a step may change: parameters, buffers, gradients, masters and
 // their gradients, the optimizer's state, the RNG, the scale and the step.
-std::vector<torch::Tensor> state_of(Trainer& t, Net& net) {
+// The run's state; `with_masters` false leaves out the host masters a
+// re-plan may have made (copies of the parameters), whose state still counts.
+std::vector<torch::Tensor> state_of(Trainer& t, Net& net, bool with_masters = true) {
   auto params = net->parameters();
   auto out = copies(params);
   for (const auto& b : copies(net->buffers())) out.push_back(b);
@@ -70,8 +72,10 @@ std::vector<torch::Tensor> state_of(Trainer& t, Net& net) {
   std::vector<torch::Tensor> state_params = params;
   if (auto* m = t.master_weights()) {
     state_params = m->master_parameters();
-    for (const auto& x : copies(state_params)) out.push_back(x);
-    for (const auto& g : testing::grads_of(state_params)) out.push_back(g);
+    if (with_masters) {
+      for (const auto& x : copies(state_params)) out.push_back(x);
+      for (const auto& g : testing::grads_of(state_params)) out.push_back(g);
+    }
   }
   for (const auto& x : testing::optimizer_state_of(t.optimizer(), state_params)) out.push_back(x);
   out.push_back(compat::get_rng_state({}).cpu.clone());
@@ -152,6 +156,54 @@ TEST(StepTransaction, FailingAnyAllocationOfAStepLeavesTheStateAsItWasAndTheRetr
       expect_bitwise(copies(net->buffers()), copies(ref_net->buffers()), "buffers after the retry");
     }
   }
+}
+
+// A user's net with two branches: a backward that fails leaves tasks of the
+// other branch in LibTorch's queue, holding its graph (pytorch/pytorch#82218).
+struct ForkImpl : torch::nn::Module {
+  ForkImpl()
+      : a(register_module("a", torch::nn::Linear(20, 64))), b(register_module("b", torch::nn::Linear(20, 64))),
+        out(register_module("out", torch::nn::Linear(64, 5))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::log_softmax(out(torch::relu(a(x)) + torch::sigmoid(b(x))), 1);
+  }
+  torch::nn::Linear a, b, out;
+};
+TORCH_MODULE(Fork);
+
+// Whichever allocation of a step fails, the failed step holds nothing
+// afterwards, and the step retried under a budget of what the uninterrupted
+// step needed fits: the graph a failed backward left is freed with the step.
+TEST(StepTransaction, AFailedStepOfABranchingModelHoldsNothingAfterwards) {
+  const auto fork_nll = [](ForkImpl& n, const torch::data::Example<>& b) {
+    return torch::nll_loss(n.forward(b.data), b.target);
+  };
+  torch::manual_seed(7);
+  Fork ref_net;
+  torch::manual_seed(7);
+  Fork net;
+  Trainer reference(ref_net, fork_nll, TrainerOptions().lr(0.05)), trainer(net, fork_nll, TrainerOptions().lr(0.05));
+  reference.train_step(batch_of(24, 0));
+  trainer.train_step(batch_of(24, 0));
+  const auto batch = batch_of(24, 1);
+  int64_t allocations = 0, peak = 0;
+  {
+    AllocationFault count(0);
+    PeakMeter meter;
+    reference.train_step(batch);
+    allocations = count.allocations();
+    peak = meter.peak();
+  }
+  const int64_t bytes = memory_allocated();
+  for (int64_t k = 1; k <= allocations; ++k) {
+    {
+      AllocationFault fail(k);
+      EXPECT_THROW(trainer.train_step(batch), c10::OutOfMemoryError) << "allocation " << k << " of " << allocations;
+    }
+    ASSERT_EQ(memory_allocated(), bytes) << "the failed step freed all it made (allocation " << k << ")";
+  }
+  BudgetGuard same(torch::kCPU, peak);
+  EXPECT_NO_THROW(trainer.train_step(batch)) << "the retry fits where the uninterrupted step did";
 }
 
 TEST(StepTransaction, AnErrorInTheUsersLossOrTheNonfiniteCheckLeavesTheStateAsItWas) {
@@ -297,20 +349,23 @@ TEST(Recovery, AStepThatCannotFitGivesUpAfterBoundedAttemptsLeavingTheStateAndSa
   const auto before = state_of(trainer, net);
   int64_t gradients = 0;
   for (const auto& p : net->parameters()) gradients += p.nbytes();
-  {  // the parameters, the optimizer's state and the gradients fit, but no micro-batch of 8 or more
+  {  // the parameters, the optimizer's state and the gradients fit, but no micro-batch of 11 or more,
+     // even with the state on the host
     BudgetGuard tight(torch::kCPU, memory_allocated() + gradients + 256);
     expect_error([&] { trainer.train_step(batch); },
-                 "could not be re-planned after 4 attempts (no micro-batching, micro-batches of 32, micro-batches "
-                 "of 16, micro-batches of 8); the last reached");
+                 "could not be re-planned after 4 attempts (no micro-batching, optimizer state on the host, "
+                 "micro-batches of 22, optimizer state on the host, micro-batches of 11, optimizer state on the "
+                 "host); the last reached");
   }
-  expect_bitwise(state_of(trainer, net), before, "after giving up");
+  // The values are as they were; the state stays on the host, where the re-plan moved it.
+  expect_bitwise(state_of(trainer, net, false), before, "after giving up");
   ASSERT_EQ(trainer.recoveries().size(), 4u) << "3 re-plans, then the attempt that gave up";
   EXPECT_EQ(trainer.recoveries().back().after, "");
   {  // not even the fixed bytes fit, the optimizer state moved off: no re-plan is tried
     BudgetGuard tiny(torch::kCPU, 64);
     expect_error([&] { trainer.train_step(batch); }, "is smaller than the bytes no re-plan can move");
   }
-  expect_bitwise(state_of(trainer, net), before, "after refusing");
+  expect_bitwise(state_of(trainer, net, false), before, "after refusing");
   EXPECT_EQ(trainer.recoveries().size(), 4u);
   // fit saves the run before it ends.
   ImageDataset data;
@@ -693,6 +748,19 @@ TEST(Recovery, WhenTheParametersDoNotFitTheyAreStreamedFromTheHostAndTrainBitwis
   std::filesystem::remove_all(dir);
 }
 
+// Where the parameters fit but not beside the largest gradient, moving the
+// gradients to the host cannot help (backward makes each on the device
+// before it goes), nor can micro-batches: the default policy streams the
+// parameters at once instead of halving the micro-batch until it gives up.
+TEST(Recovery, WhereTheLargestGradientDoesNotFitBesideTheParametersTheyAreStreamedAtOnce) {
+  // The parameters and half of the largest weight's (64 x 64) gradient.
+  const DropTo beside_half_a_gradient = [](int64_t allocated, int64_t state, int64_t, int64_t) {
+    return allocated - state + 64 * 64 * int64_t(sizeof(float)) / 2;
+  };
+  expect_moved_bitwise<Chained>(chained_nll, beside_half_a_gradient,
+                                "optimizer state, gradients and parameters on the host", kAllOnHost);
+}
+
 // Where the largest weight and its gradient take over half the limit, the
 // streamed parameters come in tiles of a quarter of it: a tile's product
 // rounds differently from the whole weight's, so the run stays within 1e-5
@@ -838,6 +906,15 @@ TEST(Recovery, TheDefaultPolicyMovesTheStateThenTheGradientsThenStreamsAndEachNe
   r = policy(held);
   ASSERT_TRUE(r.has_value());
   EXPECT_EQ(r->offload_parameters, Offload::kHost) << "the parameters and gradients alone are too many";
+  held.fixed_bytes = 1500;  // the parameters (800) fit, but not beside the largest gradient
+  held.largest_gradient_bytes = 250;
+  r = policy(held);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->offload_parameters, Offload::kHost) << "gradients sent to the host come to the device first";
+  held.may_offload_parameters = false;
+  r = policy(held);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_FALSE(r->offload_parameters.has_value()) << "the parameters cannot be streamed: the gradients move";
 
   torch::manual_seed(7);
   Trainer t(net, even_nll, TrainerOptions().on_out_of_memory(OnOutOfMemory::kReplan)
@@ -851,6 +928,27 @@ TEST(Recovery, TheDefaultPolicyMovesTheStateThenTheGradientsThenStreamsAndEachNe
   expect_error([&] { t.train_step(batch_of(8, 0)); },
                "Replan::offload_gradients Offload::kHost adds the gradients into host masters, which only a state "
                "on the host has: set Replan::offload_optimizer to Offload::kHost too");
+}
+
+// Once a chain recomputes sqrt(n) segments, the default policy has it
+// recompute each layer alone; then nothing is left where nothing can move.
+TEST(Recovery, TheDefaultPolicyRecomputesEachLayerAloneAfterSqrtSegments) {
+  torch::manual_seed(7);
+  Chained net;
+  const auto policy = more_micro_batches(*net, false);
+  OutOfMemoryEvent e;
+  e.examples = 8;
+  e.micro_batch_size = 1;  // nothing left to split
+  auto r = policy(e);
+  ASSERT_TRUE(r.has_value() && r->apply);
+  EXPECT_EQ(r->description, "micro-batches of 1, recomputing 'chain' " + schedule_sqrt(15).to_string());
+  r->apply();
+  r = policy(e);
+  ASSERT_TRUE(r.has_value() && r->apply);
+  EXPECT_EQ(r->description, "micro-batches of 1, recomputing 'chain' " + schedule_every(15, 1).to_string());
+  r->apply();
+  EXPECT_EQ(net->chain->schedule().to_string(), schedule_every(15, 1).to_string());
+  EXPECT_FALSE(policy(e).has_value()) << "every layer recomputes alone, and nothing can move";
 }
 
 // A module with batch statistics keeps its micro-batch: the default policy

@@ -677,10 +677,12 @@ void print_results(const TrainArgs& a, const memfit::TrainReport& report, const 
   if (report.evaluated) {
     const bool text = workload.kind == memfit::ModelKind::kGpt;
     const auto& test = workload.test;
-    fmt::print("test accuracy {:.2f}% ({}, loss {:.4f}{}, evaluated under no-grad)\n", 100.0 * report.test.accuracy,
+    fmt::print("test accuracy {:.2f}% ({}, loss {:.4f}{}, evaluated under no-grad{})\n", 100.0 * report.test.accuracy,
                text ? fmt::format("next byte of {} sequences of {}", test.size(), a.context)
                     : fmt::format("{} examples", test.size()),
-               report.test.loss, text ? fmt::format(", perplexity {:.2f}", std::exp(report.test.loss)) : "");
+               report.test.loss, text ? fmt::format(", perplexity {:.2f}", std::exp(report.test.loss)) : "",
+               report.test.batch_size < a.eval_batch ? fmt::format(" in batches of {}", report.test.batch_size)
+                   : std::string());
   }
   fmt::print("precision {}{}{}\n", report.precision,
              a.master_weights != "none" ? fmt::format(", parameters in {} with fp32 master weights on the {}",

@@ -138,6 +138,17 @@ enum class OnOutOfMemory {
 /// \endcode
 OnOutOfMemory parse_on_out_of_memory(const std::string& name);
 
+/// The part of a training step that ran out of memory.
+enum class StepPhase {
+  /// The micro-batches' forward and backward: more micro-batches and
+  /// recomputation make it smaller.
+  kForwardBackward,
+  /// After the last backward: the gradients' reduction, clipping, unscaling
+  /// and the optimizer's step. Only moving the optimizer state, gradients or
+  /// parameters makes it smaller.
+  kUpdate,
+};
+
 /// What a step that ran out of memory tells the policy that re-plans it.
 struct OutOfMemoryEvent {
   int64_t step = 0;              ///< 1-based number of the step.
@@ -145,11 +156,18 @@ struct OutOfMemoryEvent {
   int64_t examples = 0;          ///< Examples of this rank's batch.
   int64_t micro_batch_size = 0;  ///< The failed attempt's micro-batch (0: the whole batch).
   int64_t peak_bytes = 0;        ///< The most memory_allocated(device) the attempt reached.
+  /// The most memory the attempt asked for: peak_bytes, or more where an
+  /// allocation was refused (what was allocated then plus the request;
+  /// PeakMeter::needed). On CUDA, peak_bytes plus the request the error names.
+  int64_t needed_bytes = 0;
   int64_t limit_bytes = 0;       ///< Memory the step may use: the budget, else the peak it reached.
   std::string what;              ///< The error's message, first line.
+  StepPhase phase = StepPhase::kForwardBackward;  ///< Where the attempt ran out of memory.
   /// Bytes no micro-batch or recomputation can move: what the Trainer holds
   /// between steps (parameters, optimizer state on the device, its lazy
-  /// first-step state included) and one gradient per parameter.
+  /// first-step state included) and one gradient per parameter; where the
+  /// gradients go to the host, only the largest (largest_gradient_bytes),
+  /// which backward makes on the device before it goes.
   int64_t fixed_bytes = 0;
   /// Of fixed_bytes, the optimizer state's on the device: what moving it to
   /// the host (Replan::offload_optimizer) takes off.
@@ -163,6 +181,10 @@ struct OutOfMemoryEvent {
   /// The largest parameter's bytes: streamed untiled, it and its gradient
   /// are on the device together (Replan::stream's tiles split it).
   int64_t largest_parameter_bytes = 0;
+  /// The largest gradient's bytes (of the parameters that require one): made
+  /// on the device beside the others' sums when micro-batches accumulate,
+  /// and beside the parameters when gradients go to the host.
+  int64_t largest_gradient_bytes = 0;
   /// The failed attempt's stream options (TrainerOptions::stream).
   StreamOptions stream;
   /// Where the failed attempt kept the optimizer state (TrainerOptions::offload_optimizer).
@@ -234,20 +256,26 @@ using OutOfMemoryPolicy = std::function<std::optional<Replan>(const OutOfMemoryE
 /// \endcode
 std::optional<std::string> batch_statistics_layer(const torch::nn::Module& module);
 
-/// The Trainer's default re-planning: twice the micro-batches (half the
-/// micro-batch, down to 1 example), which gives the same gradients; then the
-/// module's chains (CheckpointedSequential) that recompute nothing recompute
-/// sqrt(n) segments. A module with batch statistics (BatchNorm) keeps its
-/// micro-batch unless `batch_statistics_may_change`, since micro-batches
-/// normalise with their own statistics: its chains recompute first. Then,
-/// where the Trainer can (OutOfMemoryEvent::may_offload_optimizer), the
-/// optimizer state moves to the host, then the gradients, then (where
+/// The Trainer's default re-planning: more micro-batches (half the
+/// micro-batch, or fewer examples where the failed attempt needed more than
+/// that would leave room for: OutOfMemoryEvent::needed_bytes), down to 1
+/// example, which gives the same gradients; then the module's chains
+/// (CheckpointedSequential) that recompute nothing recompute sqrt(n)
+/// segments, and then each layer alone. A module with batch statistics
+/// (BatchNorm) keeps its micro-batch unless `batch_statistics_may_change`,
+/// since micro-batches normalise with their own statistics: its chains
+/// recompute first. Then, where the Trainer can
+/// (OutOfMemoryEvent::may_offload_optimizer), the optimizer state moves to
+/// the host, then the gradients, then (where
 /// OutOfMemoryEvent::may_offload_parameters) the parameters are streamed.
-/// These move first when the bytes no micro-batch can move exceed the
-/// limit: the state where that is enough, else the state and gradients
-/// together, else all three. Streamed parameters come in tiles of a quarter
-/// of the limit where the largest weight and its gradient take more than
-/// half of it. Gives up when nothing is left.
+/// These move first, as few as bring the bytes under the limit, where
+/// nothing else can: the bytes no micro-batch moves exceed it; micro-batches
+/// after the first would make the largest gradient beside all the others'
+/// sums; or the step ran out of memory after its backward (StepPhase::kUpdate).
+/// Gradients sent to the host still come to the device one at a time, the
+/// largest beside the parameters. Streamed parameters come in tiles of a
+/// quarter of the limit where the largest weight and its gradient take more
+/// than half of it. Gives up when nothing is left.
 ///
 /// Example:
 /// \code
@@ -377,7 +405,7 @@ struct TrainerOptions {
   /// pipeline or zero_stage 1.
   TORCH_ARG(OnOutOfMemory, on_out_of_memory) = OnOutOfMemory::kThrow;
   /// Re-plans one step may make before it gives up (with kReplan).
-  TORCH_ARG(int64_t, max_replans) = 4;
+  TORCH_ARG(int64_t, max_replans) = 8;
   /// How a step is re-planned (with kReplan); empty: more_micro_batches over
   /// the module, without changing batch statistics (a module with BatchNorm
   /// and no chain to recompute is refused).
@@ -441,6 +469,9 @@ struct EvalResult {
   double loss = 0;      ///< Mean cross-entropy per label (per example, or per token).
   double accuracy = 0;  ///< Fraction of correct top-1 predictions, per label.
   int64_t peak_bytes = 0;  ///< Peak memory_allocated(device) during evaluation.
+  /// Examples per forward at the end: TrainerOptions::eval_batch_size, or
+  /// fewer where a chunk ran out of memory and was halved (OnOutOfMemory::kReplan).
+  int64_t batch_size = 0;
 };
 
 /// What a run did: every step, the test result, peak memory and speed.
@@ -704,7 +735,10 @@ class Trainer {
   int64_t step() const { return step_; }
   /// Loss and accuracy of the cross-entropy classifier on `data` under
   /// torch::NoGradGuard, in eval mode (the Sequential form only; for other
-  /// modules, eval_step with your metric).
+  /// modules, eval_step with your metric). With OnOutOfMemory::kReplan a
+  /// chunk of eval_batch_size examples that runs out of memory is evaluated
+  /// again in halves (EvalResult::batch_size); the sums are the same up to
+  /// float32 rounding.
   EvalResult evaluate(const ImageDataset& data);
 
   /// The module being trained (with a pipeline: this rank's stage).
@@ -796,8 +830,10 @@ class Trainer {
   int64_t total_steps_of(int64_t examples) const;
   StepRecord run_step(const detail::StepInput& in);
   StepRecord step_once(const detail::StepInput& in);
+  // Undoes a failed attempt and re-plans it from its peak and what it needed
+  // (PeakMeter::needed); false where the Trainer does not recover.
   bool recover(const c10::OutOfMemoryError& e, const detail::StepInput& in, int64_t attempt, int64_t peak,
-               double seconds);
+               int64_t needed, double seconds);
   void check_options() const;
   // The constructor's steps, in its order.
   void split_into_stages();
@@ -865,6 +901,7 @@ class Trainer {
   bool replanned_ = false;                          // the settings are a recovery's, not the first
   std::string replanned_settings_;                  // a recovery's settings in words
   int64_t clean_steps_ = 0;
+  StepPhase phase_ = StepPhase::kForwardBackward;  // where the running step is
   bool committing_ = false;
   bool committed_ = false;  // the running step's optimizer has stepped
   std::shared_ptr<detail::RankVote> vote_;  // with a process group: the ranks agree on each step and re-plan
