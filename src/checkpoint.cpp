@@ -368,6 +368,16 @@ torch::Tensor CheckpointedSequentialImpl::run(const std::vector<Segment>& segmen
       for (int64_t i = s.begin; i < s.end; ++i) x = run_layer(i, x);
       continue;
     }
+    // Nothing in it needs a gradient (a Flatten on the data, say): no graph
+    // to save or recompute, so it runs as it is.
+    bool trainable = x.requires_grad();
+    for (int64_t i = s.begin; i < s.end && !trainable; ++i) {
+      for (const auto& p : modules_[static_cast<size_t>(i)].ptr()->parameters()) trainable = trainable || p.requires_grad();
+    }
+    if (!trainable) {
+      for (int64_t i = s.begin; i < s.end; ++i) x = run_layer(i, x);
+      continue;
+    }
     // The recomputation may run after the schedule is replaced: keep a copy.
     auto inner = std::make_shared<const std::vector<Segment>>(s.inner);
     x = checkpoint([this, inner](const torch::Tensor& in) { return run(*inner, in); }, x,

@@ -322,6 +322,23 @@ TEST_F(CheckpointedSequentialTest, EverySchedulesGradientsEqualThePlainRunBitwis
   }
 }
 
+// A checkpointed segment with nothing that needs a gradient (a Flatten of
+// the data, as the MLP of `memfit train` starts) runs as it is: `every:1`
+// used to end its backward with "none of output has requires_grad".
+TEST_F(CheckpointedSequentialTest, ASegmentThatNeedsNoGradientRunsPlainly) {
+  torch::nn::Sequential seq(torch::nn::Flatten(), torch::nn::Linear(16, 8), torch::nn::Tanh(), torch::nn::Linear(8, 4));
+  auto params = seq->parameters();
+  const auto x = torch::randn({4, 4, 4});
+  seq->forward(x).pow(2).sum().backward();
+  const auto plain = grads_of(params);
+  testing::clear_grads(params);
+  CheckpointedSequential model(seq, CheckpointedSequentialOptions().kind(ScheduleKind::kEvery).k(1));
+  EXPECT_EQ(model->schedule().to_string(), "[0,1)* [1,2)* [2,3)* [3,4)");
+  model->forward(x).pow(2).sum().backward();
+  const auto got = grads_of(params);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], plain[i])) << "parameter " << i;
+}
+
 TEST_F(CheckpointedSequentialTest, CheckpointsNeverStartAtAnInPlaceLayer) {
   torch::nn::Sequential seq;
   for (int i = 0; i < 4; ++i) {
