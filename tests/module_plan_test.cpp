@@ -1462,7 +1462,7 @@ TEST_F(ModulePlanTest, ReplanFromTheModelTakesThePlannersChoiceUnderTheLimitInOn
   // a budget does, within 1e-5 (micro-batches sum the gradients in another
   // order). The default policy's fixed order (micro-batches first, while the
   // parameters, gradients and Adam's state are most of the step) fails
-  // several times, and under 30% gives up after max_replans.
+  // several times before it trains too.
   BlockNet net(64, 16);
   const auto batch = sample(256);
   auto model = std::make_shared<memfit::ModuleStepModel>(memfit::detail::make_probe(net.ptr(), block_loss, batch),
@@ -1505,7 +1505,7 @@ TEST_F(ModulePlanTest, ReplanFromTheModelTakesThePlannersChoiceUnderTheLimitInOn
     for (size_t i = 0; i < plain.losses.size(); ++i) EXPECT_NEAR(by_model.losses[i], plain.losses[i], 1e-5) << i;
     const auto by_default = run_with_drop(net, start, first, nullptr, drop, batch);
     EXPECT_GT(by_default.recoveries.size(), 2u);
-    EXPECT_EQ(by_default.gave_up, f == 0.3) << by_default.recoveries.back().after;
+    EXPECT_FALSE(by_default.gave_up) << by_default.recoveries.back().after;
     std::cerr << "under " << memfit::format_bytes(drop) << ": " << r.after << " (" << r.seconds * 1e3
               << " ms lost); the default policy: " << by_default.recoveries.size() << " re-plans, "
               << (by_default.gave_up ? "then gave up" : "ending with " + by_default.recoveries.back().after) << "\n";
