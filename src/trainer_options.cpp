@@ -97,6 +97,33 @@ int64_t next_micro_batch(const OutOfMemoryEvent& e, int64_t micro, int64_t floor
   }
   return next;
 }
+// What a re-plan that moves nothing keeps, in words: where the last ones
+// put the state, gradients and parameters ("" where all are on the device).
+std::string kept_placement_text(const OutOfMemoryEvent& e) {
+  if (e.offload_optimizer != Offload::kHost) return "";
+  return ", " + detail::on_host_text(e.offload_gradients == Offload::kHost, e.offload_parameters == Offload::kHost) +
+         (e.stream.tile_bytes() > 0 ? ", streamed in tiles of " + format_bytes(e.stream.tile_bytes()) : "");
+}
+
+// The chains' next schedules, and the chains: sqrt(n) segments for those
+// that recompute nothing; once all recompute, each layer alone for those
+// that can.
+std::pair<std::vector<FoundChain>, std::vector<Schedule>> finer_schedules(const std::vector<FoundChain>& chains) {
+  std::vector<FoundChain> out;
+  std::vector<Schedule> schedules;
+  for (int tier = 0; tier < 2 && out.empty(); ++tier) {
+    for (const auto& c : chains) {
+      const auto n = static_cast<int64_t>(c.chain->sequential()->size());
+      const bool plain = !recomputes(c.chain->schedule().segments);
+      auto next = avoid_in_place_starts(tier == 0 ? schedule_sqrt(n) : schedule_every(n, 1), c.chain->in_place());
+      if (n > 1 && (tier == 0 ? plain : next.to_string() != c.chain->schedule().to_string())) {
+        out.push_back(c);
+        schedules.push_back(std::move(next));
+      }
+    }
+  }
+  return {out, schedules};
+}
 } // namespace
 
 OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch_statistics_may_change) {
@@ -105,12 +132,7 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
   return [keep_micro_batch, chains](const OutOfMemoryEvent& e) -> std::optional<Replan> {
     const int64_t micro = e.micro_batch_size > 0 ? std::min(e.micro_batch_size, e.examples) : e.examples;
     const std::string micro_text = micro < e.examples ? "micro-batches of " + std::to_string(micro) : "";
-    // What a re-plan that moves nothing keeps: where the last ones put things.
-    const std::string kept_text =
-        e.offload_optimizer != Offload::kHost
-            ? ""
-            : ", " + detail::on_host_text(e.offload_gradients == Offload::kHost, e.offload_parameters == Offload::kHost) +
-                  (e.stream.tile_bytes() > 0 ? ", streamed in tiles of " + format_bytes(e.stream.tile_bytes()) : "");
+    const std::string kept_text = kept_placement_text(e);
     // The last resorts, or the first where the bytes no micro-batch can move
     // are too many: the state to the host, then the gradients too, then the
     // parameters streamed from there.
@@ -168,32 +190,16 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
       return r;
     }
     if (!may_accumulate && micro < e.examples) return fewest_moves(accumulating);  // no recomputation helps
-    // Then the chains that recompute nothing recompute sqrt(n) segments; once
-    // all recompute, those that can recompute each layer alone do.
-    std::vector<FoundChain> plain;
-    std::vector<Schedule> schedules;
-    for (const auto& c : chains) {
-      const auto n = static_cast<int64_t>(c.chain->sequential()->size());
-      if (n > 1 && !recomputes(c.chain->schedule().segments)) {
-        plain.push_back(c);
-        schedules.push_back(avoid_in_place_starts(schedule_sqrt(n), c.chain->in_place()));
-      }
-    }
-    for (size_t i = 0; plain.empty() && i < chains.size(); ++i) {
-      const auto& c = chains[i];
-      const auto n = static_cast<int64_t>(c.chain->sequential()->size());
-      auto each = avoid_in_place_starts(schedule_every(n, 1), c.chain->in_place());
-      if (n > 1 && each.to_string() != c.chain->schedule().to_string()) {
-        plain.push_back(c);
-        schedules.push_back(std::move(each));
-      }
-    }
+    // Then recomputation, finer each time.
+    auto finer = finer_schedules(chains);
+    const auto& plain = finer.first;
+    const auto& schedules = finer.second;
     if (plain.empty()) return fewest_moves(micro < e.examples ? accumulating : e.fixed_bytes);
     r.micro_batch_size = e.micro_batch_size;
     std::vector<std::string> what;
     for (size_t i = 0; i < plain.size(); ++i) what.push_back("'" + plain[i].name + "' " + schedules[i].to_string());
-    r.apply = [plain, schedules]() mutable {
-      for (size_t i = 0; i < plain.size(); ++i) plain[i].chain->set_schedule(schedules[i]);
+    r.apply = [finer]() mutable {
+      for (size_t i = 0; i < finer.first.size(); ++i) finer.first[i].chain->set_schedule(finer.second[i]);
     };
     r.description = (micro_text.empty() ? std::string() : micro_text + ", ") + "recomputing " + c10::Join(", ", what) + kept_text;
     return r;
