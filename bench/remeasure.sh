@@ -7,7 +7,7 @@
 #
 # Usage (after `make build`): bash bench/remeasure.sh [NAME...]
 #   NAMES: main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed
-#          recovery_offload replan
+#          recovery recovery_offload recovery_sweep replan
 #          stability_gpt (bench/peers.py's GPT table, quiet runs only)
 #          probes (scripts/probe-bad-input.sh: careless and hostile input, by class)
 #          gpt_train gpt_budget peers peers_gpt      (default: all, in that order)
@@ -62,7 +62,9 @@ measure() {
     stability_tight) run plan_stability_tight bash bench/plan_stability.sh "$build" 5 tight ;;
     stability_gpt) MODES=quiet run plan_stability_peers_gpt bash bench/plan_stability.sh "$build" 5 peers_gpt ;;
     probes) run probes bash scripts/probe-bad-input.sh "$build/memfit" ;;
+    recovery) bench recovery memfit_trainer_bench --benchmark_filter='recovery|tax/' ;;
     recovery_offload) run recovery_offload bash bench/recovery_offload.sh "$build" ;;
+    recovery_sweep) run recovery_sweep bash bench/recovery_sweep.sh "$build" ;;
     replan) bench replan memfit_plan_bench --benchmark_filter=replan ;;
     fresh_make_run) run fresh_make_run bash scripts/fresh-make-run.sh "$(mktemp -d)/debian12" ;;
     distributed) bench distributed memfit_distributed_bench --steps 60 --pairs 5 ;;
@@ -88,7 +90,7 @@ measure() {
 }
 
 all=(main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed
-  recovery_offload replan gpt_train gpt_budget peers peers_gpt)
+  recovery recovery_offload recovery_sweep replan gpt_train gpt_budget peers peers_gpt)
 known=("${all[@]}" stability_gpt probes fresh_make_run peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2 optim_step optim_step_torch2
   tax_optim_torch2)
 names=("$@")
