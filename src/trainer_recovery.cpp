@@ -227,7 +227,8 @@ bool Trainer::recover(const c10::OutOfMemoryError& e, const detail::StepInput& i
   event.attempt = attempt;
   event.examples = in.examples;
   event.peak_bytes = peak;
-  event.needed_bytes = needed;
+  // Ranks' needs differ, and their policies must answer alike: none is given.
+  event.needed_bytes = vote_ ? 0 : needed;
   event.phase = phase_;
   event.limit_bytes = budget > 0 ? budget : peak;
   event.what = what;

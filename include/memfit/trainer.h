@@ -159,6 +159,8 @@ struct OutOfMemoryEvent {
   /// The most memory the attempt asked for: peak_bytes, or more where an
   /// allocation was refused (what was allocated then plus the request;
   /// PeakMeter::needed). On CUDA, peak_bytes plus the request the error names.
+  /// 0 with a process group: each rank's differs, and the ranks' policies
+  /// must answer alike.
   int64_t needed_bytes = 0;
   int64_t limit_bytes = 0;       ///< Memory the step may use: the budget, else the peak it reached.
   std::string what;              ///< The error's message, first line.
