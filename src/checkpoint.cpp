@@ -372,7 +372,9 @@ torch::Tensor CheckpointedSequentialImpl::run(const std::vector<Segment>& segmen
     // to save or recompute, so it runs as it is.
     bool trainable = x.requires_grad();
     for (int64_t i = s.begin; i < s.end && !trainable; ++i) {
-      for (const auto& p : modules_[static_cast<size_t>(i)].ptr()->parameters()) trainable = trainable || p.requires_grad();
+      for (const auto& p : modules_[static_cast<size_t>(i)].ptr()->parameters()) {
+        trainable = trainable || p.requires_grad();
+      }
     }
     if (!trainable) {
       for (int64_t i = s.begin; i < s.end; ++i) x = run_layer(i, x);

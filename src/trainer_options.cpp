@@ -99,10 +99,13 @@ int64_t next_micro_batch(const OutOfMemoryEvent& e, int64_t micro, int64_t floor
 }
 // What a re-plan that moves nothing keeps, in words: where the last ones
 // put the state, gradients and parameters ("" where all are on the device).
+std::string host_text(bool grads, bool params, int64_t tile) {
+  return detail::on_host_text(grads, params) + (tile > 0 ? ", streamed in tiles of " + format_bytes(tile) : "");
+}
 std::string kept_placement_text(const OutOfMemoryEvent& e) {
   if (e.offload_optimizer != Offload::kHost) return "";
-  return ", " + detail::on_host_text(e.offload_gradients == Offload::kHost, e.offload_parameters == Offload::kHost) +
-         (e.stream.tile_bytes() > 0 ? ", streamed in tiles of " + format_bytes(e.stream.tile_bytes()) : "");
+  return ", " + host_text(e.offload_gradients == Offload::kHost, e.offload_parameters == Offload::kHost,
+                          e.stream.tile_bytes());
 }
 
 // The chains' next schedules, and the chains: sqrt(n) segments for those
@@ -153,8 +156,7 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
       if (level >= 3) r.offload_parameters = Offload::kHost;
       if (level >= 3 && wants_tiles) r.stream = StreamOptions().tile_bytes(tile);
       r.description = (micro_text.empty() ? std::string() : micro_text + ", ") +
-                      detail::on_host_text(level >= 2, level >= 3) +
-                      (r.stream ? ", streamed in tiles of " + format_bytes(tile) : "");
+                      host_text(level >= 2, level >= 3, r.stream ? tile : 0);
       return r;
     };
     if (e.offload_parameters == Offload::kHost && wants_tiles) return to_host(3);  // streamed untiled: tiles first
@@ -201,7 +203,8 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
     r.apply = [finer]() mutable {
       for (size_t i = 0; i < finer.first.size(); ++i) finer.first[i].chain->set_schedule(finer.second[i]);
     };
-    r.description = (micro_text.empty() ? std::string() : micro_text + ", ") + "recomputing " + c10::Join(", ", what) + kept_text;
+    r.description =
+        (micro_text.empty() ? std::string() : micro_text + ", ") + "recomputing " + c10::Join(", ", what) + kept_text;
     return r;
   };
 }
