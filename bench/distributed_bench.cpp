@@ -8,7 +8,7 @@
 //   2 ranks              two processes of one thread, 32 images each
 //   2 ranks + ZeRO-1     the same, each rank keeping Adam's state for its share
 //   2 ranks, recovery on the 2 ranks with OnOutOfMemory::kReplan: they vote twice a
-//                        step and all-reduce the gradients after backward
+//                        step, once with the loss
 //
 // and prints, per configuration: the median step time (steps after the first
 // five) and samples per second, the bytes each rank put into collectives per

@@ -97,11 +97,14 @@ std::string RankVote::agree(bool go_on, int64_t micro_batch_size) {
   return "";
 }
 
-void DataParallelStep::begin_step(StepState&) { ddp_.sync_buffers(); }
+void DataParallelStep::begin_step(StepState&) {
+  reducing_ = true;
+  ddp_.sync_buffers();
+}
 
 void DataParallelStep::before_backward(StepState& s) {
-  // All-reduce during the last backward only; with a vote, after it.
-  if (vote_ != nullptr || !s.last_micro()) no_sync_.emplace(ddp_);
+  // All-reduce during the last backward only (under a vote with NCCL, after it).
+  if (!overlaps_ || !s.last_micro()) no_sync_.emplace(ddp_);
 }
 
 void DataParallelStep::after_backward(StepState&) { no_sync_.reset(); }
@@ -110,7 +113,7 @@ void DataParallelStep::finish_backward(StepState& s) {
   no_sync_.reset();
   double sum = 0;
   if (vote_ != nullptr) {
-    ddp_.prepare();  // every bucket built: from here the all-reduce allocates nothing on the device
+    ddp_.prepare();  // every bucket launched: from here the all-reduce allocates nothing on the device
     sum = vote_->reached(s.loss_value, s.step);
     ddp_.finalize();
   } else {
@@ -121,12 +124,22 @@ void DataParallelStep::finish_backward(StepState& s) {
     group_.all_reduce_(t);
     sum = t.item<double>();
   }
+  reducing_ = false;
   s.loss_value = sum / double(group_.size());
 }
 
 void DataParallelStep::abort_step(StepState&) {
   no_sync_.reset();
-  if (vote_ != nullptr) ddp_.discard();
+  if (vote_ != nullptr) {
+    try {
+      // A rank that failed before its vote meets the others' buckets first.
+      if (overlaps_ && std::exchange(reducing_, false)) ddp_.join();
+    } catch (const std::exception& e) {
+      TORCH_WARN("could not join the other ranks' all-reduce after a failed step: ", e.what());
+    }
+    ddp_.discard();
+  }
+  reducing_ = false;
 }
 
 void VoteBeforeCommit::before_optimizer_step(StepState& s) {

@@ -81,14 +81,14 @@ class RankVote {
 
 // Data parallelism: buffers from rank 0 before the step, gradients
 // all-reduced during the last micro-batch's backward only, the loss
-// averaged over the ranks. With a vote (recovery), the gradients are
-// all-reduced after the whole backward instead, once the buckets are built
-// and the ranks have voted that each got there. Sync points: DDP's; the
+// averaged over the ranks. With a vote (recovery), every bucket is launched
+// before the ranks vote that each got there, and a rank that failed joins
+// the buckets it did not launch before it votes. Sync points: DDP's; the
 // vote replaces the loss's all-reduce.
 class DataParallelStep final : public StepComponent {
  public:
   DataParallelStep(DistributedDataParallel& ddp, ProcessGroup& group, RankVote* vote)
-      : ddp_(ddp), group_(group), vote_(vote) {}
+      : ddp_(ddp), group_(group), vote_(vote), overlaps_(vote == nullptr || group.device().is_cpu()) {}
   void begin_step(StepState&) override;
   void before_backward(StepState& s) override;
   void after_backward(StepState&) override;
@@ -99,6 +99,12 @@ class DataParallelStep final : public StepComponent {
   DistributedDataParallel& ddp_;
   ProcessGroup& group_;
   RankVote* vote_;
+  // The all-reduce overlaps the last backward. With a vote that needs a
+  // failing rank to join the buckets it did not launch, which Gloo does on
+  // the host; under NCCL that rank may have no device memory for one, so
+  // the ranks vote before any bucket goes out.
+  bool overlaps_;
+  bool reducing_ = false;  // from the step's start until its gradients are written back
   std::optional<DistributedDataParallel::NoSync> no_sync_;
 };
 

@@ -401,11 +401,14 @@ TEST(DistributedWorker, Run) {
   }
   if (m == "recover_fault") {
     // Rank 1 fails the k-th allocation of step k+2, for every k a step
-    // makes (the vote's, the buckets', the optimizer's...); rank 0 fails none. The retry keeps the settings, so both ranks
+    // makes (the vote's, the buckets', the optimizer's...); rank 0 fails none.
+    // A bucket per parameter: some fail after others went out in backward,
+    // and rank 1 joins the rest. The retry keeps the settings, so both ranks
     // end bitwise where a run without failures ends.
     auto run = [&](bool faults) {
       torch::manual_seed(1 + world.rank);
-      auto options = zero_options().process_group(group).on_out_of_memory(OnOutOfMemory::kReplan).max_grad_norm(1.0);
+      auto options = zero_options().process_group(group).on_out_of_memory(OnOutOfMemory::kReplan).max_grad_norm(1.0)
+                         .bucket_cap_mb(0.0001);
       options.replan([](const OutOfMemoryEvent& e) { return Replan{e.micro_batch_size, nullptr, "the same"}; });
       Trainer t(small_cnn(4, 2), options);
       const auto data = synthetic_images();

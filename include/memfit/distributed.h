@@ -302,16 +302,23 @@ class DistributedDataParallel {
 
   /// Waits for every bucket, averages, and writes the gradients back.
   void finalize();
-  /// Builds every bucket that backward has not launched from the gradients
-  /// as they are now, so that finalize() then allocates no device memory:
-  /// the point after which a step's all-reduce cannot fail half-way on one
-  /// rank for want of memory. Extra memory: the buckets, which finalize()
-  /// would allocate anyway.
+  /// Builds and launches every bucket that backward has not launched, from
+  /// the gradients as they are now, so that finalize() then allocates no
+  /// device memory: the point after which a step's all-reduce cannot fail
+  /// half-way on one rank for want of memory. Extra memory: the buckets,
+  /// which finalize() would allocate anyway.
   void prepare();
   /// Drops what prepare() built and any bucket launched, for a step that
   /// ends without finalize() (one that failed); an all-reduce in flight is
   /// waited for first.
   void discard();
+  /// For a rank whose step failed while the others' went on: meets their
+  /// all-reduce of every bucket this step has not launched, with a stand-in
+  /// of zeros, so that every rank's collectives stay matched (the ranks must
+  /// then abandon the step together, as memfit's recovery does). Sync
+  /// points: each of those all-reduces. Extra memory: one bucket at a time
+  /// on the group's device, outside memfit's accounting.
+  void join();
   /// Broadcasts rank 0's buffers (a no-op without buffers or with
   /// broadcast_buffers false).
   void sync_buffers();
