@@ -93,10 +93,9 @@ HeldBytes held_bytes(const TrainerOptions& o, torch::optim::Optimizer* state_opt
     b.fixed += lazy;
   }
   for (const auto& p : model_params) {
-    if (p.requires_grad()) b.largest_grad = std::max(b.largest_grad, int64_t(p.nbytes()));
-  }
-  if (o.offload_gradients() != Offload::kHost) {
-    for (const auto& p : model_params) b.grads += p.requires_grad() ? int64_t(p.nbytes()) : 0;
+    if (!p.requires_grad()) continue;
+    b.largest_grad = std::max(b.largest_grad, int64_t(p.nbytes()));
+    if (o.offload_gradients() != Offload::kHost) b.grads += int64_t(p.nbytes());
   }
   b.fixed += b.grads;
   for (const auto& p : (master ? master->master_parameters() : model_params)) {

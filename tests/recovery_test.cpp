@@ -4,6 +4,7 @@
 // run again with the same math.
 #include "compat.h"
 #include "memfit/memory.h"
+#include "memfit/models.h"
 #include "memfit/optim.h"
 #include "memfit/checkpoint.h"
 #include "memfit/schedule.h"
@@ -932,6 +933,42 @@ TEST(Recovery, TheDefaultPolicyMovesTheStateThenTheGradientsThenStreamsAndEachNe
 
 // Once a chain recomputes sqrt(n) segments, the default policy has it
 // recompute each layer alone; then nothing is left where nothing can move.
+// Evaluation changes nothing, so with kReplan a chunk that runs out of
+// memory is read again in halves: every allocation of the first chunk fails
+// in turn, and the result is the unfaulted one's up to float32 rounding.
+TEST(Recovery, AnEvaluationChunkThatRunsOutOfMemoryIsReadAgainInHalves) {
+  const auto& data = testing::fashion_test_head(96);
+  auto make = [](OnOutOfMemory on) {
+    torch::manual_seed(7);
+    return Trainer(make_mlp(ModelOptions().width(32).depth(2)), TrainerOptions().eval_batch_size(64).on_out_of_memory(on));
+  };
+  Trainer plain = make(OnOutOfMemory::kReplan);
+  const auto whole = plain.evaluate(data);
+  EXPECT_EQ(whole.batch_size, 64);
+  int64_t per_chunk = 0;
+  {
+    AllocationFault counter(0);
+    plain.evaluate(testing::fashion_test_head(64));
+    per_chunk = counter.allocations();
+  }
+  ASSERT_GT(per_chunk, 3);
+  for (int64_t k = 1; k <= per_chunk; ++k) {
+    Trainer t = make(OnOutOfMemory::kReplan);
+    EvalResult r;
+    {
+      AllocationFault fault(k);
+      r = t.evaluate(data);
+      EXPECT_TRUE(fault.failed()) << "allocation " << k;
+    }
+    EXPECT_EQ(r.batch_size, 32) << "allocation " << k << ": the chunk of 64 was halved once";
+    EXPECT_NEAR(r.loss, whole.loss, 1e-6 * whole.loss) << "allocation " << k;
+    EXPECT_EQ(r.accuracy, whole.accuracy) << "allocation " << k;
+  }
+  Trainer throws = make(OnOutOfMemory::kThrow);
+  AllocationFault fault(1);
+  EXPECT_THROW(throws.evaluate(data), c10::OutOfMemoryError) << "kThrow: the error ends the evaluation";
+}
+
 TEST(Recovery, TheDefaultPolicyRecomputesEachLayerAloneAfterSqrtSegments) {
   torch::manual_seed(7);
   Chained net;
