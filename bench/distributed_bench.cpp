@@ -7,8 +7,8 @@
 //   1 proc × 1 thread    one process, one core
 //   2 ranks              two processes of one thread, 32 images each
 //   2 ranks + ZeRO-1     the same, each rank keeping Adam's state for its share
-//   2 ranks, recovery on the 2 ranks with OnOutOfMemory::kReplan: they vote twice a
-//                        step, once with the loss
+//   2 ranks, recovery on the 2 ranks with OnOutOfMemory::kReplan: they vote once a
+//                        step, with the loss, before the optimizer commits
 //
 // and prints, per configuration: the median step time (steps after the first
 // five) and samples per second, the bytes each rank put into collectives per
@@ -69,7 +69,7 @@ struct Config {
   int zero_stage;
   std::string pipeline = "";  // a schedule: pipeline parallel
   int chunks = 1;
-  bool recover = false;  // OnOutOfMemory::kReplan: the ranks vote, gradients all-reduced after backward
+  bool recover = false;  // OnOutOfMemory::kReplan: the ranks vote before each update
 };
 
 const std::vector<Config>& configs() {

@@ -115,8 +115,12 @@ struct ProcessGroupImpl {
   c10::intrusive_ptr<compat::C10dBackend> backend;  // Gloo or NCCL
   torch::Device device{torch::kCPU};               // where the backend reduces
   int64_t payload = 0;
+  int64_t operations = 0;
 
-  void count(const torch::Tensor& t) { payload += t.numel() * static_cast<int64_t>(t.element_size()); }
+  void count(const torch::Tensor& t) {
+    payload += t.numel() * static_cast<int64_t>(t.element_size());
+    ++operations;
+  }
 };
 } // namespace detail
 
@@ -340,6 +344,8 @@ void ProcessGroup::barrier() {
 
 int64_t ProcessGroup::payload_bytes() const { return impl_->payload; }
 
+int64_t ProcessGroup::operations() const { return impl_->operations; }
+
 std::vector<torch::Tensor> ProcessGroup::gather(const torch::Tensor& tensor, int64_t root) {
   TORCH_CHECK(root >= 0 && root < size(), "gather: root ", root, " is not a rank in [0, ", size(), ")");
   TORCH_CHECK(tensor.dim() == 1 && tensor.device().is_cpu(), "gather needs a 1-D host tensor, got ",
@@ -448,6 +454,7 @@ void ProcessGroup::broadcast_(torch::Tensor&, int64_t) {}
 void ProcessGroup::barrier() {}
 std::vector<torch::Tensor> ProcessGroup::gather(const torch::Tensor&, int64_t) { return {}; }
 int64_t ProcessGroup::payload_bytes() const { return 0; }
+int64_t ProcessGroup::operations() const { return 0; }
 ProcessGroup::Pending ProcessGroup::all_reduce_async_(torch::Tensor&) { return Pending(); }
 ProcessGroup::Pending ProcessGroup::send(const torch::Tensor&, int64_t, int64_t) { return Pending(); }
 void ProcessGroup::recv_(torch::Tensor&, int64_t, int64_t) {}

@@ -111,9 +111,15 @@ void DataParallelStep::after_backward(StepState&) { no_sync_.reset(); }
 
 void DataParallelStep::finish_backward(StepState& s) {
   no_sync_.reset();
+  if (vote_ != nullptr && overlaps_) {
+    ddp_.finalize();  // a rank that failed has joined the buckets; the vote before the update averages the loss
+    reducing_ = false;
+    s.loss_pending = true;
+    return;
+  }
   double sum = 0;
   if (vote_ != nullptr) {
-    ddp_.prepare();  // every bucket launched: from here the all-reduce allocates nothing on the device
+    ddp_.prepare();  // every bucket built: from here the all-reduce allocates nothing on the device
     sum = vote_->reached(s.loss_value, s.step);
     ddp_.finalize();
   } else {
@@ -142,17 +148,34 @@ void DataParallelStep::abort_step(StepState&) {
   reducing_ = false;
 }
 
-void VoteBeforeCommit::before_optimizer_step(StepState& s) {
+void VoteBeforeCommit::vote(StepState& s) {
+  voted_ = true;
+  const double sum = vote_.reached(s.loss_pending ? s.loss_value : 0, s.step);
+  if (!std::exchange(s.loss_pending, false)) return;
+  s.loss_value = sum / double(ranks_);
+  if (check_ != NonfiniteLoss::kUnchecked) check_finite_loss(s, check_, " (summed over the ranks)");
+}
+
+void VoteBeforeCommit::finish_backward(StepState& s) {
   voted_ = false;
-  gate_.emplace([this, step = s.step] {
-    voted_ = true;
-    vote_.reached(0, step);
-  });
+  gated_ = s.optimizer != nullptr && optim::is_transactional(*s.optimizer);
+  // Skipping needs the averaged loss before the optimizer's step, and so does
+  // an optimizer without a gate; a skipped step has no optimizer step to vote in.
+  if (s.loss_pending && (!gated_ || check_ == NonfiniteLoss::kSkip || s.skip)) {
+    const double sum = vote_.reached(s.loss_value, s.step);
+    s.loss_pending = false;
+    s.loss_value = sum / double(ranks_);
+    voted_ = !gated_;  // a gated optimizer's step still votes before it commits
+  }
+}
+
+void VoteBeforeCommit::before_optimizer_step(StepState& s) {
+  if (gated_) gate_.emplace([this, &s] { vote(s); });
 }
 
 void VoteBeforeCommit::after_optimizer_step(StepState& s) {
   gate_.reset();
-  if (!voted_) vote_.reached(0, s.step);  // the step did not run (fp16's skipped step): the ranks still meet
+  if (!voted_) vote(s);  // the step did not run (fp16's skipped step): the ranks still meet
 }
 
 bool PipelineStep::forward_backward(StepState& s) {
@@ -198,9 +221,10 @@ std::function<void()> PrecisionStep::load_state(torch::serialize::InputArchive& 
   return [this, scaler] { scaler_.load(*scaler); };
 }
 
-void NonfiniteCheck::check(StepState& s, double value, const char* where) const {
+void check_finite_loss(StepState& s, NonfiniteLoss mode, const char* where) {
+  const double value = s.loss_value;
   if (std::isfinite(value)) return;
-  TORCH_CHECK(mode_ == NonfiniteLoss::kSkip, "step ", s.step, " (epoch ", s.epoch, "): the loss", where, " is ",
+  TORCH_CHECK(mode == NonfiniteLoss::kSkip, "step ", s.step, " (epoch ", s.epoch, "): the loss", where, " is ",
               std::isnan(value) ? "NaN" : (value > 0 ? "inf" : "-inf"),
               "; lower the learning rate, clip gradients (TrainerOptions::max_grad_norm), "
               "or skip such steps (NonfiniteLoss::kSkip)");
@@ -208,7 +232,8 @@ void NonfiniteCheck::check(StepState& s, double value, const char* where) const 
 }
 
 void NonfiniteCheck::finish_backward(StepState& s) {
-  if (mode_ != NonfiniteLoss::kUnchecked) check(s, s.loss_value, ranks_ > 1 ? across_ : "");
+  // A loss still pending is averaged and checked by the ranks' vote before the update.
+  if (mode_ != NonfiniteLoss::kUnchecked && !s.loss_pending) check_finite_loss(s, mode_, ranks_ > 1 ? across_ : "");
 }
 
 void MasterWeightsStep::finish_backward(StepState& s) {

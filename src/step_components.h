@@ -108,19 +108,29 @@ class DataParallelStep final : public StepComponent {
   std::optional<DistributedDataParallel::NoSync> no_sync_;
 };
 
-// With a vote: the ranks vote once more inside the optimizer's step, after
-// it has allocated everything and before it changes anything (or after a
-// step that did not run), so that either every rank steps or none does.
-// Sync points: the vote.
+// With a vote: the ranks vote inside the optimizer's step, after it has
+// allocated everything and before it changes anything (or after a step that
+// did not run), so that either every rank steps or none does. That vote
+// carries the loss where DataParallelStep left it pending, and the step's
+// non-finite check follows it; one that skips the step, or an optimizer
+// that does not call optim::before_commit, needs the averaged loss before
+// the optimizer's step, so the ranks vote after the backward too.
+// Sync points: the votes.
 class VoteBeforeCommit final : public StepComponent {
  public:
-  explicit VoteBeforeCommit(RankVote& vote) : vote_(vote) {}
+  // `check`: the step's non-finite check (kUnchecked where a GradScaler or nothing checks).
+  VoteBeforeCommit(RankVote& vote, int64_t ranks, NonfiniteLoss check) : vote_(vote), ranks_(ranks), check_(check) {}
+  void finish_backward(StepState& s) override;
   void before_optimizer_step(StepState& s) override;
   void after_optimizer_step(StepState& s) override;
   void abort_step(StepState&) override { gate_.reset(); }
 
  private:
+  void vote(StepState& s);  // the vote before the update (with the pending loss, then its check)
   RankVote& vote_;
+  int64_t ranks_;
+  NonfiniteLoss check_;
+  bool gated_ = false;  // this step's optimizer calls optim::before_commit (memfit's)
   std::optional<optim::BeforeCommit> gate_;
   bool voted_ = false;
 };
@@ -167,9 +177,14 @@ class PrecisionStep final : public StepComponent {
   std::optional<AutocastGuard> autocast_;
 };
 
+// Stops the run (NonfiniteLoss::kError) or skips the step (kSkip) where the
+// step's loss `s.loss_value` is NaN or infinite; `where` qualifies it in the message.
+void check_finite_loss(StepState& s, NonfiniteLoss mode, const char* where);
+
 // A NaN or infinite loss (without a GradScaler, which skips such steps
 // itself) stops the run or skips the step. The decision is taken on the
-// step's loss, read once after backward (with several ranks, averaged over them).
+// step's loss, read once after backward (with several ranks, averaged over
+// them; a loss that a vote averages later is checked after that vote).
 class NonfiniteCheck final : public StepComponent {
  public:
   // `across` qualifies the loss of several ranks in the message.
@@ -179,7 +194,6 @@ class NonfiniteCheck final : public StepComponent {
   void finish_backward(StepState& s) override;  // the step's loss, read once after its micro-batches
 
  private:
-  void check(StepState& s, double value, const char* where) const;
   NonfiniteLoss mode_;
   int64_t ranks_;
   const char* across_;

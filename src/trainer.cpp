@@ -275,12 +275,16 @@ void Trainer::build_components() {
     vote_ = std::make_shared<RankVote>(*options_.process_group());  // the ranks recover together
   }
   if (ddp_) components_.push_back(std::make_shared<DataParallelStep>(*ddp_, *options_.process_group(), vote_.get()));
-  if (vote_) components_.push_back(std::make_shared<VoteBeforeCommit>(*vote_));
+  const bool checks_loss = !scaler_->is_enabled() || options_.nonfinite_loss() == NonfiniteLoss::kUnchecked;
+  if (vote_) {
+    components_.push_back(std::make_shared<VoteBeforeCommit>(
+        *vote_, world_size(), checks_loss ? options_.nonfinite_loss() : NonfiniteLoss::kUnchecked));
+  }
   if (pipeline_) {
     components_.push_back(std::make_shared<PipelineStep>(*pipeline_, options_.device(), options_.precision()));
   }
   components_.push_back(std::make_shared<PrecisionStep>(options_.device(), options_.precision(), *scaler_));
-  if (!scaler_->is_enabled() || options_.nonfinite_loss() == NonfiniteLoss::kUnchecked) {
+  if (checks_loss) {
     components_.push_back(std::make_shared<NonfiniteCheck>(options_.nonfinite_loss(), world_size(),
                                                            pipeline_ ? "" : " (summed over the ranks)"));
   }
@@ -513,7 +517,7 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
       s.stepped = true;
     }
     committing_ = false;
-    committed_ = true;  // from here a failure is not undone: the parameters have their update
+    committed_ = s.stepped;  // from here a failure is not undone: the parameters have their update
     call_all(cs, [&](StepComponent& c) { c.after_optimizer_step(s); });
   }
   abort.done();

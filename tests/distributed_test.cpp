@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <functional>
 #include <optional>
 #include <map>
@@ -444,6 +445,74 @@ TEST(DistributedWorker, Run) {
     torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
     return;
   }
+  if (m == "recover_operations") {
+    // The round trips and bytes a step puts into collectives, with recovery
+    // off and on, whole and in micro-batches of 2.
+    const auto data = synthetic_images();
+    auto batch = [&](int64_t step) {
+      const auto rows = torch::arange(step * 8 + world.rank, step * 8 + 8, 2) % 100;
+      return torch::data::Example<>(data.images.index_select(0, rows), data.labels.index_select(0, rows));
+    };
+    std::vector<double> numbers;
+    for (const int64_t micro : {0, 2}) {
+      for (const auto on : {OnOutOfMemory::kThrow, OnOutOfMemory::kReplan}) {
+        torch::manual_seed(1);
+        Trainer t(small_cnn(4, 2),
+                  zero_options().process_group(group).on_out_of_memory(on).micro_batch_size(micro).bucket_cap_mb(0.0001));
+        t.train_step(batch(0));
+        const int64_t operations = group->operations(), payload = group->payload_bytes();
+        t.train_step(batch(1));
+        numbers.push_back(double(group->operations() - operations));
+        numbers.push_back(double(group->payload_bytes() - payload));
+      }
+    }
+    torch::save(std::vector<torch::Tensor>{torch::tensor(numbers, torch::kDouble)},
+                out + ".rank" + std::to_string(world.rank) + ".pt");
+    return;
+  }
+  if (m == "recover_nonfinite") {
+    // Rank 1's batch of step 3 holds a NaN, so the loss averaged over the
+    // ranks is NaN there: with kError (checked after the vote inside the
+    // optimizer's step) every rank stops at step 3 with its parameters as
+    // they were; with kSkip (checked after a vote after the backward) every
+    // rank skips step 3 and goes on.
+    const auto data = synthetic_images();
+    auto batch = [&](int64_t step) {
+      const auto rows = torch::arange(step * 8 + world.rank, step * 8 + 8, 2) % 100;
+      auto x = data.images.index_select(0, rows);
+      if (step == 3 && world.rank == 1) x.view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
+      return torch::data::Example<>(x, data.labels.index_select(0, rows));
+    };
+    std::vector<torch::Tensor> result;
+    std::vector<double> numbers;
+    std::string error;
+    for (const auto mode : {NonfiniteLoss::kError, NonfiniteLoss::kSkip}) {
+      torch::manual_seed(1 + world.rank);
+      Trainer t(small_cnn(4, 2),
+                zero_options().process_group(group).on_out_of_memory(OnOutOfMemory::kReplan).nonfinite_loss(mode));
+      std::vector<torch::Tensor> before;
+      int64_t skipped = 0;
+      for (int64_t step = 1; step <= 5; ++step) {
+        if (step == 3) before = testing::copies(t.model()->parameters());
+        try {
+          skipped += t.train_step(batch(step)).skipped;
+        } catch (const c10::Error& e) {
+          error = e.what_without_backtrace();
+          break;
+        }
+      }
+      bool unchanged = true;
+      for (size_t i = 0; i < before.size(); ++i) unchanged = unchanged && before[i].equal(t.model()->parameters()[i]);
+      for (const auto& p : t.model()->parameters()) result.push_back(p.detach().clone());
+      numbers.push_back(double(t.step()));
+      numbers.push_back(double(skipped));
+      numbers.push_back(double(unchanged));
+    }
+    result.push_back(torch::tensor(numbers, torch::kDouble));
+    torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
+    std::ofstream(out + ".rank" + std::to_string(world.rank) + ".txt") << error;
+    return;
+  }
   if (m == "resume") {
     // 6 steps straight, against 3 steps, a save, and 3 more after resuming,
     // with the optimizer state whole and sharded; rank 1 draws dropout masks.
@@ -727,6 +796,44 @@ TEST_F(Distributed, FailingAnyAllocationOfOneRanksStepMakesEveryRankRedoItBitwis
   EXPECT_EQ(counts0[1].item<double>(), allocations) << "rank 0 redid every step that rank 1 failed";
   EXPECT_EQ(counts1[1].item<double>(), allocations);
   for (int r = 0; r < 2; ++r) ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
+}
+
+TEST_F(Distributed, RecoveryAddsNoRoundTripToAStepOverGloo) {
+  const std::string out = ::testing::TempDir() + "memfit_ddp_operations_" + std::to_string(::getpid());
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "recover_operations", out);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
+  for (int r = 0; r < 2; ++r) {
+    const auto n = testing::load_rank(out, r).front();
+    for (int micro = 0; micro < 2; ++micro) {
+      const auto off_ops = n[4 * micro].item<double>(), off_bytes = n[4 * micro + 1].item<double>();
+      const auto on_ops = n[4 * micro + 2].item<double>(), on_bytes = n[4 * micro + 3].item<double>();
+      EXPECT_GT(off_ops, 3) << "a bucket per parameter, the loss";
+      EXPECT_EQ(on_ops, off_ops) << "rank " << r << (micro ? ", micro-batches" : "")
+                                 << ": the vote replaces the loss's all-reduce";
+      EXPECT_EQ(on_bytes - off_bytes, 2 * 8) << "rank " << r << ": the vote carries a flag per rank beside the loss";
+    }
+    ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
+  }
+}
+
+TEST_F(Distributed, ANonfiniteLossOnOneRankStopsOrSkipsTheStepOnEveryRankWithRecoveryOn) {
+  const std::string out = ::testing::TempDir() + "memfit_ddp_nonfinite_" + std::to_string(::getpid());
+  const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "recover_nonfinite", out);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
+  const auto rank0 = testing::load_rank(out, 0), rank1 = testing::load_rank(out, 1);
+  ASSERT_EQ(rank0.size(), rank1.size());
+  for (size_t i = 0; i + 1 < rank0.size(); ++i) EXPECT_TRUE(rank0[i].equal(rank1[i])) << "tensor " << i;
+  for (int r = 0; r < 2; ++r) {
+    const auto numbers = (r == 0 ? rank0 : rank1).back();
+    EXPECT_EQ(numbers[0].item<double>(), 2) << "rank " << r << ", kError: stopped at step 3, after 2 steps";
+    EXPECT_EQ(numbers[2].item<double>(), 1) << "rank " << r << ", kError: step 3 changed no parameter";
+    EXPECT_EQ(numbers[3].item<double>(), 5) << "rank " << r << ", kSkip: every step ran";
+    EXPECT_EQ(numbers[4].item<double>(), 1) << "rank " << r << ", kSkip: step 3 was skipped";
+    const std::string text = testing::read_text(out + ".rank" + std::to_string(r) + ".txt");
+    EXPECT_NE(text.find("step 3 (epoch 0): the loss (summed over the ranks) is NaN"), std::string::npos) << text;
+    ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
+    ::unlink((out + ".rank" + std::to_string(r) + ".txt").c_str());
+  }
 }
 
 TEST_F(Distributed, ZeroStageOneShardsAdamStateAndTrainsLikeTheWholeState) {

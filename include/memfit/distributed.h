@@ -161,6 +161,9 @@ class ProcessGroup {
   /// all-reduce, broadcast and gather counts its tensor once; what goes over
   /// the wire depends on Gloo's algorithm).
   int64_t payload_bytes() const;
+  /// All-reduces, broadcasts, sends and receives this rank has started so
+  /// far: each is at least one round trip, whatever its size.
+  int64_t operations() const;
 
   /// Starts summing `tensor` (a contiguous tensor on device()) over the ranks in place
   /// and returns at once; the returned handle's wait() finishes it.

@@ -55,6 +55,11 @@ struct StepState {
   double loss_value = 0;      ///< The step's mean loss, read once after the last micro-batch (the
                               ///< step's sync); components may replace it (data parallelism averages
                               ///< it over ranks).
+  /// Whether loss_value is still this rank's own, to be averaged over the
+  /// ranks inside the optimizer's step, in the vote before it commits (data
+  /// parallel with OnOutOfMemory::kReplan, which then also checks it): a
+  /// component that needs the averaged loss before the update waits for it.
+  bool loss_pending = false;
   bool read_loss = true;      ///< Whether loss_value is read after the last micro-batch (a component
                               ///< that neither needs nor checks it may clear it: the step reads nothing).
   bool skip = false;          ///< Set to skip the rest of the step (no backward, no optimizer step).
