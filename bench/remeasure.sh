@@ -67,7 +67,7 @@ measure() {
     recovery_sweep) run recovery_sweep bash bench/recovery_sweep.sh "$build" ;;
     replan) bench replan memfit_plan_bench --benchmark_filter=replan ;;
     fresh_make_run) run fresh_make_run bash scripts/fresh-make-run.sh "$(mktemp -d)/debian12" ;;
-    distributed) bench distributed memfit_distributed_bench --steps 60 --pairs 5 ;;
+    distributed) bench distributed memfit_distributed_bench --steps 60 --pairs 11 ;;
     gpt_train) run gpt_train "$build/memfit" train --model gpt --width 64 --depth 2 --context 64 --batch 32 --steps 100 ;;
     gpt_budget) run gpt_budget python3 bench/gpt_budget.py --build "$build" ;;
     peers) run peers /usr/bin/python3 bench/peers.py --build "$build" --steps 8 --batch 128 --repeats 2 --pairs 3 ;;

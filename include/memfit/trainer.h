@@ -17,7 +17,8 @@
 /// none with NonfiniteLoss::kUnchecked); one more with fp16 (whether the
 /// step was skipped: read after the update is queued where the fused kernel
 /// skips by itself, none then with kUnchecked) and with clipping (the norm); recovery adds none in one process unless a step fails, and with a
-/// process group two votes (docs/recovery.md). Extra memory:
+/// process group none either: its vote replaces the loss's all-reduce (one
+/// more under NCCL or NonfiniteLoss::kSkip; docs/recovery.md). Extra memory:
 /// the micro-batch being trained on (copied to the device from host memory,
 /// memfit::to_device), and the optimizer's state (none on the device with
 /// offload_optimizer kHost); host copies of the buffers and RNG states.
