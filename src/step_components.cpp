@@ -160,12 +160,13 @@ void VoteBeforeCommit::finish_backward(StepState& s) {
   voted_ = false;
   gated_ = s.optimizer != nullptr && optim::is_transactional(*s.optimizer);
   // Skipping needs the averaged loss before the optimizer's step, and so does
-  // an optimizer without a gate; a skipped step has no optimizer step to vote in.
+  // an optimizer without a gate; a skipped step has no optimizer step to vote
+  // in. The vote at the update follows all the same (after an optimizer
+  // without a gate, where it catches what failed since).
   if (s.loss_pending && (!gated_ || check_ == NonfiniteLoss::kSkip || s.skip)) {
     const double sum = vote_.reached(s.loss_value, s.step);
     s.loss_pending = false;
     s.loss_value = sum / double(ranks_);
-    voted_ = !gated_;  // a gated optimizer's step still votes before it commits
   }
 }
 

@@ -517,8 +517,13 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
       s.stepped = true;
     }
     committing_ = false;
-    committed_ = s.stepped;  // from here a failure is not undone: the parameters have their update
+    // From here a failure is not undone: the parameters have their update.
+    // Where the optimizer did not step (fp16's skipped step), the ranks' vote
+    // that comes first after it may still fail the step; then the scaler's
+    // update changes what an undo cannot put back.
+    committed_ = s.stepped;
     call_all(cs, [&](StepComponent& c) { c.after_optimizer_step(s); });
+    committed_ = true;
   }
   abort.done();
   call_all(cs, [&](StepComponent& c) { c.end_step(s); });

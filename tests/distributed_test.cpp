@@ -466,8 +466,28 @@ TEST(DistributedWorker, Run) {
         numbers.push_back(double(group->payload_bytes() - payload));
       }
     }
-    torch::save(std::vector<torch::Tensor>{torch::tensor(numbers, torch::kDouble)},
-                out + ".rank" + std::to_string(world.rank) + ".pt");
+    // LibTorch's own Adam calls no BeforeCommit gate: the ranks vote after
+    // the backward and again after its step. Rank 1 fails the first
+    // allocation of step 2 (its forward): both ranks redo it.
+    torch::manual_seed(1);
+    Trainer own(small_cnn(4, 2), zero_options().process_group(group).on_out_of_memory(OnOutOfMemory::kReplan)
+                                     .bucket_cap_mb(0.0001).optimizer_factory([](std::vector<torch::Tensor> p) {
+                                       return std::make_unique<torch::optim::Adam>(std::move(p));
+                                     }));
+    own.train_step(batch(0));
+    const int64_t operations = group->operations();
+    own.train_step(batch(1));
+    numbers.push_back(double(group->operations() - operations));
+    {
+      const auto b = batch(2);
+      std::optional<AllocationFault> fault;
+      if (world.rank == 1) fault.emplace(1);
+      own.train_step(b);
+    }
+    numbers.push_back(double(own.recoveries().size()));
+    std::vector<torch::Tensor> result{torch::tensor(numbers, torch::kDouble)};
+    for (const auto& p : own.model()->parameters()) result.push_back(p.detach().clone());
+    torch::save(result, out + ".rank" + std::to_string(world.rank) + ".pt");
     return;
   }
   if (m == "recover_nonfinite") {
@@ -802,8 +822,11 @@ TEST_F(Distributed, RecoveryAddsNoRoundTripToAStepOverGloo) {
   const std::string out = ::testing::TempDir() + "memfit_ddp_operations_" + std::to_string(::getpid());
   const auto statuses = testing::run_ranks("DistributedWorker.Run", 2, "recover_operations", out);
   for (int r = 0; r < 2; ++r) ASSERT_EQ(statuses[r], 0) << "rank " << r;
+  const auto rank0 = testing::load_rank(out, 0), rank1 = testing::load_rank(out, 1);
+  ASSERT_EQ(rank0.size(), rank1.size());
+  for (size_t i = 1; i < rank0.size(); ++i) EXPECT_TRUE(rank0[i].equal(rank1[i])) << "parameter " << i - 1;
   for (int r = 0; r < 2; ++r) {
-    const auto n = testing::load_rank(out, r).front();
+    const auto n = (r == 0 ? rank0 : rank1).front();
     for (int micro = 0; micro < 2; ++micro) {
       const auto off_ops = n[4 * micro].item<double>(), off_bytes = n[4 * micro + 1].item<double>();
       const auto on_ops = n[4 * micro + 2].item<double>(), on_bytes = n[4 * micro + 3].item<double>();
@@ -812,6 +835,8 @@ TEST_F(Distributed, RecoveryAddsNoRoundTripToAStepOverGloo) {
                                  << ": the vote replaces the loss's all-reduce";
       EXPECT_EQ(on_bytes - off_bytes, 2 * 8) << "rank " << r << ": the vote carries a flag per rank beside the loss";
     }
+    EXPECT_EQ(n[8].item<double>(), n[0].item<double>() + 1) << "rank " << r << ": LibTorch's Adam, voted on twice";
+    EXPECT_EQ(n[9].item<double>(), 1) << "rank " << r << ": rank 1's failure made both ranks redo the step";
     ::unlink((out + ".rank" + std::to_string(r) + ".pt").c_str());
   }
 }
