@@ -874,6 +874,10 @@ TEST_F(DocExamples, TrainerOfAnyModule) {
     return net->forward(b.data).argmax(1).eq(b.target).sum().item<int64_t>();
   });
   EXPECT_GE(correct, 0);
+  int64_t summed = trainer.eval_sum(batch, [&](const torch::data::Example<>& b) {
+    return net->forward(b.data).argmax(1).eq(b.target).sum().item<int64_t>();
+  });
+  EXPECT_EQ(summed, correct);
 }
 
 TEST_F(DocExamples, ReadmeTrainerOnYourModel) {

@@ -969,6 +969,43 @@ TEST(Recovery, AnEvaluationChunkThatRunsOutOfMemoryIsReadAgainInHalves) {
   EXPECT_THROW(throws.evaluate(data), c10::OutOfMemoryError) << "kThrow: the error ends the evaluation";
 }
 
+// A user's own metric that adds up over the examples: eval_sum reads a part
+// that runs out of memory again in halves, whichever allocation fails.
+TEST(Recovery, EvalSumReadsAPartThatRunsOutOfMemoryAgainInHalves) {
+  torch::manual_seed(7);
+  Net net;
+  auto make = [&](OnOutOfMemory on) { return Trainer(net, nll, TrainerOptions().on_out_of_memory(on)); };
+  const auto batch = batch_of(64, 3);
+  auto metric = [&](const torch::data::Example<>& b) {  // summed loss and correct predictions
+    const auto out = net->forward(b.data);
+    return torch::stack({torch::nll_loss(out, b.target, {}, at::Reduction::Sum).to(torch::kDouble),
+                         out.argmax(1).eq(b.target).sum().to(torch::kDouble)});
+  };
+  Trainer t = make(OnOutOfMemory::kReplan);
+  torch::Tensor whole;
+  int64_t allocations = 0;
+  {
+    AllocationFault counter(0);
+    whole = t.eval_sum(batch, metric);
+    allocations = counter.allocations();
+  }
+  ASSERT_GT(allocations, 3);
+  for (int64_t k = 1; k <= allocations; ++k) {
+    torch::Tensor r;
+    {
+      AllocationFault fault(k);
+      r = t.eval_sum(batch, metric);
+      EXPECT_TRUE(fault.failed()) << "allocation " << k;
+    }
+    EXPECT_NEAR(r[0].item<double>(), whole[0].item<double>(), 1e-5 * whole[0].item<double>()) << "allocation " << k;
+    EXPECT_EQ(r[1].item<double>(), whole[1].item<double>()) << "allocation " << k;
+  }
+  EXPECT_TRUE(net->is_training()) << "the module's mode is put back";
+  Trainer throws = make(OnOutOfMemory::kThrow);
+  AllocationFault fault(1);
+  EXPECT_THROW(throws.eval_sum(batch, metric), c10::OutOfMemoryError) << "kThrow: the error ends it";
+}
+
 TEST(Recovery, TheDefaultPolicyRecomputesEachLayerAloneAfterSqrtSegments) {
   torch::manual_seed(7);
   Chained net;

@@ -18,7 +18,8 @@
 /// step was skipped: read after the update is queued where the fused kernel
 /// skips by itself, none then with kUnchecked) and with clipping (the norm); recovery adds none in one process unless a step fails, and with a
 /// process group none either: its vote replaces the loss's all-reduce (one
-/// more under NCCL or NonfiniteLoss::kSkip; docs/recovery.md). Extra memory:
+/// more under NCCL, NonfiniteLoss::kSkip or an optimizer of one's own;
+/// docs/recovery.md). Extra memory:
 /// the micro-batch being trained on (copied to the device from host memory,
 /// memfit::to_device), and the optimizer's state (none on the device with
 /// offload_optimizer kHost); host copies of the buffers and RNG states.
@@ -653,6 +654,42 @@ class Trainer {
     detail::EvalScope scope(*module_, options_.device(), options_.precision());
     const auto held = stream_ ? stream_->hold() : ParameterStream::Hold();  // streamed: the rest of the module
     return metric(BatchTraits<Batch>::to(batch, options_.device()));
+  }
+  /// Runs `metric` as eval_step does, for a metric that adds up over the
+  /// examples (a count of correct predictions, a summed loss: its value on
+  /// a batch is the sum, with `+`, of its values on the batch's parts). With
+  /// OnOutOfMemory::kReplan a part that runs out of memory is evaluated
+  /// again in halves, down to one example, and the rest of the batch in
+  /// parts of that size; evaluating changes nothing, so nothing is undone.
+  /// Each call starts from the whole batch. With kThrow, or a mean, use
+  /// eval_step. Sync points and extra memory: the metric's.
+  ///
+  /// Example:
+  /// \code
+  ///   int64_t correct = trainer.eval_sum(batch, [&](const torch::data::Example<>& b) {
+  ///     return net->forward(b.data).argmax(1).eq(b.target).sum().item<int64_t>();
+  ///   });
+  /// \endcode
+  template <class Batch, class Metric>
+  auto eval_sum(const Batch& batch, Metric metric) {
+    using Traits = BatchTraits<Batch>;
+    using Result = std::decay_t<decltype(metric(Traits::to(batch, options_.device())))>;
+    const int64_t n = Traits::size(batch);
+    TORCH_CHECK(n > 0, "Trainer::eval_sum needs a batch with examples, got an empty one");
+    std::optional<Result> sum;
+    for (int64_t start = 0, part = n; start < n;) {
+      const int64_t len = std::min(part, n - start);
+      try {
+        Result r = eval_step(len == n ? batch : Traits::slice(batch, start, len), metric);
+        sum = sum ? Result(*sum + r) : std::move(r);
+        start += len;
+      } catch (const c10::OutOfMemoryError&) {
+        if (options_.on_out_of_memory() != OnOutOfMemory::kReplan || len == 1) throw;
+        memfit::empty_cache(options_.device());
+        part = (len + 1) / 2;
+      }
+    }
+    return std::move(*sum);
   }
   /// Adds `component` to every later step, called after the built-in ones
   /// at each point (step.h).
