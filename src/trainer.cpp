@@ -517,13 +517,9 @@ StepRecord Trainer::step_once(const detail::StepInput& in) {
       s.stepped = true;
     }
     committing_ = false;
-    // From here a failure is not undone: the parameters have their update.
-    // Where the optimizer did not step (fp16's skipped step), the ranks' vote
-    // that comes first after it may still fail the step; then the scaler's
-    // update changes what an undo cannot put back.
-    committed_ = s.stepped;
+    committed_ = s.stepped;  // the update is not undone; a skipped one (fp16) is, until the ranks' vote after it
     call_all(cs, [&](StepComponent& c) { c.after_optimizer_step(s); });
-    committed_ = true;
+    committed_ = true;  // the scaler has updated
   }
   abort.done();
   call_all(cs, [&](StepComponent& c) { c.end_step(s); });

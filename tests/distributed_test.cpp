@@ -244,6 +244,13 @@ torch::nn::Sequential small_cnn(int64_t channels, int64_t pooled) {
                                torch::nn::Linear(channels * pooled * pooled, 10));
 }
 
+// Rank `rank`'s share of step `step`'s global batch of 8 of `data`'s first
+// 100 images: rows rank, rank + 2, ... (two ranks).
+torch::data::Example<> rank_batch(const ImageDataset& data, int64_t step, int64_t rank) {
+  const auto rows = torch::arange(step * 8 + rank, step * 8 + 8, 2) % 100;
+  return {data.images.index_select(0, rows), data.labels.index_select(0, rows)};
+}
+
 // An MLP with dropout: each rank draws its own masks.
 torch::nn::Sequential dropout_mlp() {
   return torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(784, 24), torch::nn::ReLU(),
@@ -413,10 +420,7 @@ TEST(DistributedWorker, Run) {
       options.replan([](const OutOfMemoryEvent& e) { return Replan{e.micro_batch_size, nullptr, "the same"}; });
       Trainer t(small_cnn(4, 2), options);
       const auto data = synthetic_images();
-      auto batch = [&](int64_t step) {
-        const auto rows = torch::arange(step * 8 + world.rank, step * 8 + 8, 2) % 100;
-        return torch::data::Example<>(data.images.index_select(0, rows), data.labels.index_select(0, rows));
-      };
+      auto batch = [&](int64_t step) { return rank_batch(data, step, world.rank); };
       torch::Tensor count = torch::zeros({1}, torch::kDouble);
       t.train_step(batch(0));  // Adam's state exists: every later step allocates alike
       {
@@ -449,10 +453,7 @@ TEST(DistributedWorker, Run) {
     // The round trips and bytes a step puts into collectives, with recovery
     // off and on, whole and in micro-batches of 2.
     const auto data = synthetic_images();
-    auto batch = [&](int64_t step) {
-      const auto rows = torch::arange(step * 8 + world.rank, step * 8 + 8, 2) % 100;
-      return torch::data::Example<>(data.images.index_select(0, rows), data.labels.index_select(0, rows));
-    };
+    auto batch = [&](int64_t step) { return rank_batch(data, step, world.rank); };
     std::vector<double> numbers;
     for (const int64_t micro : {0, 2}) {
       for (const auto on : {OnOutOfMemory::kThrow, OnOutOfMemory::kReplan}) {
@@ -498,10 +499,9 @@ TEST(DistributedWorker, Run) {
     // rank skips step 3 and goes on.
     const auto data = synthetic_images();
     auto batch = [&](int64_t step) {
-      const auto rows = torch::arange(step * 8 + world.rank, step * 8 + 8, 2) % 100;
-      auto x = data.images.index_select(0, rows);
-      if (step == 3 && world.rank == 1) x.view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
-      return torch::data::Example<>(x, data.labels.index_select(0, rows));
+      auto b = rank_batch(data, step, world.rank);
+      if (step == 3 && world.rank == 1) b.data.index_put_({0, 0, 0, 0}, std::numeric_limits<float>::quiet_NaN());
+      return b;
     };
     std::vector<torch::Tensor> result;
     std::vector<double> numbers;
