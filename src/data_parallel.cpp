@@ -86,15 +86,7 @@ class BucketedAllReduce : public GradientReducer {
     if (!current.empty()) buckets_.push_back(std::move(current));
     bucket_of_.assign(params_.size(), 0);
     for (size_t b = 0; b < buckets_.size(); ++b) {
-      int64_t numel = 0;
-      auto dtype = params_[buckets_[b].front()].scalar_type();
-      for (size_t i : buckets_[b]) {
-        bucket_of_[i] = b;
-        numel += params_[i].numel();
-        dtype = c10::promoteTypes(dtype, params_[i].scalar_type());  // as torch::cat's flat
-      }
-      numels_.push_back(numel);
-      dtypes_.push_back(dtype);
+      for (size_t i : buckets_[b]) bucket_of_[i] = b;
     }
     reset();
   }
@@ -192,13 +184,6 @@ class BucketedAllReduce : public GradientReducer {
     for (size_t b = launched_; b < buckets_.size(); ++b) {
       if (!flats_[b].defined()) flats_[b] = build(b);
     }
-    for (size_t b = launched_; b < buckets_.size(); ++b) {
-      bytes_reduced_ += flats_[b].numel() * flats_[b].element_size();
-      pending_[b] = group_->all_reduce_async_(flats_[b]);
-    }
-    total_in_backward_ += static_cast<int64_t>(in_backward_launches_);
-    in_backward_launches_ = 0;
-    launched_ = buckets_.size();
   }
 
   // Meets the other ranks' all-reduce of every bucket this step has not
@@ -207,8 +192,14 @@ class BucketedAllReduce : public GradientReducer {
   // summed does not matter.
   void join() {
     for (size_t b = launched_; b < buckets_.size(); ++b) {
+      int64_t numel = 0;
+      auto dtype = params_[buckets_[b].front()].scalar_type();
+      for (size_t i : buckets_[b]) {
+        numel += params_[i].numel();
+        dtype = c10::promoteTypes(dtype, params_[i].scalar_type());  // as torch::cat's flat
+      }
       UntrackedGuard stand_in;  // not the model's memory, as a staging copy is not
-      auto t = torch::zeros({numels_[b]}, torch::TensorOptions(dtypes_[b]).device(group_->device()));
+      auto t = torch::zeros({numel}, torch::TensorOptions(dtype).device(group_->device()));
       group_->all_reduce_async_(t).wait();
     }
     launched_ = buckets_.size();
@@ -241,8 +232,6 @@ class BucketedAllReduce : public GradientReducer {
   bool on_host_ = false;
   std::vector<std::vector<size_t>> buckets_;
   std::vector<size_t> bucket_of_;
-  std::vector<int64_t> numels_;         // per bucket
-  std::vector<c10::ScalarType> dtypes_;  // per bucket
   std::vector<bool> ready_;
   std::vector<size_t> missing_;
   std::vector<torch::Tensor> flats_;

@@ -161,6 +161,17 @@ TEST_F(Distributed, AGroupOfOneReducesBroadcastsAndAveragesNothingAway) {
     EXPECT_TRUE(net->parameters()[i].grad().equal(twin->parameters()[i].grad())) << i;
   }
   EXPECT_EQ(ddp.bytes_reduced(), (8 * 16 + 16 + 16 * 3 + 3) * 4);
+  // prepare() builds the buckets backward did not launch and launches none
+  // (under NCCL with recovery the ranks vote between it and finalize()).
+  {
+    DistributedDataParallel::NoSync no_sync(ddp);
+    net->forward(x).sum().backward();
+  }
+  const int64_t operations = group->operations();
+  ddp.prepare();
+  EXPECT_EQ(group->operations(), operations) << "prepare launched a bucket";
+  ddp.finalize();
+  EXPECT_EQ(group->operations(), operations + 4);
 }
 
 // --- several processes ------------------------------------------------------

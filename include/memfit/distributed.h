@@ -305,11 +305,11 @@ class DistributedDataParallel {
 
   /// Waits for every bucket, averages, and writes the gradients back.
   void finalize();
-  /// Builds and launches every bucket that backward has not launched, from
-  /// the gradients as they are now, so that finalize() then allocates no
-  /// device memory: the point after which a step's all-reduce cannot fail
-  /// half-way on one rank for want of memory. Extra memory: the buckets,
-  /// which finalize() would allocate anyway.
+  /// Builds every bucket that backward has not launched from the gradients
+  /// as they are now, without launching it, so that finalize() then
+  /// allocates no device memory: the point after which a step's all-reduce
+  /// cannot fail half-way on one rank for want of memory. Extra memory: the
+  /// buckets, which finalize() would allocate anyway.
   void prepare();
   /// Drops what prepare() built and any bucket launched, for a step that
   /// ends without finalize() (one that failed); an all-reduce in flight is
