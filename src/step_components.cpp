@@ -148,12 +148,16 @@ void DataParallelStep::abort_step(StepState&) {
   reducing_ = false;
 }
 
+bool VoteBeforeCommit::reach(StepState& s) {
+  const double sum = vote_.reached(s.loss_pending ? s.loss_value : 0, s.step);
+  if (!std::exchange(s.loss_pending, false)) return false;
+  s.loss_value = sum / double(ranks_);
+  return true;
+}
+
 void VoteBeforeCommit::vote(StepState& s) {
   voted_ = true;
-  const double sum = vote_.reached(s.loss_pending ? s.loss_value : 0, s.step);
-  if (!std::exchange(s.loss_pending, false)) return;
-  s.loss_value = sum / double(ranks_);
-  if (check_ != NonfiniteLoss::kUnchecked) check_finite_loss(s, check_, " (summed over the ranks)");
+  if (reach(s) && check_ != NonfiniteLoss::kUnchecked) check_finite_loss(s, check_, kSummedOverRanks);
 }
 
 void VoteBeforeCommit::finish_backward(StepState& s) {
@@ -163,11 +167,7 @@ void VoteBeforeCommit::finish_backward(StepState& s) {
   // an optimizer without a gate; a skipped step has no optimizer step to vote
   // in. The vote at the update follows all the same (after an optimizer
   // without a gate, where it catches what failed since).
-  if (s.loss_pending && (!gated_ || check_ == NonfiniteLoss::kSkip || s.skip)) {
-    const double sum = vote_.reached(s.loss_value, s.step);
-    s.loss_pending = false;
-    s.loss_value = sum / double(ranks_);
-  }
+  if (s.loss_pending && (!gated_ || check_ == NonfiniteLoss::kSkip || s.skip)) reach(s);
 }
 
 void VoteBeforeCommit::before_optimizer_step(StepState& s) {

@@ -21,6 +21,10 @@
 #include <vector>
 
 namespace memfit {
+
+// How the non-finite check's message qualifies a loss that the ranks combined.
+inline constexpr const char* kSummedOverRanks = " (summed over the ranks)";
+
 namespace detail {
 
 // Cross-entropy of class logits [N, C] against [N] labels, or of per-token
@@ -126,7 +130,8 @@ class VoteBeforeCommit final : public StepComponent {
   void abort_step(StepState&) override { gate_.reset(); }
 
  private:
-  void vote(StepState& s);  // the vote before the update (with the pending loss, then its check)
+  bool reach(StepState& s);  // votes with the pending loss, if any, and averages it (then true)
+  void vote(StepState& s);   // the vote before the update (with the pending loss, then its check)
   RankVote& vote_;
   int64_t ranks_;
   NonfiniteLoss check_;

@@ -286,7 +286,7 @@ void Trainer::build_components() {
   components_.push_back(std::make_shared<PrecisionStep>(options_.device(), options_.precision(), *scaler_));
   if (checks_loss) {
     components_.push_back(std::make_shared<NonfiniteCheck>(options_.nonfinite_loss(), world_size(),
-                                                           pipeline_ ? "" : " (summed over the ranks)"));
+                                                           pipeline_ ? "" : kSummedOverRanks));
   }
   if (master_) components_.push_back(std::make_shared<MasterWeightsStep>(*master_, state_on_host()));
   if (options_.max_grad_norm() > 0) {

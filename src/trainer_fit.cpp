@@ -349,35 +349,24 @@ EvalResult Trainer::evaluate(const ImageDataset& data) {
   const int64_t n = data.size();
   double loss_sum = 0;
   int64_t correct = 0;
-  int64_t chunk = options_.eval_batch_size();
-  for (int64_t start = 0; start < n;) {
-    const int64_t len = std::min(chunk, n - start);
-    double chunk_loss = 0;
-    int64_t chunk_correct = 0;
-    try {
-      auto x = data.images.narrow(0, start, len).to(device);
-      auto y = data.labels.narrow(0, start, len).to(device);
-      torch::Tensor logits;
-      {
-        AutocastGuard autocast(device, options_.precision());
-        logits = pipeline_ ? pipeline_->forward(x) : stream_ ? stream_->forward(x) : classifier_->forward(x);
-      }
-      if (logits.defined()) {  // a pipeline's output is on its last stage
-        chunk_loss = detail::cross_entropy(logits, y, /*sum=*/true).item<double>();
-        chunk_correct = logits.argmax(-1).eq(y).sum().item<int64_t>();
-      }
-    } catch (const c10::OutOfMemoryError&) {
-      // Evaluating changes nothing: with kReplan a chunk that ran out of
-      // memory is read again in halves, and the rest in chunks that size.
-      if (options_.on_out_of_memory() != OnOutOfMemory::kReplan || len == 1) throw;
-      empty_cache(device);
-      chunk = (len + 1) / 2;
-      continue;
-    }
-    loss_sum += chunk_loss;
-    correct += chunk_correct;
-    start += len;
-  }
+  // Evaluating changes nothing: with kReplan a chunk that runs out of memory
+  // is read again in halves, and the rest in chunks that size.
+  const int64_t chunk = detail::read_in_parts(
+      n, options_.eval_batch_size(), options_.on_out_of_memory() == OnOutOfMemory::kReplan, device,
+      [&](int64_t start, int64_t length) {
+        auto x = data.images.narrow(0, start, length).to(device);
+        auto y = data.labels.narrow(0, start, length).to(device);
+        torch::Tensor logits;
+        {
+          AutocastGuard autocast(device, options_.precision());
+          logits = pipeline_ ? pipeline_->forward(x) : stream_ ? stream_->forward(x) : classifier_->forward(x);
+        }
+        if (!logits.defined()) return;  // a pipeline's output is on its last stage
+        const double chunk_loss = detail::cross_entropy(logits, y, /*sum=*/true).item<double>();
+        const int64_t chunk_correct = logits.argmax(-1).eq(y).sum().item<int64_t>();
+        loss_sum += chunk_loss;  // only once the chunk is read whole
+        correct += chunk_correct;
+      });
   if (pipeline_) {  // the last stage's sums, everywhere
     UntrackedGuard host;
     auto sums = torch::tensor({loss_sum, double(correct)}, torch::kDouble);

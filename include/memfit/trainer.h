@@ -44,6 +44,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <any>
 #include <optional>
 #include <cstdint>
@@ -542,6 +543,26 @@ class EvalScope {
   torch::NoGradGuard no_grad_;
   AutocastGuard autocast_;
 };
+
+// Calls `read(start, length)` over [0, n) in parts of `part` examples. With
+// `halve`, a part that runs out of memory is read again in halves, down to
+// one example, and the rest in parts that size; `read` must change nothing
+// before it has finished. Returns the last part's size.
+template <class Read>
+int64_t read_in_parts(int64_t n, int64_t part, bool halve, const torch::Device& device, Read&& read) {
+  for (int64_t start = 0; start < n;) {
+    const int64_t length = std::min(part, n - start);
+    try {
+      read(start, length);
+      start += length;
+    } catch (const c10::OutOfMemoryError&) {
+      if (!halve || length == 1) throw;
+      memfit::empty_cache(device);
+      part = (length + 1) / 2;
+    }
+  }
+  return part;
+}
 } // namespace detail
 
 /// Trains any LibTorch module with the user's loss: one optimizer step per
@@ -677,18 +698,11 @@ class Trainer {
     const int64_t n = Traits::size(batch);
     TORCH_CHECK(n > 0, "Trainer::eval_sum needs a batch with examples, got an empty one");
     std::optional<Result> sum;
-    for (int64_t start = 0, part = n; start < n;) {
-      const int64_t len = std::min(part, n - start);
-      try {
-        Result r = eval_step(len == n ? batch : Traits::slice(batch, start, len), metric);
-        sum = sum ? Result(*sum + r) : std::move(r);
-        start += len;
-      } catch (const c10::OutOfMemoryError&) {
-        if (options_.on_out_of_memory() != OnOutOfMemory::kReplan || len == 1) throw;
-        memfit::empty_cache(options_.device());
-        part = (len + 1) / 2;
-      }
-    }
+    detail::read_in_parts(n, n, options_.on_out_of_memory() == OnOutOfMemory::kReplan, options_.device(),
+                          [&](int64_t start, int64_t length) {
+                            Result r = eval_step(length == n ? batch : Traits::slice(batch, start, length), metric);
+                            sum = sum ? Result(*sum + r) : std::move(r);
+                          });
     return std::move(*sum);
   }
   /// Adds `component` to every later step, called after the built-in ones
