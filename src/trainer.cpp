@@ -230,7 +230,8 @@ void Trainer::make_optimizer_over(const std::vector<torch::Tensor>& trainable) {
 }
 
 // What recovery restores after restore_after clean steps: the first
-// micro-batch and the chains' first schedules; and its default policy.
+// micro-batch and the chains' first schedules and checkpoint options; and
+// its default policy.
 void Trainer::remember_first_settings() {
   first_micro_batch_ = options_.micro_batch_size();
   first_offload_ = options_.offload_optimizer();
@@ -238,10 +239,13 @@ void Trainer::remember_first_settings() {
   first_offload_parameters_ = options_.offload_parameters();
   first_stream_ = options_.stream();
   restore_first_schedules_ = [chains = find_chains(*module_)]() mutable {
-    std::vector<Schedule> first;
-    for (const auto& c : chains) first.push_back(c.chain->schedule());
+    std::vector<std::pair<Schedule, CheckpointOptions>> first;
+    for (const auto& c : chains) first.emplace_back(c.chain->schedule(), c.chain->checkpoint_options());
     return [chains, first]() mutable {
-      for (size_t i = 0; i < chains.size(); ++i) chains[i].chain->set_schedule(first[i]);
+      for (size_t i = 0; i < chains.size(); ++i) {
+        chains[i].chain->set_schedule(first[i].first);
+        chains[i].chain->set_checkpoint_options(first[i].second);
+      }
     };
   }();
   if (options_.on_out_of_memory() == OnOutOfMemory::kReplan && !options_.replan()) {

@@ -108,24 +108,37 @@ std::string kept_placement_text(const OutOfMemoryEvent& e) {
                           e.stream.tile_bytes());
 }
 
-// The chains' next schedules, and the chains: sqrt(n) segments for those
-// that recompute nothing; once all recompute, each layer alone for those
-// that can.
-std::pair<std::vector<FoundChain>, std::vector<Schedule>> finer_schedules(const std::vector<FoundChain>& chains) {
-  std::vector<FoundChain> out;
-  std::vector<Schedule> schedules;
-  for (int tier = 0; tier < 2 && out.empty(); ++tier) {
+// A chain's next way to hold less: a finer schedule, or its checkpoints'
+// inputs in host memory.
+struct Finer {
+  FoundChain found;
+  Schedule schedule;
+  bool to_host = false;
+  std::string text() const {
+    return "'" + found.name + "' " + schedule.to_string() + (to_host ? " with its checkpoints' inputs on the host" : "");
+  }
+};
+
+// The chains' next steps: sqrt(n) segments for those that recompute
+// nothing; once all recompute, each layer alone for those that can; then,
+// for those that recompute, their checkpoints' inputs on the host (the same
+// values, copied back for the recomputation).
+std::vector<Finer> finer_schedules(const std::vector<FoundChain>& chains) {
+  std::vector<Finer> out;
+  for (int tier = 0; tier < 3 && out.empty(); ++tier) {
     for (const auto& c : chains) {
+      const auto& now = c.chain->schedule();
       const auto n = static_cast<int64_t>(c.chain->sequential()->size());
-      const bool plain = !recomputes(c.chain->schedule().segments);
-      auto next = avoid_in_place_starts(tier == 0 ? schedule_sqrt(n) : schedule_every(n, 1), c.chain->in_place());
-      if (n > 1 && (tier == 0 ? plain : next.to_string() != c.chain->schedule().to_string())) {
-        out.push_back(c);
-        schedules.push_back(std::move(next));
+      const bool plain = !recomputes(now.segments);
+      if (tier == 2) {
+        if (!plain && c.chain->checkpoint_options().offload() == Offload::kNone) out.push_back({c, now, true});
+        continue;
       }
+      auto next = avoid_in_place_starts(tier == 0 ? schedule_sqrt(n) : schedule_every(n, 1), c.chain->in_place());
+      if (n > 1 && (tier == 0 ? plain : next.to_string() != now.to_string())) out.push_back({c, std::move(next)});
     }
   }
-  return {out, schedules};
+  return out;
 }
 } // namespace
 
@@ -192,16 +205,25 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
       return r;
     }
     if (!may_accumulate && micro < e.examples) return fewest_moves(accumulating);  // no recomputation helps
-    // Then recomputation, finer each time.
+    // Then recomputation, finer each time, and its inputs on the host; not
+    // where the request that failed (at least what the attempt needed beyond
+    // its peak), made under any schedule, takes more than the bytes no
+    // recomputation moves leave.
+    const int64_t unmoved = micro < e.examples ? accumulating : e.fixed_bytes;
+    const int64_t refused = std::max<int64_t>(0, e.needed_bytes - e.peak_bytes);
+    if (limited && movable && unmoved + refused > e.limit_bytes) return fewest_moves(unmoved + refused);
     auto finer = finer_schedules(chains);
-    const auto& plain = finer.first;
-    const auto& schedules = finer.second;
-    if (plain.empty()) return fewest_moves(micro < e.examples ? accumulating : e.fixed_bytes);
+    if (finer.empty()) return fewest_moves(unmoved);
     r.micro_batch_size = e.micro_batch_size;
     std::vector<std::string> what;
-    for (size_t i = 0; i < plain.size(); ++i) what.push_back("'" + plain[i].name + "' " + schedules[i].to_string());
+    for (const auto& f : finer) what.push_back(f.text());
     r.apply = [finer]() mutable {
-      for (size_t i = 0; i < finer.first.size(); ++i) finer.first[i].chain->set_schedule(finer.second[i]);
+      for (auto& f : finer) {
+        f.found.chain->set_schedule(f.schedule);
+        if (!f.to_host) continue;
+        auto options = f.found.chain->checkpoint_options();
+        f.found.chain->set_checkpoint_options(options.offload(Offload::kHost));
+      }
     };
     r.description =
         (micro_text.empty() ? std::string() : micro_text + ", ") + "recomputing " + c10::Join(", ", what) + kept_text;

@@ -1006,7 +1006,7 @@ TEST(Recovery, EvalSumReadsAPartThatRunsOutOfMemoryAgainInHalves) {
   EXPECT_THROW(throws.eval_sum(batch, metric), c10::OutOfMemoryError) << "kThrow: the error ends it";
 }
 
-TEST(Recovery, TheDefaultPolicyRecomputesEachLayerAloneAfterSqrtSegments) {
+TEST(Recovery, TheDefaultPolicyRecomputesEachLayerAloneAfterSqrtSegmentsThenKeepsTheirInputsOnTheHost) {
   torch::manual_seed(7);
   Chained net;
   const auto policy = more_micro_batches(*net, false);
@@ -1022,7 +1022,40 @@ TEST(Recovery, TheDefaultPolicyRecomputesEachLayerAloneAfterSqrtSegments) {
   EXPECT_EQ(r->description, "micro-batches of 1, recomputing 'chain' " + schedule_every(15, 1).to_string());
   r->apply();
   EXPECT_EQ(net->chain->schedule().to_string(), schedule_every(15, 1).to_string());
-  EXPECT_FALSE(policy(e).has_value()) << "every layer recomputes alone, and nothing can move";
+  r = policy(e);
+  ASSERT_TRUE(r.has_value() && r->apply);
+  EXPECT_EQ(r->description, "micro-batches of 1, recomputing 'chain' " + schedule_every(15, 1).to_string() +
+                                " with its checkpoints' inputs on the host");
+  EXPECT_EQ(net->chain->checkpoint_options().offload(), Offload::kNone) << "nothing changes before apply";
+  r->apply();
+  EXPECT_EQ(net->chain->checkpoint_options().offload(), Offload::kHost);
+  EXPECT_EQ(net->chain->schedule().to_string(), schedule_every(15, 1).to_string());
+  EXPECT_FALSE(policy(e).has_value()) << "every layer recomputes alone from the host, and nothing can move";
+}
+
+// A request that, beside the bytes no recomputation moves, exceeds the limit
+// is made under any schedule: the policy moves the state instead.
+TEST(Recovery, TheDefaultPolicyMovesWhereTheRefusedRequestCannotFitUnderAnySchedule) {
+  Chained net;
+  const auto policy = more_micro_batches(*net, false);
+  OutOfMemoryEvent e;
+  e.examples = 8;
+  e.micro_batch_size = 1;
+  e.may_offload_optimizer = true;
+  e.limit_bytes = 1000;
+  e.fixed_bytes = 600;
+  e.state_bytes = 400;
+  e.peak_bytes = 950;
+  e.needed_bytes = 1500;  // a request of at least 550 bytes: 1150 beside the 600
+  auto r = policy(e);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->offload_optimizer, Offload::kHost);
+  EXPECT_FALSE(r->apply) << "no schedule changes";
+  e.needed_bytes = 1300;  // at least 350 bytes: 950 fit, so recomputing may help
+  r = policy(e);
+  ASSERT_TRUE(r.has_value() && r->apply);
+  EXPECT_FALSE(r->offload_optimizer.has_value());
+  EXPECT_EQ(r->description, "micro-batches of 1, recomputing 'chain' " + schedule_sqrt(15).to_string());
 }
 
 // A module with batch statistics keeps its micro-batch: the default policy
@@ -1068,6 +1101,68 @@ TEST(Recovery, AModuleWithBatchStatisticsRecomputesItsChainInsteadOfMicroBatchin
   EXPECT_EQ(micro, 0) << "the batch statistics stay the whole batch's";
   EXPECT_EQ(losses, plain_losses);
   expect_bitwise(params, plain_params, "parameters");
+}
+
+// Where recomputing each layer alone still holds too much, the chain keeps
+// its checkpoints' inputs on the host: the same gradients bitwise, and the
+// batch statistics still the whole batch's. Once the limit lifts, the run
+// returns to its first schedule with its inputs on the device.
+TEST(Recovery, AChainWhoseLayersRecomputeAloneKeepsTheirInputsOnTheHostAndTrainsBitwiseTheSame) {
+  auto make = [](const CheckpointedSequentialOptions& options) {
+    torch::manual_seed(7);
+    torch::nn::Sequential layers;
+    layers->push_back(torch::nn::Linear(20, 64));
+    for (int i = 0; i < 6; ++i) {
+      layers->push_back(torch::nn::BatchNorm1d(64));
+      layers->push_back(torch::nn::Functional(torch::relu));
+      layers->push_back(torch::nn::Linear(64, 64));
+    }
+    layers->push_back(torch::nn::Linear(64, 5));
+    return torch::nn::Sequential(CheckpointedSequential(layers, options));
+  };
+  auto peak_of = [&](const CheckpointedSequentialOptions& options) {  // the model's own bytes included
+    const int64_t before = memory_allocated();
+    Trainer t(make(options), TrainerOptions());
+    t.train_step(batch_of(1024, 0));
+    return t.train_step(batch_of(1024, 1)).peak_bytes - before;
+  };
+  // Each layer alone keeps every layer's input, as the plain chain does, and
+  // recomputes as well: its peak is the highest. On the host, those inputs
+  // leave the device.
+  const auto alone = CheckpointedSequentialOptions().kind(ScheduleKind::kEvery).k(1);
+  const int64_t sqrt_peak = peak_of(CheckpointedSequentialOptions().kind(ScheduleKind::kSqrt));
+  const int64_t host_peak =
+      peak_of(CheckpointedSequentialOptions(alone).checkpoint(CheckpointOptions().offload(Offload::kHost)));
+  ASSERT_LT(host_peak, sqrt_peak);
+  ASSERT_LT(sqrt_peak, peak_of(alone));
+  auto run = [&](bool drop) {
+    const int64_t before = memory_allocated();
+    auto model = make(CheckpointedSequentialOptions());
+    Trainer t(model, TrainerOptions().on_out_of_memory(OnOutOfMemory::kReplan).restore_after(2));
+    std::vector<double> losses;
+    for (int64_t i = 0; i < 8; ++i) {
+      // Step 3 re-plans, steps 3 and 4 count as clean, and step 5 tries the
+      // first plan again with the limit lifted.
+      if (drop && i == 2) set_memory_budget(torch::kCPU, before + (sqrt_peak + host_peak) / 2);
+      if (i == 4) set_memory_budget(torch::kCPU, 0);
+      losses.push_back(t.train_step(batch_of(1024, i)).loss);
+    }
+    const auto chain = find_chains(*model)[0].chain;
+    UntrackedGuard host;  // the copies must not count against the next run's budget
+    return std::make_tuple(losses, t.recoveries(), chain->checkpoint_options().offload(),
+                           chain->schedule().to_string(), copies(model->parameters()));
+  };
+  const auto [plain_losses, none, plain_offload, plain_schedule, plain_params] = run(false);
+  const auto [losses, recoveries, offload, schedule, params] = run(true);
+  ASSERT_EQ(recoveries.size(), 3u) << "sqrt(n) segments, each layer alone, then their inputs on the host";
+  EXPECT_EQ(recoveries.back().step, 3);
+  EXPECT_NE(recoveries.back().after.find("with its checkpoints' inputs on the host"), std::string::npos)
+      << recoveries.back().after;
+  EXPECT_EQ(recoveries.back().after.find("micro-batches"), std::string::npos) << "the batch statistics stay whole";
+  EXPECT_EQ(losses, plain_losses);
+  expect_bitwise(params, plain_params, "parameters");
+  EXPECT_EQ(offload, Offload::kNone) << "restore_after: back to the inputs on the device";
+  EXPECT_EQ(schedule, plain_schedule);
 }
 
 // An out-of-memory error after the optimizer step (on a GPU: the copy of

@@ -316,6 +316,11 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   void set_schedule(Schedule schedule);
   /// The schedule in use (empty before kOptimal has been planned).
   const Schedule& schedule() const { return schedule_; }
+  /// Replaces the options of each checkpoint (RNG state, where its input is
+  /// kept) from the next forward on; a recomputation already saved keeps its own.
+  void set_checkpoint_options(CheckpointOptions options) { options_.checkpoint(options); }
+  /// The options of each checkpoint.
+  const CheckpointOptions& checkpoint_options() const { return options_.checkpoint(); }
   /// The wrapped Sequential.
   const torch::nn::Sequential& sequential() const { return sequential_; }
   /// Whether layer i modifies its input in place (as detected from its type).

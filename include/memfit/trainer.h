@@ -266,8 +266,10 @@ std::optional<std::string> batch_statistics_layer(const torch::nn::Module& modul
 /// that would leave room for: OutOfMemoryEvent::needed_bytes), down to 1
 /// example, which gives the same gradients; then the module's chains
 /// (CheckpointedSequential) that recompute nothing recompute sqrt(n)
-/// segments, and then each layer alone. A module with batch statistics
-/// (BatchNorm) keeps its micro-batch unless `batch_statistics_may_change`,
+/// segments, then each layer alone, and then keep their checkpoints' inputs
+/// in host memory (CheckpointOptions::offload), copied back for each
+/// recomputation: the same values, so the same math. A module with batch
+/// statistics (BatchNorm) keeps its micro-batch unless `batch_statistics_may_change`,
 /// since micro-batches normalise with their own statistics: its chains
 /// recompute first. Then, where the Trainer can
 /// (OutOfMemoryEvent::may_offload_optimizer), the optimizer state moves to
@@ -276,8 +278,9 @@ std::optional<std::string> batch_statistics_layer(const torch::nn::Module& modul
 /// These move first, as few as bring the bytes under the limit, where
 /// nothing else can: the bytes no micro-batch moves exceed it; micro-batches
 /// after the first would make the largest gradient beside all the others'
-/// sums; or the step ran out of memory after its backward (StepPhase::kUpdate).
-/// Gradients sent to the host still come to the device one at a time, the
+/// sums; the request that failed (at least needed_bytes - peak_bytes) would
+/// not fit beside those bytes under any schedule; or the step ran out of
+/// memory after its backward (StepPhase::kUpdate). Gradients sent to the host still come to the device one at a time, the
 /// largest beside the parameters. Streamed parameters come in tiles of a
 /// quarter of the limit where the largest weight and its gradient take more
 /// than half of it. Gives up when nothing is left.
@@ -410,17 +413,17 @@ struct TrainerOptions {
   /// pipeline or zero_stage 1.
   TORCH_ARG(OnOutOfMemory, on_out_of_memory) = OnOutOfMemory::kThrow;
   /// Re-plans one step may make before it gives up (with kReplan).
-  TORCH_ARG(int64_t, max_replans) = 8;
+  TORCH_ARG(int64_t, max_replans) = 10;
   /// How a step is re-planned (with kReplan); empty: more_micro_batches over
   /// the module, without changing batch statistics (a module with BatchNorm
   /// and no chain to recompute is refused).
   TORCH_ARG(OutOfMemoryPolicy, replan) = nullptr;
   /// After this many steps in a row without running out of memory, a
-  /// re-planned run tries its first micro-batch size, chain schedules and
-  /// optimizer state placement again (a limit that lifted gives its speed
-  /// back; one that did not costs one failed attempt and re-plans again; state
-  /// that does not fit back on the device stays on the host); 0: it keeps
-  /// the re-planned settings.
+  /// re-planned run tries its first micro-batch size, chain schedules (and
+  /// where their checkpoints keep their inputs) and optimizer state placement
+  /// again (a limit that lifted gives its speed back; one that did not costs
+  /// one failed attempt and re-plans again; state that does not fit back on
+  /// the device stays on the host); 0: it keeps the re-planned settings.
   TORCH_ARG(int64_t, restore_after) = 0;
 };
 
@@ -951,7 +954,7 @@ class Trainer {
   Offload first_offload_gradients_ = Offload::kNone;
   Offload first_offload_parameters_ = Offload::kNone;
   StreamOptions first_stream_;
-  std::function<void()> restore_first_schedules_;  // the chains' schedules when the Trainer was built
+  std::function<void()> restore_first_schedules_;  // the chains' schedules and checkpoint options when built
   bool replanned_ = false;                          // the settings are a recovery's, not the first
   std::string replanned_settings_;                  // a recovery's settings in words
   int64_t clean_steps_ = 0;
