@@ -21,6 +21,9 @@
 //                   schedule's predicted time against plain and against the
 //                   fastest split whose predicted peak fits, at 0.9 … 0.25
 //   sqrt/CHAIN      sqrt(n) segments against plain
+//   host/CHAIN      sqrt(n) segments and each layer alone with their
+//                   checkpoints' inputs on the host, against the same
+//                   schedules with them on the device
 //   optimal/CHAIN/F the optimal schedule for F × the plain activation peak
 //                   against plain and the fastest checkpoint_sequential split
 //                   whose measured peak fits F too (optimal_vs_ckseq: the
@@ -219,6 +222,33 @@ void BM_Sqrt(benchmark::State& state, std::string kind, int64_t n) {
   memfit::bench::side_by_side(state, {{"plain", train_step(c, plain)}, {"sqrt", train_step(c, ck)}});
 }
 
+// sqrt(n) segments and each layer alone, with their checkpoints' inputs on
+// the device and on the host (CheckpointOptions::offload, as recovery's last
+// way to recompute sets it): the activation bytes left on the device, and
+// the time the copies cost against the same schedule without them.
+void BM_Host(benchmark::State& state, std::string kind, int64_t n) {
+  Chain& c = chain(kind, n);
+  auto make = [&](memfit::ScheduleKind k, memfit::Offload where) {
+    return CheckpointedSequential(c.seq, CheckpointedSequentialOptions().kind(k).k(1).checkpoint(
+                                             memfit::CheckpointOptions().offload(where)));
+  };
+  auto sqrt_device = make(memfit::ScheduleKind::kSqrt, memfit::Offload::kNone);
+  auto sqrt_host = make(memfit::ScheduleKind::kSqrt, memfit::Offload::kHost);
+  auto alone_device = make(memfit::ScheduleKind::kEvery, memfit::Offload::kNone);
+  auto alone_host = make(memfit::ScheduleKind::kEvery, memfit::Offload::kHost);
+  state.counters["plain_act_MiB"] = double(c.plain_peak) / (1 << 20);
+  state.counters["sqrt_mem_ratio"] = double(peak_of(c, sqrt_device)) / double(c.plain_peak);
+  state.counters["sqrt_host_mem_ratio"] = double(peak_of(c, sqrt_host)) / double(c.plain_peak);
+  state.counters["alone_mem_ratio"] = double(peak_of(c, alone_device)) / double(c.plain_peak);
+  state.counters["alone_host_mem_ratio"] = double(peak_of(c, alone_host)) / double(c.plain_peak);
+  memfit::bench::side_by_side(state,
+                              {{"sqrt", train_step(c, sqrt_device)},
+                               {"sqrt_host", train_step(c, sqrt_host)},
+                               {"alone", train_step(c, alone_device)},
+                               {"alone_host", train_step(c, alone_host)}},
+                              {{3, 2}});
+}
+
 // The optimal schedule at fraction × the plain run's activation peak, against
 // the plain run and the fastest checkpoint_sequential split that fits too.
 void BM_Optimal(benchmark::State& state, std::string kind, int64_t depth, double fraction) {
@@ -327,6 +357,12 @@ void register_all() {
            {"mlp", 64}, {"mlp_het", 64}, {"mixed", 64}, {"cnn", 64}, {"resnet", 8}}) {
     benchmark::RegisterBenchmark(("model/" + kind + "/" + std::to_string(n)).c_str(), BM_Model, kind, n)
         ->Iterations(1);
+  }
+  for (const auto& [kind, n] : std::vector<std::pair<std::string, int64_t>>{
+           {"mlp", 64}, {"mlp_het", 64}, {"cnn", 16}, {"resnet", 8}}) {
+    benchmark::RegisterBenchmark(("host/" + kind + "/" + std::to_string(n)).c_str(), BM_Host, kind, n)
+        ->Unit(benchmark::kMillisecond)
+        ->Iterations(15);
   }
   // ½ and ¼ of the plain activation peak for every chain; the memory–time
   // curve from 0.9 to 0.25 for the 64-block chains and the built-in ResNet

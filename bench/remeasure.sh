@@ -6,7 +6,7 @@
 # `memfit --version` (LibTorch, BLAS) and the load, and closed by its wall time.
 #
 # Usage (after `make build`): bash bench/remeasure.sh [NAME...]
-#   NAMES: main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed
+#   NAMES: main memory checkpoint checkpoint_host precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed
 #          recovery recovery_offload recovery_sweep replan
 #          stability_gpt (bench/peers.py's GPT table, quiet runs only)
 #          probes (scripts/probe-bad-input.sh: careless and hostile input, by class)
@@ -47,7 +47,8 @@ measure() {
   case "$1" in
     main) run main "$build/memfit" train --model resnet --epochs 1 --budget 64MiB ;;
     memory) bench memory memfit_bench ;;
-    checkpoint) bench checkpoint memfit_checkpoint_bench ;;
+    checkpoint) bench checkpoint memfit_checkpoint_bench --benchmark_filter='^(overhead|model|sqrt|optimal)/' ;;
+    checkpoint_host) bench checkpoint_host memfit_checkpoint_bench --benchmark_filter='^host/' ;;
     precision) bench precision memfit_precision_bench ;;
     trainer) bench trainer memfit_trainer_bench --benchmark_filter='micro|techniques' ;;
     tax) bench trainer_tax memfit_trainer_bench --benchmark_filter=tax ;;
@@ -89,7 +90,7 @@ measure() {
   esac
 }
 
-all=(main memory checkpoint precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed
+all=(main memory checkpoint checkpoint_host precision trainer tax tax_python plan plan_peers accuracy own stream cost stability stability_tight distributed
   recovery recovery_offload recovery_sweep replan gpt_train gpt_budget peers peers_gpt)
 known=("${all[@]}" stability_gpt probes fresh_make_run peers_torch2 peers_gpt_torch2 tax_python_torch2 process_noise_torch2 optim_step optim_step_torch2
   tax_optim_torch2)

@@ -363,6 +363,10 @@ torch::Tensor CheckpointedSequentialImpl::forward(const torch::Tensor& input) {
 
 torch::Tensor CheckpointedSequentialImpl::run(const std::vector<Segment>& segments,
                                               torch::Tensor x) {
+  // The caller holds the input (the chain's, or a recomputation's): a
+  // checkpoint that starts there keeps it where it is, since a host copy
+  // would only come back beside it.
+  const torch::Tensor input = x;
   for (const auto& s : segments) {
     if (!s.checkpointed) {
       for (int64_t i = s.begin; i < s.end; ++i) x = run_layer(i, x);
@@ -382,8 +386,9 @@ torch::Tensor CheckpointedSequentialImpl::run(const std::vector<Segment>& segmen
     }
     // The recomputation may run after the schedule is replaced: keep a copy.
     auto inner = std::make_shared<const std::vector<Segment>>(s.inner);
-    x = checkpoint([this, inner](const torch::Tensor& in) { return run(*inner, in); }, x,
-                   options_.checkpoint());
+    auto options = options_.checkpoint();
+    if (x.is_same(input)) options.offload(Offload::kNone);
+    x = checkpoint([this, inner](const torch::Tensor& in) { return run(*inner, in); }, x, options);
   }
   return x;
 }

@@ -339,6 +339,33 @@ TEST_F(CheckpointedSequentialTest, ASegmentThatNeedsNoGradientRunsPlainly) {
   for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], plain[i])) << "parameter " << i;
 }
 
+// With the checkpoints' inputs on the host, the first checkpoint still keeps
+// the chain's input on the device, where its caller holds it: a host copy
+// would come back beside it, one input more at that recomputation.
+TEST_F(CheckpointedSequentialTest, TheChainsInputStaysOnTheDeviceWithItsCheckpointsInputsOnTheHost) {
+  std::vector<int64_t> at_recompute;  // memory when layer 0 runs with grad: only when recomputed
+  for (Offload where : {Offload::kNone, Offload::kHost}) {
+    torch::manual_seed(3);
+    torch::nn::Sequential seq;
+    seq->push_back(torch::nn::Functional([&at_recompute](const torch::Tensor& t) {
+      if (torch::GradMode::is_enabled()) at_recompute.push_back(memory_allocated());
+      return t * 2;
+    }));
+    for (int i = 0; i < 3; ++i) {
+      seq->push_back(torch::nn::Linear(64, 64));
+      seq->push_back(torch::nn::Functional(torch::tanh));
+    }
+    CheckpointedSequential model(seq, CheckpointedSequentialOptions().kind(ScheduleKind::kEvery).k(2).checkpoint(
+                                          CheckpointOptions().offload(where)));
+    const int64_t before = memory_allocated();
+    auto x = torch::randn({256, 64}).requires_grad_();
+    model->forward(x).sum().backward();
+    at_recompute.back() -= before;
+  }
+  ASSERT_EQ(at_recompute.size(), 2u);
+  EXPECT_EQ(at_recompute[1], at_recompute[0]);
+}
+
 TEST_F(CheckpointedSequentialTest, CheckpointsNeverStartAtAnInPlaceLayer) {
   torch::nn::Sequential seq;
   for (int i = 0; i < 4; ++i) {

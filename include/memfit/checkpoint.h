@@ -270,7 +270,9 @@ struct CheckpointedSequentialOptions {
   TORCH_ARG(int64_t, budget) = 0;
   /// kOptimal: the solver's resolution.
   TORCH_ARG(SolverOptions, solver) = SolverOptions();
-  /// Options of each checkpoint (RNG state, offload).
+  /// Options of each checkpoint (RNG state, offload). A checkpoint that
+  /// starts at the chain's input (or a recomputation's) keeps it on the
+  /// device whatever the offload: the caller holds it there anyway.
   TORCH_ARG(CheckpointOptions, checkpoint) = CheckpointOptions();
 };
 
