@@ -269,6 +269,9 @@ expect over-budget-plan 1 'nothing fits 16.00 KiB .*tried micro-batches of 64 do
   train --model mlp --budget 16KiB --steps 2 --no-eval -q
 # The default MLP's 2.55 MiB of parameters train in 1 MiB: streamed from the host in tiles.
 expect streamed-plan 0 'peak memory .* of budget 1.00 MiB' out -- train --model mlp --budget 1MiB --steps 2 --no-eval
+# Unplanned, the same MLP's parameters stay on the device until step 1's re-plan streams them: the line says so.
+expect unplanned-stream-peak 0 'peak memory 2\.[0-9]+ MiB .* of budget 1\.00 MiB \(the model as built, until a re-plan moved it to the host; its steps peaked at [0-9.]+ (KiB|MiB)\)' out -- \
+  train --model mlp --budget 1MiB --steps 2 --no-eval --plan none
 expect streamed-plan-explains 0 'parameters in host memory, streamed to the device layer by layer' out -- \
   train --model mlp --budget 1MiB --steps 1 --no-eval
 # fp32 fits no plan under 9 MiB, and the error names --precision any, which tries bf16 (below).

@@ -692,8 +692,17 @@ void print_results(const TrainArgs& a, const memfit::TrainReport& report, const 
                  ? fmt::format(", loss scale {:g}, {} steps skipped", report.final_scale, report.skipped_steps)
                  : std::string());
   fmt::print("checkpoint schedule: {} (layers [begin,end), * recomputed)\n", schedule_text);
-  fmt::print("peak memory {} ({} bytes){}{}\n", memfit::format_bytes(peak), peak,
-             budget > 0 ? fmt::format(" of budget {}", memfit::format_bytes(budget)) : "",
+  // Above the budget only where the model as built held more than it (the
+  // budget refuses new allocations) until a re-plan moved it to the host.
+  int64_t step_peak = 0;
+  for (const auto& s : report.steps) step_peak = std::max(step_peak, s.peak_bytes);
+  const std::string over =
+      budget > 0 && peak > budget && trained
+          ? fmt::format(" (the model as built, until a re-plan moved it to the host; its steps peaked at {})",
+                        memfit::format_bytes(step_peak))
+          : std::string();
+  fmt::print("peak memory {} ({} bytes){}{}{}\n", memfit::format_bytes(peak), peak,
+             budget > 0 ? fmt::format(" of budget {}", memfit::format_bytes(budget)) : "", over,
              plan ? fmt::format("; the plan predicted {} for a step", memfit::format_bytes(plan->predicted.peak_bytes))
                   : std::string());
   if (trained) fmt::print("peak of the largest training step:\n{}", report.step_memory.table());
