@@ -140,6 +140,25 @@ std::vector<Finer> finer_schedules(const std::vector<FoundChain>& chains) {
   }
   return out;
 }
+
+// The re-plan that takes the chains' next steps, keeping the micro-batch
+// and where the state is; `before` and `after` frame its words.
+Replan recomputing(std::vector<Finer> finer, int64_t micro_batch, const std::string& before, const std::string& after) {
+  Replan r;
+  r.micro_batch_size = micro_batch;
+  std::vector<std::string> what;
+  for (const auto& f : finer) what.push_back(f.text());
+  r.description = before + "recomputing " + c10::Join(", ", what) + after;
+  r.apply = [finer = std::move(finer)]() mutable {
+    for (auto& f : finer) {
+      f.found.chain->set_schedule(f.schedule);
+      if (!f.to_host) continue;
+      auto options = f.found.chain->checkpoint_options();
+      f.found.chain->set_checkpoint_options(options.offload(Offload::kHost));
+    }
+  };
+  return r;
+}
 } // namespace
 
 OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch_statistics_may_change) {
@@ -214,20 +233,7 @@ OutOfMemoryPolicy more_micro_batches(const torch::nn::Module& module, bool batch
     if (limited && movable && unmoved + refused > e.limit_bytes) return fewest_moves(unmoved + refused);
     auto finer = finer_schedules(chains);
     if (finer.empty()) return fewest_moves(unmoved);
-    r.micro_batch_size = e.micro_batch_size;
-    std::vector<std::string> what;
-    for (const auto& f : finer) what.push_back(f.text());
-    r.apply = [finer]() mutable {
-      for (auto& f : finer) {
-        f.found.chain->set_schedule(f.schedule);
-        if (!f.to_host) continue;
-        auto options = f.found.chain->checkpoint_options();
-        f.found.chain->set_checkpoint_options(options.offload(Offload::kHost));
-      }
-    };
-    r.description =
-        (micro_text.empty() ? std::string() : micro_text + ", ") + "recomputing " + c10::Join(", ", what) + kept_text;
-    return r;
+    return recomputing(std::move(finer), e.micro_batch_size, micro_text.empty() ? "" : micro_text + ", ", kept_text);
   };
 }
 

@@ -269,9 +269,9 @@ std::optional<std::string> batch_statistics_layer(const torch::nn::Module& modul
 /// segments, then each layer alone, and then keep their checkpoints' inputs
 /// in host memory (CheckpointOptions::offload), copied back for each
 /// recomputation: the same values, so the same math. A module with batch
-/// statistics (BatchNorm) keeps its micro-batch unless `batch_statistics_may_change`,
-/// since micro-batches normalise with their own statistics: its chains
-/// recompute first. Then, where the Trainer can
+/// statistics (BatchNorm) keeps its micro-batch unless
+/// `batch_statistics_may_change`, since micro-batches normalise with their
+/// own statistics: its chains recompute first. Then, where the Trainer can
 /// (OutOfMemoryEvent::may_offload_optimizer), the optimizer state moves to
 /// the host, then the gradients, then (where
 /// OutOfMemoryEvent::may_offload_parameters) the parameters are streamed.
@@ -280,10 +280,11 @@ std::optional<std::string> batch_statistics_layer(const torch::nn::Module& modul
 /// after the first would make the largest gradient beside all the others'
 /// sums; the request that failed (at least needed_bytes - peak_bytes) would
 /// not fit beside those bytes under any schedule; or the step ran out of
-/// memory after its backward (StepPhase::kUpdate). Gradients sent to the host still come to the device one at a time, the
-/// largest beside the parameters. Streamed parameters come in tiles of a
-/// quarter of the limit where the largest weight and its gradient take more
-/// than half of it. Gives up when nothing is left.
+/// memory after its backward (StepPhase::kUpdate). Gradients sent to the
+/// host still come to the device one at a time, the largest beside the
+/// parameters. Streamed parameters come in tiles of a quarter of the limit
+/// where the largest weight and its gradient take more than half of it.
+/// Gives up when nothing is left.
 ///
 /// Example:
 /// \code
