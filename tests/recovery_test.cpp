@@ -1058,22 +1058,26 @@ TEST(Recovery, TheDefaultPolicyMovesWhereTheRefusedRequestCannotFitUnderAnySched
   EXPECT_EQ(r->description, "micro-batches of 1, recomputing 'chain' " + schedule_sqrt(15).to_string());
 }
 
+// A chain of `blocks` (BatchNorm, ReLU, Linear) blocks of width 64 between
+// Linear(20, 64) and Linear(64, 5), in a Sequential as the Trainer takes it.
+torch::nn::Sequential batch_norm_chain(int blocks, const CheckpointedSequentialOptions& options) {
+  torch::manual_seed(7);
+  torch::nn::Sequential layers;
+  layers->push_back(torch::nn::Linear(20, 64));
+  for (int i = 0; i < blocks; ++i) {
+    layers->push_back(torch::nn::BatchNorm1d(64));
+    layers->push_back(torch::nn::Functional(torch::relu));
+    layers->push_back(torch::nn::Linear(64, 64));
+  }
+  layers->push_back(torch::nn::Linear(64, 5));
+  return torch::nn::Sequential(CheckpointedSequential(layers, options));
+}
+
 // A module with batch statistics keeps its micro-batch: the default policy
 // recomputes its chain instead, which gives the same gradients (the BatchNorm
 // statistics of each step's batch).
 TEST(Recovery, AModuleWithBatchStatisticsRecomputesItsChainInsteadOfMicroBatching) {
-  auto make = [](ScheduleKind kind) {
-    torch::manual_seed(7);
-    torch::nn::Sequential layers;
-    layers->push_back(torch::nn::Linear(20, 64));
-    for (int i = 0; i < 8; ++i) {
-      layers->push_back(torch::nn::BatchNorm1d(64));
-      layers->push_back(torch::nn::Functional(torch::relu));
-      layers->push_back(torch::nn::Linear(64, 64));
-    }
-    layers->push_back(torch::nn::Linear(64, 5));
-    return torch::nn::Sequential(CheckpointedSequential(layers, CheckpointedSequentialOptions().kind(kind)));
-  };
+  auto make = [](ScheduleKind kind) { return batch_norm_chain(8, CheckpointedSequentialOptions().kind(kind)); };
   auto peak_of = [&](ScheduleKind kind) {
     Trainer t(make(kind), TrainerOptions());
     t.train_step(batch_of(128, 0));
@@ -1108,18 +1112,7 @@ TEST(Recovery, AModuleWithBatchStatisticsRecomputesItsChainInsteadOfMicroBatchin
 // batch statistics still the whole batch's. Once the limit lifts, the run
 // returns to its first schedule with its inputs on the device.
 TEST(Recovery, AChainWhoseLayersRecomputeAloneKeepsTheirInputsOnTheHostAndTrainsBitwiseTheSame) {
-  auto make = [](const CheckpointedSequentialOptions& options) {
-    torch::manual_seed(7);
-    torch::nn::Sequential layers;
-    layers->push_back(torch::nn::Linear(20, 64));
-    for (int i = 0; i < 6; ++i) {
-      layers->push_back(torch::nn::BatchNorm1d(64));
-      layers->push_back(torch::nn::Functional(torch::relu));
-      layers->push_back(torch::nn::Linear(64, 64));
-    }
-    layers->push_back(torch::nn::Linear(64, 5));
-    return torch::nn::Sequential(CheckpointedSequential(layers, options));
-  };
+  auto make = [](const CheckpointedSequentialOptions& options) { return batch_norm_chain(6, options); };
   auto peak_of = [&](const CheckpointedSequentialOptions& options) {  // the model's own bytes included
     const int64_t before = memory_allocated();
     Trainer t(make(options), TrainerOptions());
