@@ -65,10 +65,10 @@ torch::data::Example<> batch_of(int64_t n, int64_t seed) {
 // their gradients, the optimizer's state, the RNG, the scale and the step.
 // The run's state; `with_masters` false leaves out the host masters a
 // re-plan may have made (copies of the parameters), whose state still counts.
-std::vector<torch::Tensor> state_of(Trainer& t, Net& net, bool with_masters = true) {
-  auto params = net->parameters();
+std::vector<torch::Tensor> state_of(Trainer& t, const torch::nn::Module& module, bool with_masters = true) {
+  auto params = module.parameters();
   auto out = copies(params);
-  for (const auto& b : copies(net->buffers())) out.push_back(b);
+  for (const auto& b : copies(module.buffers())) out.push_back(b);
   for (const auto& g : testing::grads_of(params)) out.push_back(g);
   std::vector<torch::Tensor> state_params = params;
   if (auto* m = t.master_weights()) {
@@ -83,6 +83,9 @@ std::vector<torch::Tensor> state_of(Trainer& t, Net& net, bool with_masters = tr
   out.push_back(torch::tensor(t.grad_scaler().get_scale()));
   out.push_back(torch::tensor(t.step()));
   return out;
+}
+std::vector<torch::Tensor> state_of(Trainer& t, Net& net, bool with_masters = true) {
+  return state_of(t, *net, with_masters);
 }
 
 struct Combination {
@@ -1156,6 +1159,41 @@ TEST(Recovery, AChainWhoseLayersRecomputeAloneKeepsTheirInputsOnTheHostAndTrains
   expect_bitwise(params, plain_params, "parameters");
   EXPECT_EQ(offload, Offload::kNone) << "restore_after: back to the inputs on the device";
   EXPECT_EQ(schedule, plain_schedule);
+}
+
+// With its checkpoints' inputs on the host (as recovery's last way to
+// recompute sets them), failing any allocation of a step, the copies back
+// included, leaves the state as it was, and the retry equals the step.
+TEST(StepTransaction, FailingAnyAllocationWithCheckpointInputsOnTheHostLeavesTheStateAsItWas) {
+  const auto options = CheckpointedSequentialOptions().kind(ScheduleKind::kEvery).k(1).checkpoint(
+      CheckpointOptions().offload(Offload::kHost));
+  auto reference_model = batch_norm_chain(3, options), model = batch_norm_chain(3, options);
+  Trainer reference(reference_model, TrainerOptions()), trainer(model, TrainerOptions());
+  reference.train_step(batch_of(24, 0));
+  trainer.train_step(batch_of(24, 0));
+  const auto batch = batch_of(24, 1);
+  int64_t allocations = 0;
+  double loss = 0;
+  {
+    AllocationFault count(0);
+    loss = reference.train_step(batch).loss;
+    allocations = count.allocations();
+  }
+  ASSERT_GT(allocations, 10);
+  for (int64_t k = 1; k <= allocations; ++k) {
+    const auto before = state_of(trainer, *model);
+    const int64_t bytes = memory_allocated();
+    {
+      AllocationFault fail(k);
+      EXPECT_THROW(trainer.train_step(batch), c10::OutOfMemoryError) << "allocation " << k << " of " << allocations;
+    }
+    EXPECT_EQ(memory_allocated(), bytes) << "the failed step freed all it made (allocation " << k << ")";
+    expect_bitwise(state_of(trainer, *model), before, "state after failing allocation " + std::to_string(k));
+    if (::testing::Test::HasFailure()) return;
+  }
+  EXPECT_EQ(trainer.train_step(batch).loss, loss);
+  expect_bitwise(copies(model->parameters()), copies(reference_model->parameters()), "parameters after the retry");
+  expect_bitwise(copies(model->buffers()), copies(reference_model->buffers()), "buffers after the retry");
 }
 
 // An out-of-memory error after the optimizer step (on a GPU: the copy of
