@@ -88,6 +88,38 @@ std::vector<torch::Tensor> state_of(Trainer& t, Net& net, bool with_masters = tr
   return state_of(t, *net, with_masters);
 }
 
+// Counts the allocations of `reference`'s step on `batch`, then fails each
+// allocation of the same step on `trainer` in turn (after `prepare`): each
+// failure frees all it made and leaves the state bitwise as it was, and the
+// retry equals the reference's step, parameters and buffers included.
+void expect_each_failure_undone(Trainer& reference, const torch::nn::Module& reference_module, Trainer& trainer,
+                                const torch::nn::Module& module, const torch::data::Example<>& batch,
+                                const std::function<void()>& prepare = nullptr) {
+  int64_t allocations = 0;
+  double loss = 0;
+  {
+    AllocationFault count(0);
+    loss = reference.train_step(batch).loss;
+    allocations = count.allocations();
+  }
+  ASSERT_GT(allocations, 10);
+  if (prepare) prepare();
+  for (int64_t k = 1; k <= allocations; ++k) {
+    const auto before = state_of(trainer, module);
+    const int64_t bytes = memory_allocated();
+    {
+      AllocationFault fail(k);
+      EXPECT_THROW(trainer.train_step(batch), c10::OutOfMemoryError) << "allocation " << k << " of " << allocations;
+    }
+    EXPECT_EQ(memory_allocated(), bytes) << "the failed step freed all it made (allocation " << k << ")";
+    expect_bitwise(state_of(trainer, module), before, "state after failing allocation " + std::to_string(k));
+    if (::testing::Test::HasFailure()) return;
+  }
+  EXPECT_EQ(trainer.train_step(batch).loss, loss);
+  expect_bitwise(copies(module.parameters()), copies(reference_module.parameters()), "parameters after the retry");
+  expect_bitwise(copies(module.buffers()), copies(reference_module.buffers()), "buffers after the retry");
+}
+
 struct Combination {
   std::string name;
   TrainerOptions options;
@@ -131,33 +163,14 @@ TEST(StepTransaction, FailingAnyAllocationOfAStepLeavesTheStateAsItWasAndTheRetr
         torch::manual_seed(50 + i);
         trainer.train_step(batch_of(24, i));
       }
-      const auto batch = batch_of(24, warm);
+      const auto batch = batch_of(24, warm);  // seeds the generator itself: before the step's seed
       torch::manual_seed(99);
-      int64_t allocations = 0;
-      double loss = 0;
-      {
-        AllocationFault count(0);
-        loss = reference.train_step(batch).loss;
-        allocations = count.allocations();
-      }
-      ASSERT_GT(allocations, 10);
-      // Another model's backward left a gradient on the first parameter.
-      net->parameters()[0].mutable_grad() = torch::full_like(net->parameters()[0], 3.0);
-      torch::manual_seed(99);
-      for (int64_t k = 1; k <= allocations; ++k) {
-        const auto before = state_of(trainer, net);
-        const int64_t bytes = memory_allocated();
-        {
-          AllocationFault fail(k);
-          EXPECT_THROW(trainer.train_step(batch), c10::OutOfMemoryError) << "allocation " << k << " of " << allocations;
-        }
-        EXPECT_EQ(memory_allocated(), bytes) << "the failed step freed all it made (allocation " << k << ")";
-        expect_bitwise(state_of(trainer, net), before, "state after failing allocation " + std::to_string(k));
-        if (::testing::Test::HasFailure()) return;  // one broken combination is enough to read
-      }
-      EXPECT_EQ(trainer.train_step(batch).loss, loss);
-      expect_bitwise(copies(net->parameters()), copies(ref_net->parameters()), "parameters after the retry");
-      expect_bitwise(copies(net->buffers()), copies(ref_net->buffers()), "buffers after the retry");
+      expect_each_failure_undone(reference, *ref_net, trainer, *net, batch, [&] {
+        // Another model's backward left a gradient on the first parameter.
+        net->parameters()[0].mutable_grad() = torch::full_like(net->parameters()[0], 3.0);
+        torch::manual_seed(99);
+      });
+      if (::testing::Test::HasFailure()) return;  // one broken combination is enough to read
     }
   }
 }
@@ -1171,29 +1184,7 @@ TEST(StepTransaction, FailingAnyAllocationWithCheckpointInputsOnTheHostLeavesThe
   Trainer reference(reference_model, TrainerOptions()), trainer(model, TrainerOptions());
   reference.train_step(batch_of(24, 0));
   trainer.train_step(batch_of(24, 0));
-  const auto batch = batch_of(24, 1);
-  int64_t allocations = 0;
-  double loss = 0;
-  {
-    AllocationFault count(0);
-    loss = reference.train_step(batch).loss;
-    allocations = count.allocations();
-  }
-  ASSERT_GT(allocations, 10);
-  for (int64_t k = 1; k <= allocations; ++k) {
-    const auto before = state_of(trainer, *model);
-    const int64_t bytes = memory_allocated();
-    {
-      AllocationFault fail(k);
-      EXPECT_THROW(trainer.train_step(batch), c10::OutOfMemoryError) << "allocation " << k << " of " << allocations;
-    }
-    EXPECT_EQ(memory_allocated(), bytes) << "the failed step freed all it made (allocation " << k << ")";
-    expect_bitwise(state_of(trainer, *model), before, "state after failing allocation " + std::to_string(k));
-    if (::testing::Test::HasFailure()) return;
-  }
-  EXPECT_EQ(trainer.train_step(batch).loss, loss);
-  expect_bitwise(copies(model->parameters()), copies(reference_model->parameters()), "parameters after the retry");
-  expect_bitwise(copies(model->buffers()), copies(reference_model->buffers()), "buffers after the retry");
+  expect_each_failure_undone(reference, *reference_model, trainer, *model, batch_of(24, 1));
 }
 
 // An out-of-memory error after the optimizer step (on a GPU: the copy of
